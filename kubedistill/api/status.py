@@ -1,0 +1,99 @@
+"""The DistillationJob status, written by the operator (level-triggered from the children)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+from pydantic import Field
+
+from kubedistill.api.base import ApiModel
+
+
+class Phase(str, Enum):
+    pending = "Pending"
+    initializing = "Initializing"
+    running = "Running"
+    restarting = "Restarting"
+    succeeded = "Succeeded"
+    failed = "Failed"
+    suspended = "Suspended"
+
+
+class ConditionType(str, Enum):
+    created = "Created"
+    ready = "Ready"
+    running = "Running"
+    succeeded = "Succeeded"
+    failed = "Failed"
+    suspended = "Suspended"
+
+
+class ConditionStatus(str, Enum):
+    true = "True"
+    false = "False"
+    unknown = "Unknown"
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition."""
+
+    type: ConditionType
+    """Condition type."""
+    status: ConditionStatus
+    """True, False or Unknown."""
+    reason: Annotated[str, Field(max_length=1024)] = ""
+    """CamelCase machine-readable reason."""
+    message: Annotated[str, Field(max_length=32768)] = ""
+    """Human-readable detail."""
+    last_transition_time: Optional[str] = None
+    """RFC 3339 time the status last changed."""
+
+
+class RoleStatus(ApiModel):
+    """Pod counts of one role (trainer, rollout, teacher/<name>)."""
+
+    desired: Annotated[int, Field(ge=0)] = 0
+    """Pods the spec asks for."""
+    ready: Annotated[int, Field(ge=0)] = 0
+    """Pods running and ready."""
+    failed: Annotated[int, Field(ge=0)] = 0
+    """Pods currently failed."""
+
+
+class ReadySummary(ApiModel):
+    """ready/desired per role group, for kubectl's printer columns."""
+
+    trainer: str = "0/0"
+    """Trainer pods ready/desired."""
+    rollout: str = "0/0"
+    """Rollout pods ready/desired."""
+    teachers: str = "0/0"
+    """Teacher pods (all teachers) ready/desired."""
+
+
+class DistillationJobStatus(ApiModel):
+    """Observed state of the job."""
+
+    phase: Phase = Phase.pending
+    """Pending, Initializing, Running, Restarting, Succeeded, Failed or Suspended."""
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    """Created, Ready, Running, Succeeded, Failed, Suspended."""
+    roles: dict[str, RoleStatus] = Field(default_factory=dict, max_length=64)
+    """Pod counts per role: trainer, rollout, teacher/<name>."""
+    ready: ReadySummary = Field(default_factory=ReadySummary)
+    """ready/desired summaries shown by kubectl get."""
+    step: Annotated[int, Field(ge=0)] = 0
+    """Last completed train step (reported by the trainer)."""
+    weight_version: Annotated[int, Field(ge=0)] = 0
+    """Weight version the rollout servers serve."""
+    last_checkpoint: Optional[str] = None
+    """Path of the newest complete checkpoint."""
+    restarts: Annotated[int, Field(ge=0)] = 0
+    """Trainer gang restarts so far (bounded by spec.backoffLimit)."""
+    observed_generation: Annotated[int, Field(ge=0)] = 0
+    """metadata.generation the status reflects."""
+    start_time: Optional[str] = None
+    """RFC 3339 time the job's pods were first created."""
+    completion_time: Optional[str] = None
+    """RFC 3339 time the job succeeded or failed."""

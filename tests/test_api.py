@@ -1,0 +1,200 @@
+"""The DistillationJob API: models, CRD, CEL rules, the validate command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from k8s_offline import apply_defaults, cel_violations, schema_errors
+from kubedistill.api import DistillationJob
+from kubedistill.api.crd import crd, crd_yaml
+from kubedistill.api.rules import NAME_RULES
+from kubedistill.api.validate import validate_file
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+BROKEN = sorted((ROOT / "tests/manifests/broken").glob("*.yaml"))
+SCHEMA = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _expected(path: Path) -> list[str]:
+    return [line[len("# expect: ") :] for line in path.read_text().splitlines() if line.startswith("# expect: ")]
+
+
+def _load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_committed_crd_is_generated() -> None:
+    committed = (ROOT / "crds/kubedistill.io_distillationjobs.yaml").read_text()
+    assert committed == crd_yaml(), "run `kubedistill crd > crds/kubedistill.io_distillationjobs.yaml`"
+
+
+def _walk(schema: dict, path: str = ""):
+    yield path, schema
+    for key, prop in schema.get("properties", {}).items():
+        yield from _walk(prop, f"{path}.{key}")
+    if "items" in schema:
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_crd_schema_is_structural() -> None:
+    free_form = set()
+    for path, node in _walk(SCHEMA):
+        assert "type" in node, f"{path} has no type"
+        assert not ("properties" in node and "additionalProperties" in node), path
+        assert "$ref" not in node and "anyOf" not in node, path
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            free_form.add(path)
+        if "default" in node:
+            # Defaults must validate against their own node.
+            assert not schema_errors(node["default"], {k: v for k, v in node.items() if k != "default"}), path
+    # Only Kubernetes objects we pass through untouched are free-form.
+    assert free_form == {
+        ".spec.volumes[]",
+        ".spec.volumeMounts[]",
+        ".spec.tolerations[]",
+        ".spec.affinity",
+        ".spec.env[].valueFrom",
+        ".spec.teachers[].overrides.env[].valueFrom",
+        ".spec.rollout.overrides.env[].valueFrom",
+        ".spec.trainer.overrides.env[].valueFrom",
+    }
+
+
+def test_crd_identity_and_columns() -> None:
+    c = crd()
+    assert c["metadata"]["name"] == "distillationjobs.kubedistill.io"
+    assert c["spec"]["names"]["shortNames"] == ["dj", "distjob"]
+    version = c["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert [col["name"] for col in version["additionalPrinterColumns"]] == [
+        "Mode", "Phase", "Step", "Trainer", "Rollout", "Teachers", "Age"
+    ]
+
+
+def test_docstrings_reach_the_crd() -> None:
+    async_ = SCHEMA["properties"]["spec"]["properties"]["async"]
+    assert "fullyAsync" in async_["description"]
+    assert "triggerParameterSyncStep" in async_["properties"]["stalenessThreshold"]["description"]
+
+
+def test_model_defaults_equal_crd_defaults() -> None:
+    # What the API server stores after defaulting must parse to the same spec as the raw manifest.
+    for path in EXAMPLES:
+        doc = _load(path)
+        defaulted = apply_defaults(doc, SCHEMA)
+        assert DistillationJob.model_validate(defaulted).spec == DistillationJob.model_validate(doc).spec
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid_everywhere(path: Path) -> None:
+    assert validate_file(path) == []
+    doc = apply_defaults(_load(path), SCHEMA)
+    assert schema_errors(doc, SCHEMA) == []
+    assert list(cel_violations(doc, SCHEMA)) == []
+
+
+@pytest.mark.parametrize("path", BROKEN, ids=lambda p: p.name)
+def test_broken_manifest_gets_its_message(path: Path) -> None:
+    expected = _expected(path)
+    assert expected, f"{path.name} declares no '# expect:' line"
+    assert [f"{p.field}: {p.message}" if p.field else p.message for p in validate_file(path)] == expected
+
+
+def _name_rule_line(message: str) -> str:
+    for r in NAME_RULES:
+        if message == f"metadata.name {r.message}":
+            return f"metadata.name: {r.message}"
+    return message
+
+
+PARSEABLE = [p for p in BROKEN + EXAMPLES if p.name != "bad-yaml.yaml"]
+
+
+@pytest.mark.parametrize("path", PARSEABLE, ids=lambda p: p.name)
+def test_cel_and_python_rules_agree(path: Path) -> None:
+    """Where a manifest passes the structural schema, the CRD's CEL rules (what the API server
+    enforces) report exactly the Python model's cross-field problems, with the same messages."""
+    doc = _load(path)
+    if not isinstance(doc, dict) or doc.get("apiVersion") != "kubedistill.io/v1alpha1" or doc.get("kind") != "DistillationJob":
+        return
+    doc = apply_defaults(doc, SCHEMA)
+    if schema_errors(doc, SCHEMA):
+        # The API server refuses these on the schema alone; the Python side must refuse too.
+        assert validate_file(path)
+        return
+    cel = sorted(f"{p}: {m}" if p else _name_rule_line(m) for p, m in cel_violations(doc, SCHEMA))
+    python = sorted(f"{p.field}: {p.message}" for p in validate_file(path))
+    assert cel == python
+
+
+def test_schema_catches_structural_errors() -> None:
+    doc = apply_defaults(_load(ROOT / "tests/manifests/broken/unknown-field.yaml"), SCHEMA)
+    assert any("minibatchSize" in e for e in schema_errors(doc, SCHEMA))
+    doc = apply_defaults(_load(ROOT / "tests/manifests/broken/out-of-range.yaml"), SCHEMA)
+    assert any("temperature" in e for e in schema_errors(doc, SCHEMA))
+
+
+def test_immutable_fields_refuse_changes() -> None:
+    old = apply_defaults(_load(ROOT / "examples/quickstart-cpu.yaml"), SCHEMA)
+    new = apply_defaults(_load(ROOT / "examples/quickstart-cpu.yaml"), SCHEMA)
+    new["spec"]["mode"] = "sync"
+    new["spec"]["trainer"]["totalSteps"] = 99
+    new["spec"]["suspend"] = True  # mutable
+    new["spec"].pop("async")
+    found = sorted(p for p, _ in cel_violations(new, SCHEMA, old=old))
+    assert found == ["spec.mode", "spec.trainer"]
+    assert list(cel_violations(old, SCHEMA, old=old)) == []
+
+
+def test_routing() -> None:
+    job = DistillationJob.model_validate(_load(ROOT / "examples/multi-teacher-6gpu.yaml"))
+    assert job.spec.teacher_for("gsm8k").name == "math"
+    assert job.spec.teacher_for("geo3k").name == "vision"
+    with pytest.raises(LookupError, match="data_source='mbpp'"):
+        job.spec.teacher_for("mbpp")
+    single = DistillationJob.model_validate(_load(ROOT / "examples/one-gpu.yaml"))
+    assert single.spec.teacher_for("anything").name == "teacher"
+
+
+def test_gpu_defaults_follow_device() -> None:
+    cpu = DistillationJob.model_validate(_load(ROOT / "examples/quickstart-cpu.yaml")).spec
+    gpu = DistillationJob.model_validate(_load(ROOT / "examples/multi-teacher-6gpu.yaml")).spec
+    assert cpu.gpus_of(cpu.rollout.gpus) == 0 and gpu.gpus_of(gpu.rollout.gpus) == 1
+
+
+def test_validate_cli_exit_codes_and_lines(tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "kubedistill.cli", "validate"]
+    ok = subprocess.run([*cli, *map(str, EXAMPLES)], capture_output=True, text=True, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = subprocess.run([*cli, *map(str, BROKEN)], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 1
+    assert "Traceback" not in bad.stdout + bad.stderr
+    lines = bad.stdout.splitlines()
+    assert len(lines) == sum(len(_expected(p)) for p in BROKEN)
+    missing = tmp_path / "nope.yaml"
+    r = subprocess.run([*cli, str(missing)], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stdout.startswith(f"{missing}: cannot read file")
+
+
+def test_multi_document_file_names_the_document(tmp_path: Path) -> None:
+    good = (ROOT / "examples/one-gpu.yaml").read_text()
+    bad = (ROOT / "tests/manifests/broken/bad-enum.yaml").read_text()
+    f = tmp_path / "two.yaml"
+    f.write_text(good + "\n---\n" + bad)
+    assert [str(p) for p in validate_file(f)] == [
+        f"{f} (document 2): spec.mode: Input should be 'sync', 'oneStepOff' or 'fullyAsync' (got 'turbo')"
+    ]
+
+
+def test_api_reference_is_current() -> None:
+    from kubedistill.api.reference import api_reference
+
+    assert (ROOT / "docs/api.md").read_text() == api_reference(), "run `kubedistill api-docs > docs/api.md`"
