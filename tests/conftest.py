@@ -15,3 +15,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A char-level tokenizer and two random Qwen2 models sharing it: 'student' (2 layers) and
+    'teacher' (4 layers), built once per test run."""
+    from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
+
+    base = tmp_path_factory.mktemp("tiny-models")
+    tok = char_tokenizer("0123456789+=")
+    return {
+        "student": build_tiny_model(base / "student", tok, seed=0, num_layers=2),
+        "teacher": build_tiny_model(base / "teacher", tok, seed=1, num_layers=4, intermediate_size=512),
+    }

@@ -1,0 +1,106 @@
+"""The runtime config every role process reads: the job spec plus where the other roles are.
+
+The operator renders it into the job's ConfigMap (`/etc/kubedistill/config.json` in every pod);
+`kubedistill run` writes the same file for local processes. A process's own identity (role,
+replica index, teacher name) comes from its command line / environment, because one ConfigMap
+serves every pod of the job.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+from pydantic import Field
+
+from kubedistill.api.base import ApiModel
+from kubedistill.api.spec import DistillationJobSpec
+
+CONFIG_PATH = "/etc/kubedistill/config.json"
+
+
+class Ports:
+    """Container ports, the same in every pod (each pod has its own IP)."""
+
+    HTTP = 8000
+    """Rollout/teacher API, trainer status; every role also serves /metrics and /health here."""
+    DIST = 29500
+    """torch.distributed rendezvous of the trainer gang (MASTER_PORT)."""
+    WEIGHT_SYNC = 29600
+    """TCP store of the trainer -> rollout weight-sync process group (on trainer rank 0)."""
+
+
+class Role(str, Enum):
+    trainer = "trainer"
+    rollout = "rollout"
+    teacher = "teacher"
+
+
+class Endpoints(ApiModel):
+    """Addresses of the job's roles as seen from inside the job."""
+
+    trainer: str
+    """Base URL of trainer rank 0's HTTP server (status, /metrics)."""
+    master_addr: str
+    """Host of trainer rank 0 for torch.distributed (MASTER_ADDR)."""
+    master_port: Annotated[int, Field(ge=1, le=65535)] = Ports.DIST
+    """torch.distributed port (MASTER_PORT)."""
+    weight_sync_port: Annotated[int, Field(ge=1, le=65535)] = Ports.WEIGHT_SYNC
+    """Port of the weight-sync TCP store on master_addr."""
+    rollout: list[str]
+    """Base URL of every rollout server, by replica index."""
+    teachers: dict[str, list[str]]
+    """Base URLs of every teacher's servers, by teacher name then replica index."""
+
+
+class JobConfig(ApiModel):
+    """Everything the job's processes share (the ConfigMap's config.json)."""
+
+    job: str
+    """DistillationJob name."""
+    namespace: str = "default"
+    """Namespace of the job ("local" runs use "default")."""
+    spec: DistillationJobSpec
+    """The validated job spec."""
+    endpoints: Endpoints
+    """Where the roles are."""
+
+    def dump(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(by_alias=True, exclude_none=True, indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> JobConfig:
+        return cls.model_validate_json(Path(path).read_text())
+
+
+class Identity(ApiModel):
+    """Which process this is: from the command line, else the environment the pod sets."""
+
+    role: Role
+    replica: Annotated[int, Field(ge=0)] = 0
+    """Index within the role (trainer rank for the trainer)."""
+    teacher: Optional[str] = None
+    """Teacher name (teacher role only)."""
+
+    @classmethod
+    def from_env(cls, role: Role, replica: Optional[int] = None, teacher: Optional[str] = None) -> Identity:
+        if replica is None:
+            replica = int(os.environ.get("KUBEDISTILL_REPLICA", os.environ.get("RANK", "0")))
+        return cls(role=role, replica=replica, teacher=teacher or os.environ.get("KUBEDISTILL_TEACHER"))
+
+
+def weight_sync_world_size(spec: DistillationJobSpec) -> int:
+    """Members of the weight-sync group: trainer rank 0 plus every rollout worker (TP ranks)."""
+    return 1 + spec.rollout.replicas * spec.rollout.inference.tensor_parallel_size
+
+
+def weight_sync_rank(spec: DistillationJobSpec, rollout_replica: int, tp_rank: int = 0) -> int:
+    """Rank of a rollout worker in the weight-sync group (trainer rank 0 is rank 0)."""
+    return 1 + rollout_replica * spec.rollout.inference.tensor_parallel_size + tp_rank
+
+
+def trainer_world_size(spec: DistillationJobSpec) -> int:
+    """torch.distributed ranks of the trainer gang."""
+    return spec.trainer.replicas * max(spec.gpus_of(spec.trainer.gpus_per_replica), 1)

@@ -1,0 +1,1 @@
+"""Model and tokenizer handling for the runtime."""
