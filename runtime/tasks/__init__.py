@@ -1,0 +1,1 @@
+"""Synthetic tasks for the CPU quickstart and the learning benchmark."""
