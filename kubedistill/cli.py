@@ -67,7 +67,9 @@ def _plugins() -> list[Callable[[argparse._SubParsersAction], None]]:
 
 # (module, function) pairs; each function adds subcommands to the parser. The modules must be
 # cheap to import and need no optional extra (heavy imports go inside the command functions).
-COMMAND_MODULES: list[tuple[str, str]] = []
+COMMAND_MODULES: list[tuple[str, str]] = [
+    ("kubedistill.runtime.local", "add_commands"),
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

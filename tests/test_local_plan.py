@@ -1,0 +1,56 @@
+"""`kubedistill run`: the local process plan (the processes themselves are tested end to end
+in the driver tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from kubedistill.api import DistillationJob
+from kubedistill.runtime.local import absolute_paths, plan, run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _job(name: str) -> DistillationJob:
+    return DistillationJob.model_validate(yaml.safe_load((ROOT / "examples" / name).read_text()))
+
+
+def test_plan_multi_teacher(tmp_path: Path) -> None:
+    config, procs = plan(_job("multi-teacher-6gpu.yaml"), tmp_path / "config.json")
+    names = sorted(p.name for p in procs)
+    assert names == ["rollout-0", "rollout-1", "teacher-math-0", "teacher-vision-0", "trainer-0", "trainer-1"]
+    ports = [p.port for p in procs]
+    assert len(set(ports)) == len(ports)
+    ep = config.endpoints
+    assert ep.rollout == [f"http://127.0.0.1:{p.port}" for p in procs if p.name.startswith("rollout")]
+    assert ep.teachers["math"] == [f"http://127.0.0.1:{p.port}" for p in procs if p.name == "teacher-math-0"]
+    trainer1 = next(p for p in procs if p.name == "trainer-1")
+    assert trainer1.env["RANK"] == "1" and trainer1.env["WORLD_SIZE"] == "2"
+    assert trainer1.env["MASTER_PORT"] == str(ep.master_port)
+    assert trainer1.argv[-6:] == ["--replica", "1", "--host", "127.0.0.1", "--port", str(trainer1.port)]
+    assert next(p for p in procs if p.name == "teacher-vision-0").env["KUBEDISTILL_TEACHER"] == "vision"
+    assert all(p.gpus == 1 for p in procs)
+
+
+def test_plan_cpu_threads_and_kv_cache(tmp_path: Path) -> None:
+    _, procs = plan(_job("quickstart-cpu.yaml"), tmp_path / "config.json")
+    by_name = {p.name: p for p in procs}
+    assert by_name["rollout-0"].env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert by_name["trainer-0"].env["OMP_NUM_THREADS"] == "1"
+    assert all(p.gpus == 0 for p in procs)
+
+
+def test_paths_become_absolute(tmp_path: Path) -> None:
+    spec = absolute_paths(_job("quickstart-cpu.yaml").spec, tmp_path)
+    assert spec.student.model == str(tmp_path / ".kubedistill/quickstart/student")
+    assert spec.data.train == [str(tmp_path / ".kubedistill/quickstart/data/train.jsonl")]
+    assert spec.checkpoint.path == str(tmp_path / ".kubedistill/quickstart/ckpt")
+
+
+def test_run_refuses_an_invalid_job_with_its_problem_lines(tmp_path: Path) -> None:
+    lines: list[str] = []
+    bad = ROOT / "tests/manifests/broken/mini-batch-not-multiple-of-n.yaml"
+    assert run(bad, workdir=tmp_path, log=lines.append) == 1
+    assert lines == [f"{bad}: spec.trainer.miniBatchSize: must be a multiple of spec.rollout.sampling.n (whole prompt groups per step)"]
