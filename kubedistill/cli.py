@@ -69,6 +69,8 @@ def _plugins() -> list[Callable[[argparse._SubParsersAction], None]]:
 # cheap to import and need no optional extra (heavy imports go inside the command functions).
 COMMAND_MODULES: list[tuple[str, str]] = [
     ("kubedistill.runtime.local", "add_commands"),
+    ("kubedistill.runtime.roles", "add_commands"),
+    ("kubedistill.operator.main", "add_commands"),
 ]
 
 

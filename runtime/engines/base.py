@@ -1,0 +1,176 @@
+"""The engine interface the rollout and teacher servers use, and the request bookkeeping both
+engines share (in-flight requests, per-token weight versions, request checks)."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Optional, Sequence
+
+from kubedistill.runtime.protocol import GenerateRequest, GenerateResponse, Manifest, ScoreRequest, ScoreResponse
+from kubedistill.runtime.weight_sync.group import GroupAddress
+
+PauseMode = Literal["wait", "keep", "abort"]
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent (-> HTTP 400)."""
+
+    status = 400
+
+
+class NotFound(BadRequest):
+    status = 404
+
+
+class Conflict(BadRequest):
+    status = 409
+
+
+@dataclass
+class InFlight:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    aborted: bool = False
+    done: asyncio.Future = field(default=None)  # type: ignore[assignment]
+
+    def response(self, finish_reason: str) -> GenerateResponse:
+        return GenerateResponse(
+            request_id=self.request_id, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
+            versions=list(self.versions), finish_reason="abort" if self.aborted else finish_reason,
+        )
+
+
+def check_generate(req: GenerateRequest, max_model_len: int, vocab_size: int) -> int:
+    """Validate a /generate request; returns the number of new tokens to generate at most.
+    sampling.max_tokens is the budget of the whole response, prefix included, so a resumed
+    sample ends where an uninterrupted one would."""
+    if not req.prompt_token_ids:
+        raise BadRequest("prompt_token_ids is empty; send at least one token")
+    context = len(req.prompt_token_ids) + len(req.prefix_token_ids)
+    if context >= max_model_len:
+        raise BadRequest(
+            f"prompt_token_ids + prefix_token_ids is {context} tokens; the model's limit "
+            f"(max_model_len) is {max_model_len}, leaving no room to generate"
+        )
+    _check_vocab(req.prompt_token_ids, vocab_size, "prompt_token_ids")
+    _check_vocab(req.prefix_token_ids, vocab_size, "prefix_token_ids")
+    remaining = req.sampling.max_tokens - len(req.prefix_token_ids)
+    if remaining <= 0:
+        raise BadRequest(
+            f"prefix_token_ids already holds {len(req.prefix_token_ids)} tokens, "
+            f"sampling.max_tokens is {req.sampling.max_tokens}: nothing left to generate"
+        )
+    return min(remaining, max_model_len - context)
+
+
+def check_score(req: ScoreRequest, max_model_len: int, vocab_size: int) -> None:
+    if not req.token_ids:
+        raise BadRequest("token_ids is empty; send the prompt followed by the response")
+    if req.prompt_len >= len(req.token_ids):
+        raise BadRequest(
+            f"prompt_len ({req.prompt_len}) must be smaller than len(token_ids) ({len(req.token_ids)}): "
+            "there is no response token to score"
+        )
+    if len(req.token_ids) > max_model_len:
+        raise BadRequest(f"token_ids has {len(req.token_ids)} tokens; the model's limit (max_model_len) is {max_model_len}")
+    if req.top_k > vocab_size:
+        raise BadRequest(f"top_k ({req.top_k}) exceeds the vocabulary size ({vocab_size})")
+    _check_vocab(req.token_ids, vocab_size, "token_ids")
+
+
+def _check_vocab(ids: Sequence[int], vocab_size: int, field_name: str) -> None:
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        raise BadRequest(f"{field_name} holds token id {bad[0]}; the vocabulary has {vocab_size} ids (0..{vocab_size - 1})")
+
+
+class Engine(ABC):
+    """One model served for generation (rollout) or scoring (teacher)."""
+
+    name: str = "engine"
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.inflight: dict[str, InFlight] = {}
+        self.weight_group_state: str = "none"
+
+    # --- life cycle -------------------------------------------------------------------------
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    # --- generation -------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        max_new = check_generate(req, self.max_model_len, self.vocab_size)
+        if req.request_id in self.inflight:
+            raise Conflict(f"request_id {req.request_id!r} is already in flight; request ids must be unique")
+        state = InFlight(req.request_id, done=asyncio.get_running_loop().create_future())
+        self.inflight[req.request_id] = state
+        try:
+            finish = await self._generate(req, max_new, state)
+            out = state.response(finish)
+            return out
+        finally:
+            self.inflight.pop(req.request_id, None)
+            if not state.done.done():
+                state.done.set_result(None)
+
+    @abstractmethod
+    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
+        """Generate into `state` (appending tokens, log-probs and self.version per token);
+        return the finish reason. Must end promptly once `state.aborted` is set."""
+
+    async def abort(self, request_ids: Optional[Sequence[str]]) -> dict[str, GenerateResponse]:
+        """Abort requests in flight (all when None); returns each one's partial output."""
+        if request_ids is None:
+            request_ids = list(self.inflight)
+        unknown = [r for r in request_ids if r not in self.inflight]
+        if unknown:
+            raise NotFound(f"no request in flight with id {unknown[0]!r} (finished, never sent, or already aborted)")
+        states = [self.inflight[r] for r in request_ids]
+        for s in states:
+            s.aborted = True
+        await self._abort([s.request_id for s in states])
+        await asyncio.gather(*(asyncio.shield(s.done) for s in states))
+        return {s.request_id: s.response("abort") for s in states}
+
+    @abstractmethod
+    async def _abort(self, request_ids: list[str]) -> None: ...
+
+    # --- scoring ----------------------------------------------------------------------------
+    async def score(self, req: ScoreRequest) -> ScoreResponse:
+        check_score(req, self.max_model_len, self.vocab_size)
+        return await self._score(req)
+
+    @abstractmethod
+    async def _score(self, req: ScoreRequest) -> ScoreResponse: ...
+
+    # --- weights ----------------------------------------------------------------------------
+    @abstractmethod
+    def expected_tensors(self) -> Mapping[str, Sequence[int]]:
+        """HF names and shapes a weight sync must carry (a tied lm_head excluded)."""
+
+    @abstractmethod
+    async def join_weight_group(self, addr: GroupAddress) -> None:
+        """Join the weight-sync group; returns once joined (run it as a background task)."""
+
+    @abstractmethod
+    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
+        """Pause generation (`pause` says what happens to requests in flight), receive the
+        broadcast, load it (or discard it when load is False, to keep the group in step), report
+        this worker's failure count in the closing all-reduce, set the version, resume.
+        Returns timing/byte stats."""

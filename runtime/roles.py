@@ -1,0 +1,83 @@
+"""`kubedistill role trainer|rollout|teacher`: run one role of a job from its config file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+ROLES = ("trainer", "rollout", "teacher")
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("role", help="run one role of a job (trainer, rollout or teacher server)")
+    p.add_argument("role", choices=ROLES, help="which role this process plays")
+    p.add_argument("--config", default=None, help="job config (default /etc/kubedistill/config.json)")
+    p.add_argument("--replica", type=int, default=None, help="replica index (default: KUBEDISTILL_REPLICA)")
+    p.add_argument("--teacher", default=None, help="teacher name (teacher role; default: KUBEDISTILL_TEACHER)")
+    p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: Ports.HTTP)")
+    p.set_defaults(func=run_role)
+
+
+def run_role(args: argparse.Namespace) -> int:
+    if args.role == "trainer":
+        try:
+            from kubedistill.runtime.trainer_main import run
+        except ImportError as e:
+            print(f"kubedistill role trainer: the trainer is not available in this build ({e})", file=sys.stderr)
+            return 2
+        return int(run(args) or 0)
+    try:
+        return _run_server(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kubedistill role {args.role}: {e}", file=sys.stderr)
+        return 2
+
+
+def _load(args: argparse.Namespace):
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from kubedistill.api.roleconfig import CONFIG_PATH, Identity, JobConfig, Ports, Role
+
+    path = Path(args.config or CONFIG_PATH)
+    if not path.exists():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    try:
+        config = JobConfig.load(path)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ValueError(f"--config {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    identity = Identity.from_env(Role(args.role), replica=args.replica, teacher=args.teacher)
+    return config, identity, args.port or Ports.HTTP
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    config, identity, port = _load(args)
+    spec = config.spec
+    from kubedistill.runtime.engines.factory import make_engine
+    from kubedistill.runtime.servers.http import serve
+
+    threads = None
+    if args.role == "rollout":
+        from kubedistill.runtime.servers.rollout import build_rollout_app
+
+        if identity.replica >= spec.rollout.replicas:
+            raise ValueError(f"--replica {identity.replica}: the job has {spec.rollout.replicas} rollout replicas")
+        threads = spec.rollout.overrides.cpu_threads
+        engine = make_engine(spec, spec.student, spec.rollout.inference)
+        app = build_rollout_app(config, identity, engine)
+    else:
+        from kubedistill.runtime.servers.teacher import build_teacher_app, find_teacher
+
+        teacher = find_teacher(config, identity.teacher)
+        threads = teacher.overrides.cpu_threads
+        engine = make_engine(spec, teacher, teacher.inference, max_logprobs=spec.algorithm.distillation.top_k)
+        app = build_teacher_app(config, identity, teacher, engine)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    serve(app, args.host, port)
+    return 0

@@ -1,0 +1,1 @@
+"""HTTP servers of the rollout and teacher roles (wire protocol: docs/servers.md)."""

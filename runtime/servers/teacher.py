@@ -1,0 +1,50 @@
+"""The teacher server (`kubedistill role teacher`): /score plus /health and /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from fastapi import FastAPI
+
+from kubedistill.api.roleconfig import Identity, JobConfig
+from kubedistill.api.spec import TeacherSpec
+from kubedistill.runtime.engines.base import Engine
+from kubedistill.runtime.metrics import RoleMetrics
+from kubedistill.runtime.protocol import ScoreRequest, ScoreResponse
+from kubedistill.runtime.servers.http import make_app
+
+
+def find_teacher(config: JobConfig, name: Optional[str]) -> TeacherSpec:
+    teachers = config.spec.teachers
+    if name is None:
+        if len(teachers) == 1:
+            return teachers[0]
+        raise ValueError(
+            f"--teacher (or KUBEDISTILL_TEACHER) is required: the job has teachers {', '.join(t.name for t in teachers)}"
+        )
+    for t in teachers:
+        if t.name == name:
+            return t
+    raise ValueError(f"--teacher {name!r}: the job's teachers are {', '.join(t.name for t in teachers)}")
+
+
+def build_teacher_app(config: JobConfig, identity: Identity, teacher: TeacherSpec, engine: Engine,
+                      metrics: Optional[RoleMetrics] = None) -> FastAPI:
+    metrics = metrics or RoleMetrics(config.job, "teacher", identity.replica)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        yield
+        await engine.shutdown()
+
+    app = make_app("teacher", engine, metrics, lifespan=lifespan)
+
+    @app.post("/score", response_model=ScoreResponse)
+    async def score(req: ScoreRequest) -> ScoreResponse:
+        out = await engine.score(req)
+        metrics["teacher_tokens"].labels(teacher=teacher.name).inc(len(out.logprobs))
+        return out
+
+    return app

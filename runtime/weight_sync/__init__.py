@@ -1,0 +1,1 @@
+"""Trainer -> rollout weight broadcast: manifest planning, the process group, bucketed transfer."""

@@ -1,0 +1,106 @@
+"""The ordered manifest and its flat-bucket layout. Pure: both sides compute/check the same plan."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from kubedistill.runtime.protocol import Bucket, BucketEntry, Manifest, TensorMeta
+
+_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return _SIZES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r} cannot be synced; allowed: {', '.join(_SIZES)}") from None
+
+
+def dtype_name(dtype) -> str:
+    """'torch.float32' -> 'float32'."""
+    return str(dtype).removeprefix("torch.")
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan(tensors: Sequence[TensorMeta], bucket_bytes: int) -> Manifest:
+    """Pack tensors in order into flat buckets of at most `bucket_bytes` (a larger tensor gets a
+    bucket of its own). A bucket holds one dtype; a dtype change closes the open bucket of that
+    dtype only when it fills, so interleaved dtypes (e.g. fp32 norms between bf16 weights) still
+    share buckets. Buckets are ordered by when they close, which is also when they can be sent."""
+    buckets: list[Bucket] = []
+    open_: dict[str, tuple[list[BucketEntry], int]] = {}
+    for i, t in enumerate(tensors):
+        size = dtype_size(t.dtype)
+        n = numel(t.shape)
+        if n == 0:
+            raise ValueError(f"tensor {t.name!r} is empty; nothing to sync")
+        entries, used = open_.get(t.dtype, ([], 0))
+        if entries and (used + n) * size > bucket_bytes:
+            buckets.append(Bucket(dtype=t.dtype, numel=used, entries=entries))
+            entries, used = [], 0
+        entries.append(BucketEntry(index=i, offset=used))
+        open_[t.dtype] = (entries, used + n)
+    for dtype, (entries, used) in open_.items():
+        if entries:
+            buckets.append(Bucket(dtype=dtype, numel=used, entries=entries))
+    return Manifest(bucket_bytes=bucket_bytes, tensors=list(tensors), buckets=buckets)
+
+
+def check_layout(manifest: Manifest) -> None:
+    """Every tensor in exactly one bucket of its dtype, entries contiguous and in range."""
+    seen: set[int] = set()
+    for b, bucket in enumerate(manifest.buckets):
+        dtype_size(bucket.dtype)
+        end = 0
+        for e in bucket.entries:
+            if e.index >= len(manifest.tensors) or e.index in seen:
+                raise ValueError(f"manifest bucket {b}: tensor index {e.index} is out of range or repeated")
+            t = manifest.tensors[e.index]
+            if t.dtype != bucket.dtype:
+                raise ValueError(f"manifest bucket {b}: {t.name} is {t.dtype}, bucket is {bucket.dtype}")
+            if e.offset != end:
+                raise ValueError(f"manifest bucket {b}: {t.name} at offset {e.offset}, expected {end}")
+            end += numel(t.shape)
+            seen.add(e.index)
+        if end != bucket.numel:
+            raise ValueError(f"manifest bucket {b}: entries cover {end} elements, numel says {bucket.numel}")
+    if len(seen) != len(manifest.tensors):
+        raise ValueError("manifest: some tensors are in no bucket")
+
+
+def check_against(manifest: Manifest, expected: Mapping[str, Sequence[int]]) -> None:
+    """The manifest must name exactly the engine's tensors, with the same shapes."""
+    check_layout(manifest)
+    names = [t.name for t in manifest.tensors]
+    if len(set(names)) != len(names):
+        raise ValueError("manifest mismatch: a tensor name appears twice")
+    unknown = [n for n in names if n not in expected]
+    missing = [n for n in expected if n not in set(names)]
+    if unknown or missing:
+        raise ValueError(
+            "manifest mismatch: "
+            + "; ".join(
+                part for part in (
+                    f"unknown tensors {_few(unknown)}" if unknown else "",
+                    f"missing tensors {_few(missing)}" if missing else "",
+                ) if part
+            )
+        )
+    for t in manifest.tensors:
+        if list(t.shape) != list(expected[t.name]):
+            raise ValueError(f"manifest mismatch: {t.name} has shape {list(t.shape)}, the engine's is {list(expected[t.name])}")
+
+
+def _few(names: Iterable[str], k: int = 3) -> str:
+    names = list(names)
+    more = f" and {len(names) - k} more" if len(names) > k else ""
+    return ", ".join(names[:k]) + more

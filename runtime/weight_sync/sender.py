@@ -1,0 +1,94 @@
+"""Trainer side of a weight sync: `WeightSender(spec, endpoints).sync(version, named_tensors)`.
+
+Rank 0 hosts the group's TCP store; construction blocks until every rollout worker has joined
+(they join at start-up). A sync POSTs /weights/begin (version + manifest) to every rollout
+server, broadcasts the buckets, then all-reduces a failure count so it returns only once every
+engine has loaded the weights (or raises naming how many failed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from kubedistill.api.roleconfig import Endpoints, weight_sync_world_size
+from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.runtime.protocol import Manifest, TensorMeta, WeightsBeginRequest
+from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, resolve_backend
+from kubedistill.runtime.weight_sync.manifest import dtype_name, plan
+from kubedistill.runtime.weight_sync.transfer import TransferStats, send
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def build_manifest(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Manifest:
+    metas = [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
+    return plan(metas, bucket_bytes)
+
+
+class WeightSender:
+    def __init__(self, spec: DistillationJobSpec, endpoints: Endpoints, metrics=None,
+                 bind_host: Optional[str] = None):
+        self.spec = spec
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.timeout = float(spec.weight_sync.timeout_seconds)
+        addr = GroupAddress(
+            host=bind_host or endpoints.master_addr,
+            port=endpoints.weight_sync_port,
+            rank=0,
+            world_size=weight_sync_world_size(spec),
+            backend=resolve_backend(spec.weight_sync.backend.value, spec.device.value),
+            timeout_seconds=self.timeout,
+        )
+        self.group = WeightSyncGroup(addr)
+        self.last_stats: Optional[TransferStats] = None
+
+    def sync(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> TransferStats:
+        import httpx
+
+        t0 = time.perf_counter()
+        named = [(n, t.to(self.group.device)) for n, t in named_tensors]
+        manifest = build_manifest(named, self.spec.weight_sync.bucket_mb * 1024 * 1024)
+        body = WeightsBeginRequest(version=version, manifest=manifest).model_dump(mode="json")
+
+        def begin(url: str) -> Optional[str]:
+            """None: the server will load; a message: it refused the manifest (409) but still
+            takes part in the broadcast, discarding it, so the group stays in step."""
+            r = httpx.post(f"{url.rstrip('/')}/weights/begin", json=body, timeout=self.timeout)
+            if r.status_code == 200:
+                return None
+            if r.status_code == 409:
+                return f"{url}: {_error_text(r)}"
+            raise WeightSyncError(
+                f"{url}/weights/begin answered {r.status_code} ({_error_text(r)}); the server is not "
+                "in the weight-sync collective, so the group cannot continue"
+            )
+
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
+            refusals = [r for r in pool.map(begin, self.endpoints.rollout) if r is not None]
+        stats = send(self.group, manifest, [t for _, t in named])
+        failed = self.group.all_reduce_sum(0)
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        if self.metrics is not None:
+            self.metrics["weight_sync_seconds"].observe(stats.seconds)
+            self.metrics["weight_sync_bytes"].inc(stats.bytes)
+            self.metrics["weight_version"].set(version)
+        if refusals:
+            raise WeightSyncError("; ".join(refusals))
+        if failed:
+            raise WeightSyncError(f"{failed} rollout worker(s) failed to load weight version {version}")
+        return stats
+
+
+def _error_text(r) -> str:
+    try:
+        return str(r.json().get("error", r.text))
+    except ValueError:
+        return r.text.strip()

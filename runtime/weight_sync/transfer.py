@@ -1,0 +1,103 @@
+"""Bucketed, double-buffered broadcast of an ordered set of tensors over a WeightSyncGroup.
+
+Sender: pack bucket i+1 into the spare buffer while bucket i is on the wire. Receiver: post the
+receive of bucket i+1 before unpacking/loading bucket i. Each received bucket gets a fresh buffer
+because engines (vLLM's layerwise reload) may hold the tensors until a whole layer is complete.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kubedistill.runtime.protocol import Bucket, Manifest
+from kubedistill.runtime.weight_sync.group import WeightSyncGroup
+from kubedistill.runtime.weight_sync.manifest import numel
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+    """Time blocked on the transport (receiver: waiting for buckets)."""
+    consume_seconds: float = 0.0
+    """Time spent unpacking/loading (receiver) or packing (sender)."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _pack(bucket: Bucket, manifest: Manifest, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    for e in bucket.entries:
+        t = tensors[e.index]
+        n = numel(manifest.tensors[e.index].shape)
+        out[e.offset:e.offset + n].copy_(t.detach().reshape(-1))
+
+
+def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> TransferStats:
+    """Broadcast `tensors` (ordered like manifest.tensors) from rank 0, two buffers per dtype."""
+    stats = TransferStats()
+    t0 = time.perf_counter()
+    spare: dict[str, list[torch.Tensor]] = {}
+    pending = None  # (work, buffer, dtype)
+    for bucket in manifest.buckets:
+        pool = spare.setdefault(bucket.dtype, [])
+        cap = max(b.numel for b in manifest.buckets if b.dtype == bucket.dtype)
+        buf = pool.pop() if pool else torch.empty(cap, dtype=torch_dtype(bucket.dtype), device=group.device)
+        view = buf[:bucket.numel]
+        tp = time.perf_counter()
+        _pack(bucket, manifest, tensors, view)
+        stats.consume_seconds += time.perf_counter() - tp
+        if pending is not None:
+            work, old, dtype = pending
+            work.wait()
+            spare[dtype].append(old)
+        pending = (group.broadcast(view), buf, bucket.dtype)
+        stats.bytes += view.numel() * view.element_size()
+    if pending is not None:
+        pending[0].wait()
+    if group.device.type == "cuda":
+        torch.cuda.synchronize()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def receive(
+    group: WeightSyncGroup,
+    manifest: Manifest,
+    consume: Callable[[list[tuple[str, torch.Tensor]]], None],
+) -> TransferStats:
+    """Receive every bucket and hand its (name, tensor) views to `consume`, in manifest order."""
+    stats = TransferStats()
+    t0 = time.perf_counter()
+
+    def post(bucket: Bucket):
+        buf = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=group.device)
+        return group.broadcast(buf), buf
+
+    pending = post(manifest.buckets[0]) if manifest.buckets else None
+    for i, bucket in enumerate(manifest.buckets):
+        work, buf = pending
+        tw = time.perf_counter()
+        work.wait()
+        stats.wait_seconds += time.perf_counter() - tw
+        pending = post(manifest.buckets[i + 1]) if i + 1 < len(manifest.buckets) else None
+        named = []
+        for e in bucket.entries:
+            meta = manifest.tensors[e.index]
+            named.append((meta.name, buf[e.offset:e.offset + numel(meta.shape)].view(meta.shape)))
+        tc = time.perf_counter()
+        consume(named)
+        stats.consume_seconds += time.perf_counter() - tc
+        stats.bytes += buf.numel() * buf.element_size()
+    stats.seconds = time.perf_counter() - t0
+    return stats

