@@ -1,0 +1,103 @@
+"""The batcher: turns the groups one train step takes from the SampleBuffer into that step's
+mini-batches. GRPO groups stay whole (miniBatchSize is a multiple of rollout.sampling.n), and a
+sample the loss cannot use (no teacher scores when distilling, no reward when task rewards are
+on, token arrays of unequal length) is refused with a message naming it.
+
+Output: `StepSamples`, `requireBatches` mini-batches of `miniBatchSize` samples each, in group
+order. (The conversion of a mini-batch into the trainer's tensor batch lives with that type.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kubedistill.runtime.driver.samples import Sample, SampleGroup
+
+
+@dataclass(frozen=True)
+class BatchRequirements:
+    """What every sample of a train batch must carry."""
+
+    group_size: int
+    mini_batch_size: int
+    require_batches: int = 1
+    teacher_scores: bool = True
+    """Distillation on: teacher log-probs for every response token."""
+    top_k: int = 0
+    """forwardKLTopK: teacher top-k ids/log-probs of this width at every position (0: not needed)."""
+    rewards: bool = False
+    """Task rewards in the loss: a reward on every sample."""
+
+    @classmethod
+    def from_spec(cls, spec) -> BatchRequirements:
+        d = spec.algorithm.distillation
+        a = spec.async_
+        return cls(
+            group_size=spec.rollout.sampling.n,
+            mini_batch_size=spec.trainer.mini_batch_size,
+            require_batches=a.require_batches if a is not None else 1,
+            teacher_scores=d.enabled,
+            top_k=d.top_k if d.enabled and d.loss_mode.value == "forwardKLTopK" else 0,
+            rewards=d.use_task_rewards,
+        )
+
+    @property
+    def step_samples(self) -> int:
+        return self.mini_batch_size * self.require_batches
+
+
+@dataclass
+class StepSamples:
+    """The samples of one train step, split into its mini-batches."""
+
+    trainer_version: int
+    minibatches: list[list[Sample]]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for mb in self.minibatches for s in mb]
+
+    def staleness(self) -> list[int]:
+        """trainer_version - min_version of each sample."""
+        return [self.trainer_version - (s.min_version if s.min_version is not None else self.trainer_version)
+                for s in self.samples]
+
+
+def check_sample(s: Sample, req: BatchRequirements) -> None:
+    where = f"sample {s.sample_id} (data_source {s.data_source!r})"
+    if not s.finished:
+        raise ValueError(f"{where} is not finished (finish_reason {s.finish_reason!r})")
+    t = len(s.response_ids)
+    if t == 0:
+        raise ValueError(f"{where} has an empty response")
+    if len(s.logprobs) != t or len(s.versions) != t:
+        raise ValueError(f"{where}: {t} tokens but {len(s.logprobs)} log-probs and {len(s.versions)} versions")
+    if req.teacher_scores:
+        if s.teacher_logprobs is None or len(s.teacher_logprobs) != t:
+            got = None if s.teacher_logprobs is None else len(s.teacher_logprobs)
+            raise ValueError(f"{where}: teacher log-probs for {got} of {t} response tokens")
+        if req.top_k:
+            ids, lps = s.teacher_topk_ids, s.teacher_topk_logprobs
+            if ids is None or lps is None or len(ids) != t or len(lps) != t:
+                raise ValueError(f"{where}: teacher top-k missing or not one row per response token")
+            if any(len(row) != req.top_k for row in ids) or any(len(row) != req.top_k for row in lps):
+                raise ValueError(f"{where}: teacher top-k rows must have spec.algorithm.distillation.topK={req.top_k} entries")
+    if req.rewards and s.reward is None:
+        raise ValueError(f"{where} has no task reward (useTaskRewards is on)")
+
+
+def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_version: int) -> StepSamples:
+    """One step's mini-batches from whole groups (as SampleBuffer.take returns them)."""
+    for g in groups:
+        if len(g) != req.group_size:
+            raise ValueError(f"group {g.group_id} has {len(g)} samples, rollout.sampling.n is {req.group_size}")
+        for s in g.samples:
+            check_sample(s, req)
+    flat = [s for g in groups for s in g.samples]
+    if len(flat) != req.step_samples:
+        raise ValueError(
+            f"a step needs requireBatches x miniBatchSize = {req.step_samples} samples, got {len(flat)}"
+        )
+    mb = req.mini_batch_size
+    return StepSamples(trainer_version, [flat[i : i + mb] for i in range(0, len(flat), mb)])

@@ -1,0 +1,255 @@
+"""PromptSource: training prompts from parquet/jsonl files in verl's data format.
+
+A row holds `prompt` (chat messages: a list of {role, content}; the column is spec.data.promptKey),
+`data_source`, optionally `reward_model: {ground_truth, fn?}`, `images` and `extra_info`. Each
+prompt is rendered with the student tokenizer's chat template (`add_generation_prompt=True`) and
+tokenized; prompts longer than `maxPromptLength` tokens are skipped and counted.
+
+Order: epoch e visits every row once, in a permutation drawn from (spec.data.seed, e) when
+shuffling (file order otherwise). The cursor (epoch, position) is the whole state: saving it
+and restoring it into a source over the same files continues with exactly the next prompt
+(none skipped, none repeated). Prompts handed out but not yet trained on at checkpoint time are
+saved by the SampleBuffer, not here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt ready for generation."""
+
+    uid: int
+    """Unique across epochs (epoch x rows + position): the GRPO group id of its samples."""
+    row: int
+    """Index of the row in the concatenated files."""
+    epoch: int
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    data_source: str
+    route_value: str
+    """Value of the routing column (spec.routing.key)."""
+    ground_truth: Any = None
+    reward_fn: Optional[str] = None
+    images: Optional[list[Any]] = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def images_base64(self) -> Optional[list[str]]:
+        """The images as base64 strings (the teacher /score wire format), or None."""
+        if not self.images:
+            return None
+        out = []
+        for i, img in enumerate(self.images):
+            if isinstance(img, dict) and isinstance(img.get("bytes"), (bytes, bytearray)):
+                out.append(base64.b64encode(img["bytes"]).decode())
+            elif isinstance(img, (bytes, bytearray)):
+                out.append(base64.b64encode(img).decode())
+            elif isinstance(img, str):
+                out.append(img)  # already base64 (or a data URL) in jsonl
+            else:
+                raise ValueError(f"row {self.row}: images[{i}] must be bytes, {{bytes: ...}} or a base64 string")
+        return out
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of one .parquet or .jsonl file as dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"spec.data file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{n}: each line must be a JSON object")
+                rows.append(row)
+        return rows
+    raise ValueError(f"spec.data file {path}: unsupported format {suffix!r} (use .parquet or .jsonl)")
+
+
+def _check_row(row: dict[str, Any], where: str, prompt_key: str, route_key: str) -> None:
+    msgs = row.get(prompt_key)
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(
+            f"{where}: column {prompt_key!r} (spec.data.promptKey) must be a non-empty list of "
+            f"{{role, content}} chat messages, got {type(msgs).__name__}"
+        )
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"{where}: {prompt_key}[{i}] must be a {{role, content}} message")
+    if not isinstance(row.get("data_source"), str):
+        raise ValueError(f"{where}: column 'data_source' must be a string")
+    if route_key not in row or row[route_key] is None:
+        raise ValueError(f"{where}: routing column {route_key!r} (spec.routing.key) is missing")
+    rm = row.get("reward_model")
+    if rm is not None and not isinstance(rm, dict):
+        raise ValueError(f"{where}: column 'reward_model' must be a mapping with ground_truth")
+
+
+def _token_ids(encoded: Any) -> list[int]:
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+class PromptSource:
+    """An endless, resumable stream of PromptItems over the training files."""
+
+    def __init__(
+        self,
+        files: Sequence[str | Path],
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 1024,
+        shuffle: bool = True,
+        seed: int = 0,
+        route_key: str = "data_source",
+    ):
+        if not files:
+            raise ValueError("spec.data.train: no files")
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.shuffle = shuffle
+        self.seed = seed
+        self.route_key = route_key
+        self.rows: list[dict[str, Any]] = []
+        for f in files:
+            for i, row in enumerate(read_rows(Path(f))):
+                _check_row(row, f"{f} row {i}", prompt_key, route_key)
+                self.rows.append(row)
+        if not self.rows:
+            raise ValueError(f"spec.data.train: the files {list(map(str, files))} hold no rows")
+        self.epoch = 0
+        self.position = 0
+        self.dropped = 0
+        """Prompts skipped for exceeding maxPromptLength (every time one is met)."""
+        self._order: Optional[list[int]] = None
+        self._too_long: set[int] = set()
+
+    @classmethod
+    def from_spec(cls, spec: Any, tokenizer: Any) -> PromptSource:
+        d = spec.data
+        return cls(
+            d.train,
+            tokenizer,
+            prompt_key=d.prompt_key,
+            max_prompt_length=d.max_prompt_length,
+            shuffle=d.shuffle,
+            seed=d.seed,
+            route_key=spec.routing.key,
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[PromptItem]:
+        return self
+
+    def __next__(self) -> PromptItem:
+        return self.next()
+
+    def order(self, epoch: int) -> list[int]:
+        """Row indices in the order epoch `epoch` visits them."""
+        idx = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(f"kubedistill-data:{self.seed}:{epoch}").shuffle(idx)
+        return idx
+
+    def tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already wrote any BOS/special tokens into the text.
+        return _token_ids(self.tokenizer(text, add_special_tokens=False))
+
+    def next(self) -> PromptItem:
+        skipped_in_a_row = 0
+        while True:
+            if self.position >= len(self.rows):
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            if self._order is None:
+                self._order = self.order(self.epoch)
+            pos = self.position
+            r = self._order[pos]
+            self.position += 1
+            item = None if r in self._too_long else self._item(r, pos)
+            if item is not None:
+                return item
+            self.dropped += 1
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= len(self.rows):
+                raise ValueError(
+                    f"every prompt is longer than spec.data.maxPromptLength ({self.max_prompt_length} tokens)"
+                )
+
+    def take(self, count: int) -> list[PromptItem]:
+        return [self.next() for _ in range(count)]
+
+    def _item(self, r: int, pos: int) -> Optional[PromptItem]:
+        row = self.rows[r]
+        messages = row[self.prompt_key]
+        ids = self.tokenize(messages)
+        if len(ids) > self.max_prompt_length:
+            self._too_long.add(r)
+            return None
+        rm = row.get("reward_model") or {}
+        return PromptItem(
+            uid=self.epoch * len(self.rows) + pos,
+            row=r,
+            epoch=self.epoch,
+            prompt_ids=ids,
+            messages=messages,
+            data_source=row["data_source"],
+            route_value=str(row[self.route_key]),
+            ground_truth=rm.get("ground_truth"),
+            reward_fn=rm.get("fn"),
+            images=row.get("images"),
+            extra_info=row.get("extra_info") or {},
+        )
+
+    # ---- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "epoch": self.epoch,
+            "position": self.position,
+            "rows": len(self.rows),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "dropped": self.dropped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"data cursor format {state.get('format')!r} is not {STATE_FORMAT}")
+        for key, mine in (("rows", len(self.rows)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if state[key] != mine:
+                raise ValueError(
+                    f"checkpointed data cursor has {key}={state[key]!r} but spec.data gives {mine!r}; "
+                    "the training data changed since the checkpoint"
+                )
+        if not 0 <= int(state["position"]) <= len(self.rows) or int(state["epoch"]) < 0:
+            raise ValueError(f"checkpointed data cursor is out of range: {state}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.dropped = int(state.get("dropped", 0))
+        self._order = None

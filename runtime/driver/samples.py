@@ -1,0 +1,262 @@
+"""Samples and sample groups: one response with the weight version of every token, and the n
+responses to one prompt (a GRPO group), plus partial-rollout resume.
+
+A generation interrupted by a weight sync comes back with `finish_reason == "abort"` and the
+tokens produced so far. `Sample.continuation()` gives the next request (prompt + the tokens so far
+as `prefix_token_ids`, the remaining token budget); `Sample.extend()` appends what that request
+returns. The merged response is prefix + continuation, and each token keeps the log-prob and the
+weight version of the request that sampled it, so the loss uses the right behaviour policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional, Protocol, Sequence
+
+FINISHED = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class GenerationOutput(Protocol):
+    """What one /generate call returns (kubedistill.runtime.protocol.GenerateResponse)."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
+    finish_reason: str
+
+
+@dataclass
+class Continuation:
+    """The request that continues a sample: the fields of a GenerateRequest that depend on it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prefix_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, built up over one or more /generate calls."""
+
+    group_id: int
+    """The prompt's id (PromptItem.uid): samples of one prompt share it (GRPO groups)."""
+    index: int
+    """Position within the group (0 .. n-1)."""
+    prompt_ids: list[int]
+    max_tokens: int
+    """Response token budget (rollout.sampling.maxTokens)."""
+    data_source: str = ""
+    route_value: str = ""
+    """Value of the routing key (spec.routing.key) that selects the teacher."""
+    ground_truth: Any = None
+    reward_fn: Optional[str] = None
+    """Dotted path of the row's own reward function (reward_model.fn), if it names one."""
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """Rollout (behaviour-policy) log-prob of each response token."""
+    versions: list[int] = field(default_factory=list)
+    """Weight version that sampled each response token."""
+    finish_reason: Optional[str] = None
+    """None while generating; stop, length, or abort (interrupted, to be resumed)."""
+    requests: int = 0
+    """/generate calls made so far (1 + resumes)."""
+    reward: Optional[float] = None
+    teacher: Optional[str] = None
+    """Name of the teacher that scored the sample."""
+    teacher_logprobs: Optional[list[float]] = None
+    teacher_topk_ids: Optional[list[list[int]]] = None
+    teacher_topk_logprobs: Optional[list[list[float]]] = None
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.group_id}-{self.index}"
+
+    @property
+    def request_id(self) -> str:
+        """Unique per /generate call, so an abort names exactly one attempt."""
+        return f"{self.sample_id}-r{self.requests}"
+
+    @property
+    def min_version(self) -> Optional[int]:
+        return min(self.versions) if self.versions else None
+
+    @property
+    def max_version(self) -> Optional[int]:
+        return max(self.versions) if self.versions else None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason in FINISHED
+
+    @property
+    def needs_resume(self) -> bool:
+        return self.finish_reason == "abort"
+
+    @property
+    def resumed(self) -> int:
+        """How many times the sample was continued after an abort."""
+        return max(0, self.requests - 1)
+
+    @property
+    def scored(self) -> bool:
+        return self.teacher_logprobs is not None
+
+    def continuation(self) -> Continuation:
+        """The next /generate request of this sample (the first one, or a resume after an abort).
+
+        Counts the request: call it once per request actually sent."""
+        if self.finished:
+            raise ValueError(f"sample {self.sample_id} is finished ({self.finish_reason}); nothing to continue")
+        remaining = self.max_tokens - len(self.response_ids)
+        if remaining < 1:
+            raise ValueError(f"sample {self.sample_id} has no token budget left ({self.max_tokens} used)")
+        self.requests += 1
+        self.finish_reason = None
+        return Continuation(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_ids),
+            prefix_token_ids=list(self.response_ids),
+            max_tokens=remaining,
+        )
+
+    def extend(self, out: GenerationOutput) -> None:
+        """Append the tokens one /generate call produced after the current prefix."""
+        ids, lps, vers = list(out.token_ids), list(out.logprobs), list(out.versions)
+        if not (len(ids) == len(lps) == len(vers)):
+            raise ValueError(
+                f"sample {self.sample_id}: generate output has {len(ids)} token_ids, {len(lps)} logprobs and "
+                f"{len(vers)} versions; they must be equal"
+            )
+        if out.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"sample {self.sample_id}: finish_reason {out.finish_reason!r} is not one of {FINISH_REASONS}"
+            )
+        if len(self.response_ids) + len(ids) > self.max_tokens:
+            raise ValueError(
+                f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens exceed maxTokens {self.max_tokens}"
+            )
+        self.response_ids.extend(ids)
+        self.logprobs.extend(float(x) for x in lps)
+        self.versions.extend(int(v) for v in vers)
+        reason = out.finish_reason
+        # An abort that lands exactly on the budget is a finished sample: nothing is left to resume.
+        if reason == "abort" and len(self.response_ids) >= self.max_tokens:
+            reason = "length"
+        self.finish_reason = reason
+
+    def restart(self) -> None:
+        """Forget the tokens generated so far (resume without partial rollouts: start over)."""
+        self.response_ids, self.logprobs, self.versions = [], [], []
+        self.finish_reason = None
+        self.clear_scores()
+
+    def clear_scores(self) -> None:
+        self.reward = None
+        self.teacher = None
+        self.teacher_logprobs = self.teacher_topk_ids = self.teacher_topk_logprobs = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"sample state has unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass
+class SampleGroup:
+    """The n samples of one prompt: generated, buffered and trained together."""
+
+    group_id: int
+    samples: list[Sample]
+    images: Optional[list[str]] = None
+    """Base64 images of the prompt (vision teachers), kept once per group."""
+    arrival: int = -1
+    """Order in which the group entered the buffer (set by SampleBuffer)."""
+
+    @classmethod
+    def for_prompt(
+        cls,
+        group_id: int,
+        prompt_ids: Sequence[int],
+        n: int,
+        max_tokens: int,
+        *,
+        data_source: str = "",
+        route_value: str = "",
+        ground_truth: Any = None,
+        reward_fn: Optional[str] = None,
+        images: Optional[list[str]] = None,
+    ) -> SampleGroup:
+        return cls(
+            group_id=group_id,
+            images=images,
+            samples=[
+                Sample(
+                    group_id=group_id,
+                    index=i,
+                    prompt_ids=list(prompt_ids),
+                    max_tokens=max_tokens,
+                    data_source=data_source,
+                    route_value=route_value,
+                    ground_truth=ground_truth,
+                    reward_fn=reward_fn,
+                )
+                for i in range(n)
+            ],
+        )
+
+    @classmethod
+    def from_prompt(cls, item: Any, n: int, max_tokens: int) -> SampleGroup:
+        """The group of a PromptItem (kubedistill.runtime.driver.data)."""
+        return cls.for_prompt(
+            item.uid,
+            item.prompt_ids,
+            n,
+            max_tokens,
+            data_source=item.data_source,
+            route_value=item.route_value,
+            ground_truth=item.ground_truth,
+            reward_fn=item.reward_fn,
+            images=item.images_base64(),
+        )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    @property
+    def min_version(self) -> Optional[int]:
+        known = [v for v in (s.min_version for s in self.samples) if v is not None]
+        return min(known) if known else None
+
+    @property
+    def max_version(self) -> Optional[int]:
+        known = [v for v in (s.max_version for s in self.samples) if v is not None]
+        return max(known) if known else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "arrival": self.arrival,
+            "images": self.images,
+            "samples": [s.to_dict() for s in self.samples],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SampleGroup:
+        return cls(
+            group_id=int(d["group_id"]),
+            arrival=int(d.get("arrival", -1)),
+            images=d.get("images"),
+            samples=[Sample.from_dict(s) for s in d["samples"]],
+        )
