@@ -1,0 +1,288 @@
+"""kopf wiring: watch jobs and their children, run the pure plan, apply it.
+
+One kopf daemon per DistillationJob runs the reconcile loop: read the job (a live view) and its
+children (kopf indices fed by label-selected watches), compute a plan (kubedistill.operator.policy),
+apply it, sleep until a watch event about the job or one of its children pokes it, or the resync
+interval passes. Daemons start for every job kopf sees, so an operator restart resumes every
+existing job; deletion stops the daemon and the children go with the job's owner references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping, Optional
+
+import aiohttp
+import kopf
+
+from kubedistill.api.job import GROUP, PLURAL, VERSION
+from kubedistill.operator.kube import Kube, KubeConfig, KubeError, fetch_json
+from kubedistill.operator.metrics import OperatorMetrics
+from kubedistill.operator.policy import JobView, Plan, Progress, current_status, plan
+from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB
+from kubedistill.operator.status import ChildRef, Observed, PodView, status_patch
+
+ANNOTATION_PREFIX = "kubedistill.io"
+FINALIZER = "kubedistill.io/finalizer"
+CHILD_KINDS = {"services": "Service", "configmaps": "ConfigMap", "networkpolicies": "NetworkPolicy"}
+
+Key = tuple[str, str]
+
+
+@dataclass
+class OperatorOptions:
+    resync_seconds: float = 5.0
+    """Longest sleep between two reconcile passes of a job (watch events wake it sooner)."""
+    status_timeout: float = 2.0
+    """Timeout of one GET /status to trainer pod 0."""
+    server: Optional[str] = None
+    """Plain-HTTP API server to use instead of the in-cluster/kubeconfig login (tests, bench)."""
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+
+
+class Reconciler:
+    """State shared by the handlers of one operator instance."""
+
+    def __init__(self, options: OperatorOptions):
+        self.options = options
+        self.metrics = options.metrics
+        self._kube: Optional[Kube] = None
+        self._http: Optional[aiohttp.ClientSession] = None
+        self._wakeups: dict[Key, asyncio.Event] = {}
+        self._progress: dict[Key, Progress] = {}
+        self._polling: dict[Key, asyncio.Task[None]] = {}
+        self._last_error: dict[Key, str] = {}
+
+    # -- plumbing -------------------------------------------------------------------------
+    def kube(self) -> Kube:
+        if self._kube is None:
+            cfg = KubeConfig.plain(self.options.server) if self.options.server else KubeConfig.load()
+            self._kube = Kube(cfg)
+        return self._kube
+
+    async def close(self) -> None:
+        for task in self._polling.values():
+            task.cancel()
+        if self._kube is not None:
+            await self._kube.close()
+        if self._http is not None:
+            await self._http.close()
+
+    def poke(self, namespace: Optional[str], job: Optional[str]) -> None:
+        if namespace and job:
+            ev = self._wakeups.get((namespace, job))
+            if ev is not None:
+                ev.set()
+
+    # -- trainer progress ----------------------------------------------------------------
+    def _poll_progress(self, key: Key, pod: Optional[PodView]) -> None:
+        """Poll trainer pod 0's GET /status in the background; a change wakes the job."""
+        if pod is None or pod.phase != "Running" or not pod.pod_ip or not pod.http_port:
+            return
+        running = self._polling.get(key)
+        if running is not None and not running.done():
+            return
+        url = f"http://{pod.pod_ip}:{pod.http_port}/status"
+        self._polling[key] = asyncio.get_running_loop().create_task(self._poll(key, url))
+
+    async def _poll(self, key: Key, url: str) -> None:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        doc = await fetch_json(self._http, url, self.options.status_timeout)
+        if doc is None:
+            return  # not up yet, or restarting: not an error
+        try:
+            progress = Progress.of(doc)
+        except (TypeError, ValueError):
+            return
+        if self._progress.get(key) != progress:
+            self._progress[key] = progress
+            self.poke(*key)
+
+    # -- one pass ------------------------------------------------------------------------
+    async def reconcile(
+        self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildRef], logger: logging.Logger
+    ) -> Optional[float]:
+        """Run one pass; the seconds until the next one (None: the job was deleted)."""
+        name, namespace = body.meta["name"], body.meta["namespace"]
+        key = (namespace, name)
+        observed = Observed(pods={p.name: p for p in pods}, others=set(others))
+        job = JobView(
+            name=name,
+            namespace=namespace,
+            generation=int(body.meta.get("generation") or 0),
+            spec=dict(body.spec),
+            status=dict(body.status),
+        )
+        started = time.perf_counter()
+        try:
+            p = plan(job, observed, datetime.now(timezone.utc), self._progress.get(key))
+            await self._apply(body, job, p)
+            self._last_error.pop(key, None)
+        except (KubeError, asyncio.TimeoutError) as exc:
+            self._error(body, key, str(exc), logger)
+            return self.options.resync_seconds
+        except Exception as exc:  # a bug must not stop the loop or the other jobs
+            logger.exception("reconcile of %s/%s failed", namespace, name)
+            self._error(body, key, f"{type(exc).__name__}: {exc}", logger)
+            return self.options.resync_seconds
+        finally:
+            self.metrics["reconcile_seconds"].observe(time.perf_counter() - started)
+        self.metrics.job_phase(namespace, name, p.status.phase.value)
+        if p.delete_job:
+            return None
+        rank0 = next(
+            (q for q in observed.pods.values() if q.role == "trainer" and q.replica == 0 and q.attempt == p.status.restarts),
+            None,
+        )
+        self._poll_progress(key, rank0)
+        delay = self.options.resync_seconds
+        if p.wake_after is not None:
+            delay = min(delay, max(p.wake_after, 0.05))
+        return delay
+
+    def _error(self, body: kopf.Body, key: Key, message: str, logger: logging.Logger) -> None:
+        self.metrics["reconcile_errors"].inc()
+        logger.warning("reconcile error: %s", message)
+        if self._last_error.get(key) != message:  # one event per distinct error, not per retry
+            self._last_error[key] = message
+            kopf.event(body, type="Warning", reason="ReconcileError", message=message[:1000])
+
+    async def _apply(self, body: kopf.Body, job: JobView, p: Plan) -> None:
+        kube = self.kube()
+        if p.create:
+            kopf.adopt(p.create, owner=body)
+            for obj in p.create:
+                # kopf.adopt copies the job's labels; ours must win on the children.
+                obj["metadata"]["labels"].update(_own_labels(obj))
+            created = await asyncio.gather(*(kube.create(o) for o in p.create))
+            for obj, made in zip(p.create, created):
+                if made:
+                    self.metrics["children_created"].labels(kind=obj["kind"]).inc()
+        if p.delete:
+            gone = await asyncio.gather(*(kube.delete(c.kind, job.namespace, c.name) for c in p.delete))
+            for child, deleted in zip(p.delete, gone):
+                if deleted:
+                    self.metrics["children_deleted"].labels(kind=child.kind).inc()
+        new = status_patch(p.status)
+        if new != status_patch(current_status(job.status)):
+            await kube.patch_status(job.namespace, job.name, new)
+        for ev in p.events:
+            kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+        if p.delete_job:
+            await kube.delete("DistillationJob", job.namespace, job.name)
+
+    # -- the daemon loop -----------------------------------------------------------------
+    async def run(self, body: kopf.Body, stopped: Any, pods_index: Any, others_index: Any, logger: logging.Logger) -> None:
+        key = (body.meta["namespace"], body.meta["name"])
+        wake = self._wakeups.setdefault(key, asyncio.Event())
+        stop = asyncio.ensure_future(stopped.wait())
+        try:
+            while not stopped:
+                wake.clear()
+                delay = await self.reconcile(
+                    body, list(pods_index.get(key, [])), list(others_index.get(key, [])), logger
+                )
+                if delay is None or stopped:
+                    break
+                woken = asyncio.ensure_future(wake.wait())
+                await asyncio.wait({woken, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+        finally:
+            stop.cancel()
+            self._wakeups.pop(key, None)
+            self._progress.pop(key, None)
+            task = self._polling.pop(key, None)
+            if task is not None:
+                task.cancel()
+            if body.meta.get("deletionTimestamp"):
+                self.metrics.job_phase(key[0], key[1], None)
+
+
+def _own_labels(obj: Mapping[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in obj["metadata"]["labels"].items() if k.startswith("kubedistill.io/")}
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf settings the operator needs (also used by tests that run it in-process)."""
+    # The CRD's status is structural: kopf's own state goes into annotations, not status.kopf.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+
+
+def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    selector = {LABEL_JOB: kopf.PRESENT}
+
+    @kopf.on.startup(registry=registry)
+    def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings)
+
+    @kopf.on.cleanup(registry=registry)
+    async def _cleanup(**_: Any) -> None:
+        await reconciler.close()
+
+    @kopf.on.login(registry=registry)
+    def _login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
+        if reconciler.options.server:
+            return kopf.ConnectionInfo(server=reconciler.options.server)
+        return kopf.login_via_client(**kwargs)
+
+    # Indices: the children of each job, kept current by label-selected watches.
+    @kopf.index("pods", labels=selector, registry=registry, id="job_pods")
+    def job_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodView]:
+        return {(namespace, labels[LABEL_JOB]): PodView.of(body)}
+
+    def _child_index(kind: str) -> Any:
+        def index(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> dict[Key, ChildRef]:
+            return {(namespace, labels[LABEL_JOB]): ChildRef(kind, name)}
+
+        return index
+
+    for plural, kind in CHILD_KINDS.items():
+        group_version = "networking.k8s.io/v1" if kind == "NetworkPolicy" else "v1"
+        kopf.index(group_version, plural, labels=selector, registry=registry, id=f"job_{plural}")(_child_index(kind))
+
+    # Any change to a child or the job wakes the job's loop.
+    def _poke(namespace: Optional[str], labels: Mapping[str, str], **_: Any) -> None:
+        reconciler.poke(namespace, labels.get(LABEL_JOB))
+
+    kopf.on.event("pods", labels=selector, registry=registry, id="poke_pods")(_poke)
+    for plural in CHILD_KINDS:
+        group_version = "networking.k8s.io/v1" if plural == "networkpolicies" else "v1"
+        kopf.on.event(group_version, plural, labels=selector, registry=registry, id=f"poke_{plural}")(_poke)
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    def _job_changed(namespace: Optional[str], name: str, **_: Any) -> None:
+        reconciler.poke(namespace, name)
+
+    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
+    async def job(body: kopf.Body, stopped: Any, logger: logging.Logger, **kwargs: Any) -> None:
+        others = _MergedIndex([kwargs[f"job_{plural}"] for plural in CHILD_KINDS])
+        await reconciler.run(body, stopped, kwargs["job_pods"], others, logger)
+
+    return registry
+
+
+class _MergedIndex:
+    """Several kopf indices read as one: key -> every value in any of them."""
+
+    def __init__(self, indices: list[Any]):
+        self._indices = indices
+
+    def get(self, key: Key, default: Any = ()) -> list[Any]:
+        out: list[Any] = []
+        for idx in self._indices:
+            out.extend(idx.get(key, []))
+        return out or list(default)
+
+
+__all__ = ["OperatorOptions", "Reconciler", "build_registry", "configure", "LABEL_ATTEMPT"]

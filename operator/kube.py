@@ -1,0 +1,154 @@
+"""A small asyncio client for the few Kubernetes calls the operator makes on the job's children.
+
+kopf watches and patches the DistillationJob itself; creating/deleting children and polling the
+trainer happen here on aiohttp (kopf's own HTTP stack), so hundreds of jobs reconcile
+concurrently without a thread per call. Credentials come from the kubernetes client's loaders
+(in-cluster service account, else kubeconfig), re-read on every call so rotated tokens work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import aiohttp
+
+from kubedistill.api.job import GROUP, PLURAL, VERSION
+
+# kind -> (API prefix, plural) of every kind the operator writes.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "Pod": ("/api/v1", "pods"),
+    "Service": ("/api/v1", "services"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "DistillationJob": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+}
+
+
+class KubeError(Exception):
+    """An API call failed; `status` is the HTTP status (0 when the server was unreachable)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+
+
+@dataclass
+class KubeConfig:
+    server: str
+    ssl_context: Optional[ssl.SSLContext] = None
+    headers: Callable[[], dict[str, str]] = field(default=lambda: {})
+
+    @classmethod
+    def plain(cls, server: str) -> KubeConfig:
+        """An unauthenticated HTTP server (the KMock emulator in tests and benchmarks)."""
+        return cls(server=server.rstrip("/"))
+
+    @classmethod
+    def load(cls) -> KubeConfig:
+        """In-cluster service account, else the current kubeconfig context."""
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=cfg)
+        ctx: Optional[ssl.SSLContext] = None
+        if cfg.host.startswith("https"):
+            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.verify_ssl else ssl._create_unverified_context()
+            if cfg.cert_file:
+                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+
+        def headers() -> dict[str, str]:
+            token = cfg.get_api_key_with_prefix("authorization")  # runs the refresh hook
+            return {"Authorization": token} if token else {}
+
+        return cls(server=cfg.host.rstrip("/"), ssl_context=ctx, headers=headers)
+
+
+def collection_path(kind: str, namespace: str) -> str:
+    prefix, plural = RESOURCES[kind]
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+class Kube:
+    def __init__(self, config: KubeConfig, timeout: float = 30.0):
+        self.config = config
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._lock = asyncio.Lock()
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            async with self._lock:
+                if self._session is None or self._session.closed:
+                    connector = aiohttp.TCPConnector(limit=64, ssl=self.config.ssl_context or False)
+                    self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        http = await self._http()
+        headers = {"Accept": "application/json", **self.config.headers()}
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        try:
+            async with http.request(method, self.config.server + path, data=data, headers=headers) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    try:
+                        message = json.loads(text).get("message", text)
+                    except ValueError:
+                        message = text
+                    raise KubeError(resp.status, f"{method} {path}: {str(message)[:300]}")
+                return json.loads(text) if text else None
+        except aiohttp.ClientError as exc:
+            raise KubeError(0, f"{method} {path}: {exc}") from exc
+
+    async def create(self, obj: Mapping[str, Any]) -> bool:
+        """Create; False when it already exists (409 is success: reconciling twice is harmless)."""
+        path = collection_path(obj["kind"], obj["metadata"]["namespace"])
+        try:
+            await self._call("POST", path, obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete (background propagation); False when it is already gone."""
+        path = f"{collection_path(kind, namespace)}/{name}"
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        try:
+            await self._call("DELETE", path, body)
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        path = f"{collection_path('DistillationJob', namespace)}/{name}/status"
+        await self._call("PATCH", path, {"status": status}, "application/merge-patch+json")
+
+
+async def fetch_json(session: aiohttp.ClientSession, url: str, timeout: float) -> Optional[dict[str, Any]]:
+    """GET a JSON object from a pod; None on any failure (the pod may not be up yet)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                return None
+            doc = await resp.json(content_type=None)
+            return doc if isinstance(doc, dict) else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None

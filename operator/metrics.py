@@ -1,0 +1,72 @@
+"""The operator's own Prometheus metrics (served on --metrics-port, default 9090).
+
+The Helm chart's dashboard and alerts name exactly these (prefix `kubedistill_operator_`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kubedistill.api.status import Phase
+
+PREFIX = "kubedistill_operator_"
+RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: type
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def full_name(self) -> str:
+        return f"{PREFIX}{self.name}"
+
+
+METRICS: list[MetricDef] = [
+    MetricDef("jobs", Gauge, "DistillationJobs handled by this operator, by phase.", ("phase",)),
+    MetricDef("reconcile_seconds", Histogram, "Wall time of one reconcile pass of one job.", (), RECONCILE_BUCKETS),
+    MetricDef("reconcile_errors", Counter, "Reconcile passes that failed (API errors, unexpected exceptions)."),
+    MetricDef("children_created", Counter, "Child objects created, by kind.", ("kind",)),
+    MetricDef("children_deleted", Counter, "Child objects deleted, by kind.", ("kind",)),
+]
+"""Counters are exported with the `_total` suffix (kubedistill_operator_reconcile_errors_total...)."""
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._m: dict[str, Any] = {}
+        for d in METRICS:
+            kwargs: dict[str, Any] = {"registry": self.registry}
+            if d.buckets is not None:
+                kwargs["buckets"] = d.buckets
+            self._m[d.name] = d.kind(d.full_name, d.help, d.labels, **kwargs)
+        self._phases: dict[tuple[str, str], str] = {}
+        for phase in Phase:
+            self._m["jobs"].labels(phase=phase.value).set(0)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._m[name]
+
+    def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
+        """Record a job's phase (None: the job is gone) and refresh the per-phase gauge."""
+        key = (namespace, name)
+        if phase is None:
+            self._phases.pop(key, None)
+        else:
+            self._phases[key] = phase
+        self._set_counts(self._phases.values())
+
+    def _set_counts(self, phases: Iterable[str]) -> None:
+        counts = {p.value: 0 for p in Phase}
+        for p in phases:
+            counts[p] = counts.get(p, 0) + 1
+        for p, n in counts.items():
+            self._m["jobs"].labels(phase=p).set(n)

@@ -1,0 +1,306 @@
+"""One reconcile decision: (job, its children as observed, the time) -> what to do.
+
+Pure and level-triggered: the same inputs give the same plan, whatever happened before, so the
+operator can run it after every watch event, on a timer, and after a restart.
+
+Failure policy (docs/operator.md):
+  * a failed trainer pod restarts the whole gang (every trainer pod deleted, then recreated with
+    the next attempt label) while status.restarts < spec.backoffLimit; then the job is Failed;
+  * a failed rollout or teacher pod is deleted and recreated alone;
+  * activeDeadlineSeconds after startTime the job is Failed;
+  * trainer pod 0 Succeeded -> the job is Succeeded and the pods still running are deleted;
+  * spec.suspend deletes the pods (phase Suspended) and clearing it recreates them;
+  * ttlSecondsAfterFinished after completionTime the job itself is deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Mapping, Optional
+
+from kubedistill.api.job import API_VERSION, KIND, DistillationJob
+from kubedistill.api.roleconfig import Role
+from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.status import ConditionType, DistillationJobStatus, Phase, ReadySummary
+from kubedistill.api.validate import problems_of
+from kubedistill.operator import render
+from kubedistill.operator.status import (
+    ChildRef,
+    Observed,
+    PodView,
+    condition,
+    parse_time,
+    rfc3339,
+    ready_summary,
+    role_counts,
+    set_condition,
+)
+
+TERMINAL = (Phase.succeeded, Phase.failed)
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str
+    """Normal or Warning."""
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What trainer pod 0 reports at GET /status."""
+
+    step: int
+    weight_version: int
+    last_checkpoint: Optional[str]
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> Progress:
+        ckpt = doc.get("lastCheckpoint")
+        return cls(int(doc.get("step", 0)), int(doc.get("weightVersion", 0)), str(ckpt) if ckpt else None)
+
+
+@dataclass
+class Plan:
+    status: DistillationJobStatus
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[ChildRef] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    delete_job: bool = False
+    wake_after: Optional[float] = None
+    """Seconds until a time-based decision is due (TTL, deadline), if any."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    name: str
+    namespace: str
+    generation: int
+    spec: Mapping[str, Any]
+    """The raw spec as stored (it may predate the installed CRD's rules)."""
+    status: Mapping[str, Any]
+
+
+def parse_spec(job: JobView) -> tuple[Optional[DistillationJobSpec], str]:
+    """The validated spec, or None and a one-line summary naming the bad fields."""
+    doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": job.name}, "spec": dict(job.spec)}
+    problems = problems_of(doc, job.name)
+    if problems:
+        return None, "; ".join(f"{p.field}: {p.message}" if p.field else p.message for p in problems)
+    return DistillationJob.model_validate(doc).spec, ""
+
+
+def current_status(raw: Mapping[str, Any]) -> DistillationJobStatus:
+    """The stored status; a status this version cannot read starts over rather than crash."""
+    known = {k: v for k, v in raw.items() if k in _STATUS_KEYS}
+    try:
+        return DistillationJobStatus.model_validate(known)
+    except Exception:
+        return DistillationJobStatus()
+
+
+_STATUS_KEYS = {f.alias or n for n, f in DistillationJobStatus.model_fields.items()}
+
+
+def plan(job: JobView, observed: Observed, now: datetime, progress: Optional[Progress] = None) -> Plan:
+    status = current_status(job.status)
+    previous = status.phase
+    status.observed_generation = job.generation
+    p = Plan(status=status)
+    spec, problem = parse_spec(job)
+    if spec is None:
+        _finish(p, observed, Phase.failed, "InvalidSpec", f"the spec is invalid: {problem}", now)
+        _conditions(p, None, observed, now)
+        _phase_event(p, previous)
+        return p
+    if progress is not None:
+        status.step = progress.step
+        status.weight_version = progress.weight_version
+        status.last_checkpoint = progress.last_checkpoint or status.last_checkpoint
+
+    if previous not in TERMINAL:
+        _create_static(p, job, spec, observed)
+    if previous in TERMINAL:
+        _cleanup_finished(p, observed, status.phase)
+        _ttl(p, spec, now)
+    elif spec.suspend:
+        _delete_pods(p, observed.pods.values())
+        status.phase = Phase.suspended
+        status.start_time = None  # the deadline counts from the next resume, as for a batch Job
+    else:
+        _run(p, job, spec, observed, now)
+        if status.phase in TERMINAL:
+            p.wake_after = None
+            _ttl(p, spec, now)
+    _conditions(p, spec, observed, now)
+    _phase_event(p, previous)
+    return p
+
+
+def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, now: datetime) -> None:
+    st = p.status
+    started = parse_time(st.start_time)
+    if spec.active_deadline_seconds is not None and started is not None:
+        left = (started + timedelta(seconds=spec.active_deadline_seconds) - now).total_seconds()
+        if left <= 0:
+            msg = f"the job ran longer than activeDeadlineSeconds ({spec.active_deadline_seconds} s)"
+            _finish(p, observed, Phase.failed, "DeadlineExceeded", msg, now)
+            return
+        p.wake_after = left
+
+    live = [q for q in observed.pods.values() if not q.deleting]
+    trainers = [q for q in live if q.role == Role.trainer.value]
+    current = [q for q in trainers if q.attempt == st.restarts]
+    stale = [q for q in trainers if q.attempt != st.restarts]
+
+    rank0 = next((q for q in current if q.replica == 0), None)
+    if rank0 is not None and rank0.phase == "Succeeded":
+        _finish(p, observed, Phase.succeeded, "TrainerSucceeded", f"trainer pod {rank0.name} completed", now)
+        return
+
+    failed = sorted((q for q in current if q.phase == "Failed"), key=lambda q: q.replica)
+    if failed:
+        first = failed[0]
+        why = f"trainer pod {first.name} failed" + (f" ({first.reason})" if first.reason else "")
+        if st.restarts >= spec.backoff_limit:
+            msg = f"{why}; backoffLimit {spec.backoff_limit} reached after {st.restarts} gang restarts"
+            _finish(p, observed, Phase.failed, "BackoffLimitExceeded", msg, now)
+            return
+        st.restarts += 1
+        stale = trainers
+        p.events.append(
+            Event("Warning", "GangRestart", f"{why}; restarting the trainer gang ({st.restarts}/{spec.backoff_limit})")
+        )
+    _delete_pods(p, stale)
+
+    for q in live:
+        if q.role != Role.trainer.value and q.phase == "Failed":
+            p.delete.append(ChildRef("Pod", q.name))
+            why = f" ({q.reason})" if q.reason else ""
+            p.events.append(Event("Warning", "ServerReplaced", f"{q.group} pod {q.name} failed{why}; replacing it"))
+
+    # Pods to (re)create: missing ones; a restarted gang starts only once the old one is gone.
+    gang_gone = not stale and not any(q.role == Role.trainer.value and q.deleting for q in observed.pods.values())
+    for slot in render.slots(spec):
+        name = slot.pod_name(job.name)
+        if name in observed.pods:
+            continue
+        if slot.role is Role.trainer and not gang_gone:
+            continue
+        p.create.append(render.render_pod(job.name, job.namespace, spec, slot, attempt=st.restarts))
+    if p.create and st.start_time is None:
+        st.start_time = rfc3339(now)
+
+    desired = render.slots(spec)
+    pods = [observed.pods.get(s.pod_name(job.name)) for s in desired]
+    present = [q for q in pods if q is not None and not q.deleting]
+    current_trainers_running = all(
+        q is not None and not q.deleting and q.attempt == st.restarts and q.phase == "Running"
+        for s, q in zip(desired, pods)
+        if s.role is Role.trainer
+    )
+    restarting = bool(stale) or not gang_gone or (
+        st.phase in (Phase.restarting,) and not current_trainers_running
+    ) or bool(failed)
+    if restarting:
+        st.phase = Phase.restarting
+    elif len(present) == len(desired) and all(q.ready for q in present):
+        st.phase = Phase.running
+    elif len(present) == len(desired) and all(q.phase == "Running" for q in present):
+        st.phase = Phase.initializing
+    else:
+        st.phase = Phase.pending
+
+
+def _create_static(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed) -> None:
+    for obj in render.render_static(job.name, job.namespace, spec):
+        if ChildRef(obj["kind"], obj["metadata"]["name"]) not in observed.others:
+            p.create.append(obj)
+
+
+def _delete_pods(p: Plan, pods: Any) -> None:
+    for q in pods:
+        if not q.deleting and ChildRef("Pod", q.name) not in p.delete:
+            p.delete.append(ChildRef("Pod", q.name))
+
+
+def _finish(p: Plan, observed: Observed, phase: Phase, reason: str, message: str, now: datetime) -> None:
+    st = p.status
+    if st.phase is not phase:  # one event per transition, not one per pass
+        p.events.append(Event("Normal" if phase is Phase.succeeded else "Warning", reason, message))
+    st.phase = phase
+    if st.completion_time is None:
+        st.completion_time = rfc3339(now)
+    _finish_condition(p, phase, reason, message, now)
+    _cleanup_finished(p, observed, phase)
+
+
+def _finish_condition(p: Plan, phase: Phase, reason: str, message: str, now: datetime) -> None:
+    kind = ConditionType.succeeded if phase is Phase.succeeded else ConditionType.failed
+    set_condition(p.status, kind, True, reason, message, now)
+
+
+def _cleanup_finished(p: Plan, observed: Observed, phase: Phase) -> None:
+    """A finished job keeps its finished pods (for their logs) and deletes the rest."""
+    _delete_pods(p, [q for q in observed.pods.values() if not q.finished])
+
+
+def _ttl(p: Plan, spec: DistillationJobSpec, now: datetime) -> None:
+    done = parse_time(p.status.completion_time)
+    if spec.ttl_seconds_after_finished is None or done is None:
+        return
+    left = (done + timedelta(seconds=spec.ttl_seconds_after_finished) - now).total_seconds()
+    if left <= 0:
+        p.delete_job = True
+        p.events.append(Event("Normal", "TTLExpired", f"deleting the job {spec.ttl_seconds_after_finished} s after it finished"))
+    else:
+        p.wake_after = left
+
+
+def _conditions(p: Plan, spec: Optional[DistillationJobSpec], observed: Observed, now: datetime) -> None:
+    st = p.status
+    pods = [q for q in observed.pods.values() if not q.deleting]
+    if spec is not None:
+        roles = role_counts(render.groups(spec), pods)
+        st.roles = roles
+        st.ready = ReadySummary(**ready_summary(roles))
+    all_ready = bool(st.roles) and all(r.ready == r.desired for r in st.roles.values())
+    created = condition(st, ConditionType.created)
+    everything = spec is not None and not p.create and all(r.desired <= _present(pods, g) for g, r in st.roles.items())
+    if created is None or created.status.value != "True":
+        if everything and st.phase not in TERMINAL:
+            set_condition(st, ConditionType.created, True, "ChildrenCreated", "every child of the job exists", now)
+        else:
+            set_condition(st, ConditionType.created, False, "Creating", "creating the job's children", now)
+    summary = f"trainer {st.ready.trainer}, rollout {st.ready.rollout}, teachers {st.ready.teachers} ready"
+    set_condition(st, ConditionType.ready, all_ready, "AllPodsReady" if all_ready else "PodsNotReady", summary, now)
+    set_condition(st, ConditionType.running, st.phase is Phase.running, st.phase.value, f"phase {st.phase.value}", now)
+    if st.phase is not Phase.succeeded:
+        set_condition(st, ConditionType.succeeded, False, "NotSucceeded", "the trainer has not completed", now)
+    if st.phase is not Phase.failed:
+        set_condition(st, ConditionType.failed, False, "NotFailed", "no terminal failure", now)
+    suspended = st.phase is Phase.suspended
+    set_condition(
+        st,
+        ConditionType.suspended,
+        suspended,
+        "Suspended" if suspended else "NotSuspended",
+        "spec.suspend is true: the pods are deleted" if suspended else "spec.suspend is false",
+        now,
+    )
+
+
+def _present(pods: list[PodView], group: str) -> int:
+    return sum(1 for q in pods if q.group == group)
+
+
+def _phase_event(p: Plan, previous: Phase) -> None:
+    now_phase = p.status.phase
+    if now_phase is previous:
+        return
+    if now_phase in TERMINAL:
+        return  # _finish already emitted the terminal event with its reason
+    kind = "Warning" if now_phase is Phase.restarting else "Normal"
+    p.events.append(Event(kind, now_phase.value, f"phase {previous.value} -> {now_phase.value}"))

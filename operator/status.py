@@ -1,0 +1,169 @@
+"""What the operator reads back from the cluster, and the status fields it derives from it.
+
+Pure: Kubernetes objects in, small frozen views and status pieces out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Mapping, Optional
+
+from kubedistill.api.status import Condition, ConditionStatus, ConditionType, DistillationJobStatus, Phase, RoleStatus
+from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_ROLE, LABEL_TEACHER
+
+FINISHED = ("Succeeded", "Failed")
+CONDITION_ORDER = [
+    ConditionType.created,
+    ConditionType.ready,
+    ConditionType.running,
+    ConditionType.succeeded,
+    ConditionType.failed,
+    ConditionType.suspended,
+]
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(s: Optional[str]) -> Optional[datetime]:
+    if not s:
+        return None
+    return datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The parts of a child Pod the operator decides on."""
+
+    name: str
+    role: str
+    replica: int
+    teacher: Optional[str] = None
+    attempt: Optional[int] = None
+    phase: str = "Pending"
+    ready: bool = False
+    deleting: bool = False
+    pod_ip: Optional[str] = None
+    http_port: Optional[int] = None
+    reason: str = ""
+    """Why it failed: the pod's reason or the container's termination reason and exit code."""
+
+    @property
+    def group(self) -> str:
+        return f"teacher/{self.teacher}" if self.role == "teacher" else self.role
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in FINISHED
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> PodView:
+        meta = pod.get("metadata") or {}
+        lbl = meta.get("labels") or {}
+        status = pod.get("status") or {}
+        ready = status.get("phase") == "Running" and any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
+        port = None
+        for c in (pod.get("spec") or {}).get("containers") or []:
+            for p in c.get("ports") or []:
+                if p.get("name") == "http":
+                    port = p.get("containerPort")
+        attempt = lbl.get(LABEL_ATTEMPT)
+        replica = lbl.get(LABEL_REPLICA, "0")
+        return cls(
+            name=meta.get("name", ""),
+            role=lbl.get(LABEL_ROLE, ""),
+            replica=int(replica) if str(replica).isdigit() else 0,
+            teacher=lbl.get(LABEL_TEACHER),
+            attempt=int(attempt) if attempt is not None and str(attempt).isdigit() else None,
+            phase=status.get("phase") or "Pending",
+            ready=ready,
+            deleting=bool(meta.get("deletionTimestamp")),
+            pod_ip=status.get("podIP"),
+            http_port=port,
+            reason=_failure_reason(status),
+        )
+
+
+def _failure_reason(status: Mapping[str, Any]) -> str:
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term and term.get("exitCode", 0) != 0:
+            why = term.get("reason") or "Error"
+            return f"{why}, exit code {term.get('exitCode')}"
+    return status.get("reason") or status.get("message") or ""
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    kind: str
+    name: str
+
+
+@dataclass
+class Observed:
+    """A job's children as the operator last saw them."""
+
+    pods: dict[str, PodView] = field(default_factory=dict)
+    others: set[ChildRef] = field(default_factory=set)
+    """ConfigMaps, Services and NetworkPolicies present (by kind and name)."""
+
+
+def job_of(obj: Mapping[str, Any]) -> Optional[str]:
+    return ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_JOB)
+
+
+def set_condition(
+    status: DistillationJobStatus, kind: ConditionType, value: bool, reason: str, message: str, now: datetime
+) -> None:
+    """Set a condition, keeping lastTransitionTime unless the status flips; keep a fixed order."""
+    new = ConditionStatus.true if value else ConditionStatus.false
+    existing = {c.type: c for c in status.conditions}
+    old = existing.get(kind)
+    since = old.last_transition_time if old is not None and old.status == new else rfc3339(now)
+    existing[kind] = Condition(type=kind, status=new, reason=reason, message=message, last_transition_time=since)
+    status.conditions = [existing[k] for k in CONDITION_ORDER if k in existing]
+
+
+def condition(status: DistillationJobStatus, kind: ConditionType) -> Optional[Condition]:
+    return next((c for c in status.conditions if c.type == kind), None)
+
+
+def role_counts(desired: Mapping[str, int], pods: list[PodView]) -> dict[str, RoleStatus]:
+    out = {g: RoleStatus(desired=n) for g, n in desired.items()}
+    for p in pods:
+        rs = out.get(p.group)
+        if rs is None or p.deleting:
+            continue
+        if p.ready:
+            rs.ready += 1
+        if p.phase == "Failed":
+            rs.failed += 1
+    return out
+
+
+def ready_summary(roles: Mapping[str, RoleStatus]) -> dict[str, str]:
+    def total(keys: list[str]) -> str:
+        return f"{sum(roles[k].ready for k in keys)}/{sum(roles[k].desired for k in keys)}"
+
+    teachers = [k for k in roles if k.startswith("teacher/")]
+    return {
+        "trainer": total([k for k in roles if k == "trainer"]),
+        "rollout": total([k for k in roles if k == "rollout"]),
+        "teachers": total(teachers),
+    }
+
+
+def status_patch(status: DistillationJobStatus) -> dict[str, Any]:
+    """The status as a JSON merge patch: unset optional fields are sent as null (removed)."""
+    body = status.model_dump(by_alias=True, mode="json", exclude_none=False)
+    for c in body.get("conditions", []):
+        for k in [k for k, v in c.items() if v is None]:
+            del c[k]
+    return body
+
+
+PHASE_EVENT_TYPE = {Phase.failed: "Warning", Phase.restarting: "Warning"}

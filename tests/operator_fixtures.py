@@ -1,0 +1,180 @@
+"""Run the real kopf operator in-process against the KMock Kubernetes emulator.
+
+Used by tests/test_operator*.py and bench/operator.py. Test code talks to the emulator through
+the official kubernetes client (in a thread: the emulator serves from this event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+import kopf
+import kubernetes
+
+from kubedistill.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kubedistill.operator.handlers import OperatorOptions, Reconciler, build_registry, configure
+from kubedistill.operator.metrics import OperatorMetrics
+
+NS = "ml"
+
+BASE_SPEC: dict[str, Any] = {
+    "device": "cpu",
+    "student": {"model": "/models/student"},
+    "teachers": [{"name": "math", "model": "/models/teacher", "replicas": 1}],
+    "rollout": {"replicas": 2},
+    "trainer": {"replicas": 2, "miniBatchSize": 4},
+    "data": {"train": ["/data/train.jsonl"]},
+    "backoffLimit": 2,
+}
+
+
+def job_manifest(name: str, spec: Optional[dict[str, Any]] = None, **overrides: Any) -> dict[str, Any]:
+    body = copy.deepcopy(spec if spec is not None else BASE_SPEC)
+    body.update(overrides)
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        # KMock stores objects as posted: give them the uid/resourceVersion the API server would.
+        "metadata": {"name": name, "namespace": NS, "uid": str(uuid.uuid4()), "generation": 1,
+                     "resourceVersion": "1"},
+        "spec": body,
+    }
+
+
+def prepare_emulator(kmock: Any) -> None:
+    kmock.resources.load_bundled()
+    kmock.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
+        kind=KIND,
+        singular="distillationjob",
+        namespaced=True,
+        verbs={"list", "watch", "get", "create", "patch", "update", "delete"},
+        subresources={"status"},
+    )
+
+
+class Cluster:
+    """The emulator seen through the kubernetes client, with waiting helpers."""
+
+    def __init__(self, url: str):
+        cfg = kubernetes.client.Configuration(host=url)
+        self.api_client = kubernetes.client.ApiClient(cfg)
+        self.core = kubernetes.client.CoreV1Api(self.api_client)
+        self.net = kubernetes.client.NetworkingV1Api(self.api_client)
+        self.custom = kubernetes.client.CustomObjectsApi(self.api_client)
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def create_job(self, manifest: dict[str, Any]) -> None:
+        await self.call(self.custom.create_namespaced_custom_object, GROUP, VERSION, NS, PLURAL, manifest)
+
+    async def job(self, name: str) -> Optional[dict[str, Any]]:
+        try:
+            return await self.call(self.custom.get_namespaced_custom_object, GROUP, VERSION, NS, PLURAL, name)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def patch_job(self, name: str, patch: dict[str, Any]) -> None:
+        await self.call(self.custom.patch_namespaced_custom_object, GROUP, VERSION, NS, PLURAL, name, patch)
+
+    async def delete_job(self, name: str) -> None:
+        await self.call(self.custom.delete_namespaced_custom_object, GROUP, VERSION, NS, PLURAL, name)
+
+    async def pods(self, job: str) -> dict[str, Any]:
+        """Pods of the job (by label, filtered here: the emulator ignores label selectors)."""
+        items = (await self.call(self.core.list_namespaced_pod, NS)).items
+        return {p.metadata.name: p for p in items if (p.metadata.labels or {}).get("kubedistill.io/job") == job}
+
+    async def children(self, job: str) -> set[tuple[str, str]]:
+        def mine(items: Any) -> list[str]:
+            return [o.metadata.name for o in items if (o.metadata.labels or {}).get("kubedistill.io/job") == job]
+
+        out = {("Pod", n) for n in await self.pods(job)}
+        out |= {("Service", n) for n in mine((await self.call(self.core.list_namespaced_service, NS)).items)}
+        out |= {("ConfigMap", n) for n in mine((await self.call(self.core.list_namespaced_config_map, NS)).items)}
+        out |= {
+            ("NetworkPolicy", n)
+            for n in mine((await self.call(self.net.list_namespaced_network_policy, NS)).items)
+        }
+        return out
+
+    async def set_pod_status(self, name: str, phase: str, ready: bool = False, **extra: Any) -> None:
+        status: dict[str, Any] = {
+            "phase": phase,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            **extra,
+        }
+        await self.call(self.core.patch_namespaced_pod_status, name, NS, {"status": status})
+
+    async def fail_pod(self, name: str, exit_code: int = 1) -> None:
+        terminated = {"exitCode": exit_code, "reason": "Error"}
+        await self.set_pod_status(
+            name, "Failed", containerStatuses=[{"name": "kubedistill", "state": {"terminated": terminated}}]
+        )
+
+    async def delete_pod(self, name: str) -> None:
+        await self.call(self.core.delete_namespaced_pod, name, NS)
+
+    async def run_all(self, job: str) -> None:
+        for name in await self.pods(job):
+            await self.set_pod_status(name, "Running", ready=True)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout: float = 5.0, interval: float = 0.02, what: str = "condition"
+) -> Any:
+    """Poll `check` until it returns something truthy; fail with its last value after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = await check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+        await asyncio.sleep(interval)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(
+    url: str, resync_seconds: float = 0.5, metrics: Optional[OperatorMetrics] = None
+) -> AsyncIterator[Reconciler]:
+    """The real operator (kopf + our handlers), cluster-wide (KMock cannot list namespaces), in
+    this event loop."""
+    options = OperatorOptions(resync_seconds=resync_seconds, server=url, metrics=metrics or OperatorMetrics())
+    reconciler = Reconciler(options)
+    registry = build_registry(reconciler)
+    settings = kopf.OperatorSettings()
+    configure(settings)
+    settings.watching.reconnect_backoff = 0.1
+    settings.posting.enabled = True
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=registry,
+            settings=settings,
+            standalone=True,
+            clusterwide=True,
+            ready_flag=ready,
+        )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        yield reconciler
+    finally:
+        # Cancelling is instant; the stop flag would add kopf's ~5 s grace period.
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await reconciler.close()
+
+
+logging.getLogger("kopf").setLevel(logging.WARNING)

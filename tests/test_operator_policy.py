@@ -1,0 +1,206 @@
+"""The operator's reconcile decisions (pure: job + observed children + time -> plan)."""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timedelta, timezone
+from typing import Any, Optional
+
+from operator_fixtures import BASE_SPEC
+
+from kubedistill.api.status import ConditionType, Phase
+from kubedistill.operator.policy import JobView, Plan, Progress, plan
+from kubedistill.operator.render import render_static, slots
+from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.operator.status import ChildRef, Observed, PodView, condition
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+JOB = "j"
+NS = "ml"
+
+
+def _job(status: Optional[dict[str, Any]] = None, **spec_overrides: Any) -> JobView:
+    spec = copy.deepcopy(BASE_SPEC)
+    spec.update(spec_overrides)
+    return JobView(name=JOB, namespace=NS, generation=3, spec=spec, status=status or {})
+
+
+def _spec(job: JobView) -> DistillationJobSpec:
+    return DistillationJobSpec.model_validate(dict(job.spec))
+
+
+def _world(job: JobView, phase: str = "Running", ready: bool = True, attempt: int = 0) -> Observed:
+    """Every child present, every pod in `phase`."""
+    spec = _spec(job)
+    others = {ChildRef(o["kind"], o["metadata"]["name"]) for o in render_static(JOB, NS, spec)}
+    pods = {}
+    for s in slots(spec):
+        name = s.pod_name(JOB)
+        pods[name] = PodView(
+            name=name, role=s.role.value, replica=s.replica, teacher=s.teacher,
+            attempt=attempt if s.role.value == "trainer" else None, phase=phase, ready=ready and phase == "Running",
+        )
+    return Observed(pods=pods, others=others)
+
+
+def _with(observed: Observed, name: str, **changes: Any) -> Observed:
+    pods = dict(observed.pods)
+    old = pods[name]
+    pods[name] = PodView(**{**old.__dict__, **changes})
+    return Observed(pods=pods, others=set(observed.others))
+
+
+def _next(job: JobView, p: Plan) -> JobView:
+    from kubedistill.operator.status import status_patch
+
+    return JobView(job.name, job.namespace, job.generation, job.spec, status_patch(p.status))
+
+
+def _deleted_pods(p: Plan) -> set[str]:
+    return {c.name for c in p.delete if c.kind == "Pod"}
+
+
+def test_first_pass_creates_every_child_and_stays_pending() -> None:
+    job = _job()
+    p = plan(job, Observed(), T0)
+    kinds = sorted(o["kind"] for o in p.create)
+    assert kinds == sorted(["ConfigMap", "Service", "Service", "Service", "NetworkPolicy"] + ["Pod"] * 5)
+    assert p.status.phase is Phase.pending
+    assert p.status.start_time == "2026-01-01T00:00:00Z"
+    assert p.status.observed_generation == 3
+    assert p.status.roles["trainer"].desired == 2 and p.status.roles["teacher/math"].desired == 1
+    assert condition(p.status, ConditionType.created).status.value == "False"
+
+
+def test_phases_pending_initializing_running_with_events() -> None:
+    job = _job({"phase": "Pending", "startTime": "2026-01-01T00:00:00Z"})
+    p = plan(job, _world(job, "Running", ready=False), T0)
+    assert p.create == [] and p.status.phase is Phase.initializing
+    assert [(e.type, e.reason) for e in p.events] == [("Normal", "Initializing")]
+    p2 = plan(_next(job, p), _world(job, "Running", ready=True), T0 + timedelta(seconds=5))
+    assert p2.status.phase is Phase.running
+    assert p2.status.ready.trainer == "2/2" and p2.status.ready.rollout == "2/2" and p2.status.ready.teachers == "1/1"
+    ready = condition(p2.status, ConditionType.ready)
+    assert ready.status.value == "True" and ready.last_transition_time == "2026-01-01T00:00:05Z"
+    assert condition(p2.status, ConditionType.created).status.value == "True"
+    # Nothing changes: the same plan, no events, transition times kept.
+    p3 = plan(_next(job, p2), _world(job, "Running", ready=True), T0 + timedelta(seconds=9))
+    assert p3.events == [] and p3.create == [] and p3.delete == []
+    assert condition(p3.status, ConditionType.ready).last_transition_time == "2026-01-01T00:00:05Z"
+
+
+def test_failed_server_pod_is_replaced_alone() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    world = _with(_world(job), "j-rollout-1", phase="Failed", ready=False, reason="OOMKilled, exit code 137")
+    p = plan(job, world, T0)
+    assert _deleted_pods(p) == {"j-rollout-1"}
+    assert p.status.restarts == 0
+    assert [e.reason for e in p.events] == ["ServerReplaced", "Pending"]
+    assert "OOMKilled" in p.events[0].message
+    # Once it is gone, it alone is recreated.
+    del world.pods["j-rollout-1"]
+    p2 = plan(_next(job, p), world, T0)
+    assert [o["metadata"]["name"] for o in p2.create] == ["j-rollout-1"]
+
+
+def test_failed_trainer_restarts_the_gang_then_recreates_with_next_attempt() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    world = _with(_world(job), "j-trainer-1", phase="Failed", ready=False)
+    p = plan(job, world, T0)
+    assert _deleted_pods(p) == {"j-trainer-0", "j-trainer-1"}
+    assert p.status.restarts == 1 and p.status.phase is Phase.restarting
+    assert any(e.reason == "GangRestart" and e.type == "Warning" for e in p.events)
+    # The old gang is gone: new trainer pods with attempt 1.
+    for n in ("j-trainer-0", "j-trainer-1"):
+        del world.pods[n]
+    p2 = plan(_next(job, p), world, T0)
+    created = {o["metadata"]["name"]: o for o in p2.create}
+    assert set(created) == {"j-trainer-0", "j-trainer-1"}
+    assert {o["metadata"]["labels"]["kubedistill.io/attempt"] for o in created.values()} == {"1"}
+    assert p2.status.phase is Phase.restarting
+    # Running again -> phase Running.
+    p3 = plan(_next(job, p2), _world(job, attempt=1), T0)
+    assert p3.status.phase is Phase.running and p3.status.restarts == 1
+
+
+def test_old_gang_pods_are_deleted_and_block_the_new_gang() -> None:
+    job = _job({"phase": "Restarting", "restarts": 1, "startTime": "2026-01-01T00:00:00Z"})
+    world = _world(job, attempt=0)
+    p = plan(job, world, T0)
+    assert _deleted_pods(p) == {"j-trainer-0", "j-trainer-1"}
+    assert not any(o["kind"] == "Pod" for o in p.create)
+    assert p.status.phase is Phase.restarting
+
+
+def test_backoff_limit_exhausted_fails_the_job() -> None:
+    job = _job({"phase": "Running", "restarts": 2, "startTime": "2026-01-01T00:00:00Z"}, backoffLimit=2)
+    world = _with(_world(job, attempt=2), "j-trainer-0", phase="Failed", ready=False)
+    p = plan(job, world, T0)
+    assert p.status.phase is Phase.failed and p.status.completion_time == "2026-01-01T00:00:00Z"
+    failed = condition(p.status, ConditionType.failed)
+    assert failed.status.value == "True" and failed.reason == "BackoffLimitExceeded"
+    # The failed pod stays for its logs; everything still running goes.
+    assert "j-trainer-0" not in _deleted_pods(p) and "j-rollout-0" in _deleted_pods(p)
+    assert p.create == []
+
+
+def test_trainer_rank0_success_completes_the_job_and_deletes_servers() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}, ttlSecondsAfterFinished=60)
+    world = _with(_with(_world(job), "j-trainer-0", phase="Succeeded"), "j-trainer-1", phase="Succeeded")
+    p = plan(job, world, T0, Progress(step=100, weight_version=100, last_checkpoint="/ckpt/step-100"))
+    assert p.status.phase is Phase.succeeded
+    assert _deleted_pods(p) == {"j-rollout-0", "j-rollout-1", "j-teacher-math-0"}
+    assert (p.status.step, p.status.weight_version, p.status.last_checkpoint) == (100, 100, "/ckpt/step-100")
+    assert [(e.type, e.reason) for e in p.events] == [("Normal", "TrainerSucceeded")]
+    assert p.wake_after == 60
+    # TTL: later, the job itself goes.
+    done = _next(job, p)
+    assert not plan(done, world, T0 + timedelta(seconds=30)).delete_job
+    assert plan(done, world, T0 + timedelta(seconds=61)).delete_job
+
+
+def test_suspend_deletes_pods_and_resume_recreates_them() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}, suspend=True)
+    p = plan(job, _world(job), T0)
+    assert _deleted_pods(p) == set(_world(job).pods)
+    assert p.status.phase is Phase.suspended and p.status.start_time is None
+    assert condition(p.status, ConditionType.suspended).status.value == "True"
+    resumed = JobView(JOB, NS, 4, {**job.spec, "suspend": False}, _next(job, p).status)
+    world = _world(job)
+    world.pods.clear()
+    p2 = plan(resumed, world, T0 + timedelta(seconds=10))
+    assert len([o for o in p2.create if o["kind"] == "Pod"]) == 5
+    assert p2.status.phase is Phase.pending and p2.status.start_time == "2026-01-01T00:00:10Z"
+    assert condition(p2.status, ConditionType.suspended).status.value == "False"
+
+
+def test_active_deadline_fails_the_job() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}, activeDeadlineSeconds=100)
+    early = plan(job, _world(job), T0 + timedelta(seconds=40))
+    assert early.status.phase is Phase.running and early.wake_after == 60
+    late = plan(job, _world(job), T0 + timedelta(seconds=100))
+    assert late.status.phase is Phase.failed
+    assert condition(late.status, ConditionType.failed).reason == "DeadlineExceeded"
+
+
+def test_a_spec_that_slipped_past_the_crd_fails_with_the_field_named() -> None:
+    job = _job({}, trainer={"replicas": 1, "miniBatchSize": 3}, rollout={"sampling": {"n": 2}})
+    p = plan(job, Observed(), T0)
+    assert p.create == []
+    assert p.status.phase is Phase.failed
+    failed = condition(p.status, ConditionType.failed)
+    assert failed.reason == "InvalidSpec" and "spec.trainer.miniBatchSize" in failed.message
+    assert [e.reason for e in p.events] == ["InvalidSpec"]
+    # Later passes do not repeat the event.
+    assert plan(_next(job, p), Observed(), T0).events == []
+
+
+def test_a_missing_child_is_recreated() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    world = _world(job)
+    world.others.discard(ChildRef("Service", "j-rollout"))
+    del world.pods["j-teacher-math-0"]
+    p = plan(job, world, T0)
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in p.create) == [
+        ("Pod", "j-teacher-math-0"), ("Service", "j-rollout")
+    ]

@@ -1,0 +1,246 @@
+"""The children the operator renders for a job (pure; no cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kubedistill.api.job import DistillationJob
+from kubedistill.api.roleconfig import CONFIG_PATH, JobConfig, Ports
+from kubedistill.api.validate import load_job
+from kubedistill.operator import main as operator_main
+from kubedistill.operator.kube import RESOURCES
+from kubedistill.operator.metrics import METRICS, OperatorMetrics
+from kubedistill.operator.rbac import CLUSTER, NAMESPACED, rules
+from kubedistill.operator.render import render_children
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+K8S_VERSION = "1.33.0"
+
+
+def _job(path: Path) -> DistillationJob:
+    return load_job(path)
+
+
+def _children(path: Path, ns: str = "ml") -> list[dict[str, Any]]:
+    job = _job(path)
+    return render_children(job.metadata.name, ns, job.spec)
+
+
+def _by(children: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in children if c["kind"] == kind}
+
+
+def _env(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_object_validates_strictly(example: Path) -> None:
+    children = _children(example)
+    assert children
+    for obj in children:
+        # Raises ValidationError on any schema violation or unknown field.
+        kubernetes_validate.validate(json.loads(json.dumps(obj)), K8S_VERSION, strict=True)
+
+
+def test_multi_teacher_layout() -> None:
+    children = _children(ROOT / "examples" / "multi-teacher-6gpu.yaml")
+    job = "qwen3-vl-multi-teacher"
+    pods = _by(children, "Pod")
+    assert sorted(pods) == sorted(
+        [f"{job}-trainer-0", f"{job}-trainer-1", f"{job}-rollout-0", f"{job}-rollout-1",
+         f"{job}-teacher-math-0", f"{job}-teacher-vision-0"]
+    )
+    assert sorted(_by(children, "Service")) == sorted(
+        [f"{job}-trainer", f"{job}-rollout", f"{job}-t-math", f"{job}-t-vision"]
+    )
+    assert list(_by(children, "ConfigMap")) == [f"{job}-config"]
+    assert list(_by(children, "NetworkPolicy")) == [job]
+    # Children come config/services first, pods last.
+    kinds = [c["kind"] for c in children]
+    assert kinds == sorted(kinds, key=lambda k: k == "Pod")
+    for c in children:
+        labels = c["metadata"]["labels"]
+        assert labels["kubedistill.io/job"] == job
+        assert "kubedistill.io/role" in labels and "kubedistill.io/replica" in labels
+        assert len(c["metadata"]["name"]) <= 253
+
+
+def test_pod_identity_env_and_resources() -> None:
+    children = _children(ROOT / "examples" / "multi-teacher-6gpu.yaml")
+    job = "qwen3-vl-multi-teacher"
+    pods = _by(children, "Pod")
+    t1 = pods[f"{job}-trainer-1"]
+    env = _env(t1)
+    assert env["KUBEDISTILL_ROLE"] == "trainer" and env["KUBEDISTILL_REPLICA"] == "1"
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == f"{job}-trainer-0.{job}-trainer.ml.svc"
+    assert env["MASTER_PORT"] == str(Ports.DIST)
+    assert env["KUBEDISTILL_JOB"] == job and env["KUBEDISTILL_NAMESPACE"] == "ml"
+    assert env["NCCL_DEBUG"] == "WARN"
+    c = t1["spec"]["containers"][0]
+    assert c["command"] == ["kubedistill", "role", "trainer", "--config", CONFIG_PATH]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "readinessProbe" not in c
+    assert t1["spec"]["hostname"] == f"{job}-trainer-1" and t1["spec"]["subdomain"] == f"{job}-trainer"
+    assert t1["spec"]["restartPolicy"] == "Never"
+    assert t1["spec"]["priorityClassName"] == "training"
+    assert t1["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in t1["spec"]["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert {"name": "ckpt", "mountPath": "/ckpt"} in c["volumeMounts"]
+    assert c["ports"][0] == {"name": "http", "containerPort": Ports.HTTP, "protocol": "TCP"}
+
+    teacher = pods[f"{job}-teacher-vision-0"]
+    tc = teacher["spec"]["containers"][0]
+    assert _env(teacher)["KUBEDISTILL_TEACHER"] == "vision"
+    assert "RANK" not in _env(teacher)
+    assert tc["command"][:3] == ["kubedistill", "role", "teacher"]
+    assert tc["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert teacher["spec"]["hostname"] == "vision-0" and teacher["spec"]["subdomain"] == f"{job}-t-vision"
+
+
+def test_config_map_holds_the_job_config_with_one_url_per_replica() -> None:
+    children = _children(ROOT / "examples" / "multi-teacher-6gpu.yaml")
+    job = "qwen3-vl-multi-teacher"
+    cm = _by(children, "ConfigMap")[f"{job}-config"]
+    cfg = JobConfig.model_validate_json(cm["data"]["config.json"])
+    assert cfg.job == job and cfg.namespace == "ml"
+    assert cfg.endpoints.rollout == [
+        f"http://{job}-rollout-{i}.{job}-rollout.ml.svc:{Ports.HTTP}" for i in range(2)
+    ]
+    assert cfg.endpoints.teachers == {
+        "math": [f"http://math-0.{job}-t-math.ml.svc:{Ports.HTTP}"],
+        "vision": [f"http://vision-0.{job}-t-vision.ml.svc:{Ports.HTTP}"],
+    }
+    assert cfg.endpoints.trainer == f"http://{job}-trainer-0.{job}-trainer.ml.svc:{Ports.HTTP}"
+    assert cfg.endpoints.master_addr == f"{job}-trainer-0.{job}-trainer.ml.svc"
+    assert cfg.spec == _job(ROOT / "examples" / "multi-teacher-6gpu.yaml").spec
+    # The exact serialisation the runtime team reads.
+    assert cm["data"]["config.json"] == cfg.model_dump_json(by_alias=True, exclude_none=True)
+
+
+def test_services_are_headless_and_publish_not_ready() -> None:
+    services = _by(_children(ROOT / "examples" / "one-gpu.yaml"), "Service")
+    for svc in services.values():
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["publishNotReadyAddresses"] is True
+        assert svc["spec"]["selector"]["kubedistill.io/job"] == svc["metadata"]["labels"]["kubedistill.io/job"]
+
+
+def test_network_policy_admits_job_pods_and_labelled_scrapers_only() -> None:
+    job = _job(ROOT / "examples" / "one-gpu.yaml")
+    np = _by(render_children(job.metadata.name, "ml", job.spec), "NetworkPolicy")[job.metadata.name]
+    spec = np["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"kubedistill.io/job": job.metadata.name}}
+    assert spec["policyTypes"] == ["Ingress"]
+    own, scrapers = spec["ingress"]
+    assert own["from"] == [{"podSelector": {"matchLabels": {"kubedistill.io/job": job.metadata.name}}}]
+    assert {p["port"] for p in own["ports"]} == {Ports.HTTP, Ports.DIST, Ports.WEIGHT_SYNC}
+    assert scrapers["from"][0]["podSelector"] == {"matchLabels": {"kubedistill.io/scraper": "true"}}
+    assert [p["port"] for p in scrapers["ports"]] == [Ports.HTTP]
+
+
+def test_cpu_job_threads_kv_cache_and_role_overrides() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "quickstart-cpu.yaml").read_text())
+    doc["spec"]["env"] = [{"name": "SHARED", "value": "job"}, {"name": "OMP_NUM_THREADS", "value": "7"}]
+    doc["spec"]["nodeSelector"] = {"pool": "cpu"}
+    doc["spec"]["schedulerName"] = "volcano"
+    doc["spec"]["serviceAccountName"] = "trainer-sa"
+    doc["spec"]["imagePullPolicy"] = "Always"
+    doc["spec"]["trainer"]["overrides"] = {
+        "cpuThreads": 3, "nodeSelector": {"zone": "a"}, "env": [{"name": "SHARED", "value": "trainer"}],
+        "resources": {"requests": {"cpu": "4", "memory": "8Gi"}},
+    }
+    job = DistillationJob.model_validate(doc)
+    pods = _by(render_children(job.metadata.name, "ml", job.spec), "Pod")
+    trainer = pods["quickstart-cpu-trainer-0"]
+    env = _env(trainer)
+    # The user's OMP_NUM_THREADS in spec.env wins over cpuThreads; role env wins over job env.
+    assert env["OMP_NUM_THREADS"] == "7" and env["SHARED"] == "trainer"
+    assert [e["name"] for e in trainer["spec"]["containers"][0]["env"]].count("SHARED") == 1
+    assert trainer["spec"]["nodeSelector"] == {"pool": "cpu", "zone": "a"}
+    assert trainer["spec"]["schedulerName"] == "volcano"
+    assert trainer["spec"]["serviceAccountName"] == "trainer-sa"
+    c = trainer["spec"]["containers"][0]
+    assert c["imagePullPolicy"] == "Always"
+    assert c["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"}}  # no GPUs on cpu
+    rollout_env = _env(pods["quickstart-cpu-rollout-0"])
+    assert rollout_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert rollout_env["OMP_NUM_THREADS"] == "7"
+    kubernetes_validate.validate(json.loads(json.dumps(trainer)), K8S_VERSION, strict=True)
+
+
+def test_cpu_threads_become_omp_num_threads() -> None:
+    job = _job(ROOT / "examples" / "quickstart-cpu.yaml")
+    pods = _by(render_children(job.metadata.name, "ml", job.spec), "Pod")
+    assert _env(pods["quickstart-cpu-teacher-arith-0"])["OMP_NUM_THREADS"] == "1"
+    assert _env(pods["quickstart-cpu-teacher-arith-0"])["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def _run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    operator_main.add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_render_command_prints_the_children(capsys: pytest.CaptureFixture[str]) -> None:
+    path = ROOT / "examples" / "multi-teacher-6gpu.yaml"
+    assert _run_cli(["render", str(path), "--namespace", "ml"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert docs == json.loads(json.dumps(_children(path, "ml")))
+
+
+def test_render_command_refuses_a_bad_manifest(capsys: pytest.CaptureFixture[str]) -> None:
+    path = ROOT / "tests" / "manifests" / "broken" / "bad-enum.yaml"
+    assert _run_cli(["render", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() and "Traceback" not in err and str(path) in err
+
+
+def test_metrics_table_names() -> None:
+    names = {d.full_name for d in METRICS}
+    assert names == {
+        "kubedistill_operator_jobs",
+        "kubedistill_operator_reconcile_seconds",
+        "kubedistill_operator_reconcile_errors",
+        "kubedistill_operator_children_created",
+        "kubedistill_operator_children_deleted",
+    }
+    m = OperatorMetrics()
+    m.job_phase("ml", "a", "Running")
+    m.job_phase("ml", "b", "Running")
+    m.job_phase("ml", "b", "Failed")
+    m["reconcile_errors"].inc()
+    m["children_created"].labels(kind="Pod").inc(3)
+    assert m.registry.get_sample_value("kubedistill_operator_jobs", {"phase": "Running"}) == 1
+    assert m.registry.get_sample_value("kubedistill_operator_jobs", {"phase": "Failed"}) == 1
+    assert m.registry.get_sample_value("kubedistill_operator_reconcile_errors_total") == 1
+    assert m.registry.get_sample_value("kubedistill_operator_children_created_total", {"kind": "Pod"}) == 3
+
+
+def test_rbac_covers_every_call_the_operator_makes() -> None:
+    def allowed(group: str, resource: str, verb: str, rule_list: list[dict[str, list[str]]]) -> bool:
+        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rule_list)
+
+    for kind, (prefix, plural) in RESOURCES.items():
+        group = "" if prefix == "/api/v1" else prefix.split("/")[2]
+        for verb in ("list", "watch", "delete"):
+            assert allowed(group, plural, verb, NAMESPACED), (kind, verb)
+        if kind != "DistillationJob":
+            assert allowed(group, plural, "create", NAMESPACED), kind
+    assert allowed("kubedistill.io", "distillationjobs/status", "patch", NAMESPACED)
+    assert allowed("kubedistill.io", "distillationjobs", "patch", NAMESPACED)  # finalizer, annotations
+    assert allowed("", "events", "create", NAMESPACED)
+    assert allowed("apiextensions.k8s.io", "customresourcedefinitions", "list", CLUSTER)
+    everything = rules(all_namespaces=True)
+    assert everything["role"] == [] and len(everything["clusterRole"]) == len(CLUSTER) + len(NAMESPACED)
