@@ -4,7 +4,7 @@ sample the loss cannot use (no teacher scores when distilling, no reward when ta
 on, token arrays of unequal length) is refused with a message naming it.
 
 Output: `StepSamples`, `requireBatches` mini-batches of `miniBatchSize` samples each, in group
-order. (The conversion of a mini-batch into the trainer's tensor batch lives with that type.)
+order; `to_train_batch` turns samples into the trainer's TrainBatch (runtime/batch.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from kubedistill.runtime.batch import TrainBatch
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 
 
@@ -25,7 +26,7 @@ class BatchRequirements:
     teacher_scores: bool = True
     """Distillation on: teacher log-probs for every response token."""
     top_k: int = 0
-    """forwardKLTopK: teacher top-k ids/log-probs of this width at every position (0: not needed)."""
+    """forwardKLTopK: teacher top-k rows (1..top_k entries) at every position (0: not needed)."""
     rewards: bool = False
     """Task rewards in the loss: a reward on every sample."""
 
@@ -58,6 +59,14 @@ class StepSamples:
     def samples(self) -> list[Sample]:
         return [s for mb in self.minibatches for s in mb]
 
+    def train_batches(self, req: BatchRequirements) -> list[TrainBatch]:
+        """One TrainBatch per mini-batch."""
+        return [to_train_batch(mb, req) for mb in self.minibatches]
+
+    def train_batch(self, req: BatchRequirements) -> TrainBatch:
+        """The whole step as one TrainBatch."""
+        return to_train_batch(self.samples, req)
+
     def staleness(self) -> list[int]:
         """trainer_version - min_version of each sample."""
         return [self.trainer_version - (s.min_version if s.min_version is not None else self.trainer_version)
@@ -81,8 +90,13 @@ def check_sample(s: Sample, req: BatchRequirements) -> None:
             ids, lps = s.teacher_topk_ids, s.teacher_topk_logprobs
             if ids is None or lps is None or len(ids) != t or len(lps) != t:
                 raise ValueError(f"{where}: teacher top-k missing or not one row per response token")
-            if any(len(row) != req.top_k for row in ids) or any(len(row) != req.top_k for row in lps):
-                raise ValueError(f"{where}: teacher top-k rows must have spec.algorithm.distillation.topK={req.top_k} entries")
+            for i, (a, b) in enumerate(zip(ids, lps)):
+                # A vocabulary smaller than topK gives shorter rows; TrainBatch masks the rest.
+                if not 1 <= len(a) <= req.top_k or len(a) != len(b):
+                    raise ValueError(
+                        f"{where}: teacher top-k row {i} has {len(a)} ids and {len(b)} log-probs "
+                        f"(need 1..topK={req.top_k}, equal)"
+                    )
     if req.rewards and s.reward is None:
         raise ValueError(f"{where} has no task reward (useTaskRewards is on)")
 
@@ -101,3 +115,23 @@ def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_vers
         )
     mb = req.mini_batch_size
     return StepSamples(trainer_version, [flat[i : i + mb] for i in range(0, len(flat), mb)])
+
+
+def to_train_batch(samples: Sequence[Sample], req: BatchRequirements) -> TrainBatch:
+    """The trainer's batch of these samples: prompt + response ids, behaviour log-probs, the
+    teacher scores and rewards the loss needs, and each sample's oldest weight version."""
+    for s in samples:
+        check_sample(s, req)
+    batch = TrainBatch(
+        token_ids=[list(s.prompt_ids) + list(s.response_ids) for s in samples],
+        prompt_lens=[len(s.prompt_ids) for s in samples],
+        rollout_logprobs=[list(s.logprobs) for s in samples],
+        teacher_logprobs=[list(s.teacher_logprobs) for s in samples] if req.teacher_scores else None,
+        teacher_topk_ids=[list(s.teacher_topk_ids) for s in samples] if req.top_k else None,
+        teacher_topk_logprobs=[list(s.teacher_topk_logprobs) for s in samples] if req.top_k else None,
+        rewards=[float(s.reward) for s in samples] if req.rewards else None,
+        group_ids=[s.group_id for s in samples] if req.rewards else None,
+        weight_versions=[s.min_version for s in samples],
+    )
+    batch.validate()
+    return batch
