@@ -269,6 +269,7 @@ def test_operator_args_probe_and_ports_agree(full_docs: list[dict[str, Any]], de
         assert svc["spec"]["ports"][0]["port"] == metrics and svc["spec"]["ports"][0]["targetPort"] == "metrics"
         assert svc["spec"]["selector"].items() <= one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"].items()
     assert "--all-namespaces" in _container(full_docs)["args"]
+    assert _container(full_docs)["args"][-1] == "--verbose"
     assert _arg(_container(default_docs)["args"], "--namespace") == ["kubedistill"]
     assert "--all-namespaces" not in _container(default_docs)["args"]
     assert _container(full_docs)["image"].endswith("@sha256:" + "0123456789abcdef" * 4)
@@ -374,3 +375,25 @@ def test_alert_thresholds_come_from_values(full_docs: list[dict[str, Any]]) -> N
     assert "[45m]" in rules["KubedistillTrainerStalled"]["expr"]
     assert rules["KubedistillStalenessOverBound"]["expr"].rstrip().endswith("> 0.1")
     assert rules["KubedistillWeightSyncSlow"]["expr"].rstrip().endswith("> 90")
+
+
+@pytest.mark.parametrize("docs_fixture", ["default_docs", "full_docs", "namespaced_docs"])
+def test_operator_command_line_is_accepted_by_the_cli(docs_fixture: str, request: pytest.FixtureRequest) -> None:
+    from kubedistill.cli import build_parser
+
+    docs = request.getfixturevalue(docs_fixture)
+    args = build_parser().parse_args(_container(docs)["args"])
+    assert args.command == "operator"
+    health = [p["containerPort"] for p in _container(docs)["ports"] if p["name"] == "health"][0]
+    assert args.liveness == f"http://0.0.0.0:{health}/healthz"
+    assert args.metrics_port == [p["containerPort"] for p in _container(docs)["ports"] if p["name"] == "metrics"][0]
+    cluster_wide = docs_fixture == "full_docs"
+    assert args.all_namespaces is cluster_wide
+    assert bool(args.namespace) is not cluster_wide
+
+
+def test_operator_pod_passes_job_network_policies(default_docs: list[dict[str, Any]]) -> None:
+    from kubedistill.operator.render import SCRAPER_LABEL
+
+    labels = one(default_docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert labels[SCRAPER_LABEL] == "true"
