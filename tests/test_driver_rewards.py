@@ -45,6 +45,16 @@ def test_registry_routes_by_data_source() -> None:
     assert reg.score("hiyouga/geometry3k", r"\boxed{30}", "30") == 1.0
 
 
+def test_score_sample_stores_the_reward() -> None:
+    from kubedistill.runtime.driver.samples import Sample
+
+    s = Sample(group_id=0, index=0, prompt_ids=[1], max_tokens=4, data_source="arith", ground_truth="52")
+    reg = RewardRegistry(strict=True, entry_points=False)
+    assert reg.score_sample(s, "52") == 1.0 and s.reward == 1.0
+    s.reward_fn = "kubedistill.runtime.driver.rewards.gsm8k_reward"  # dotted form without ':'
+    assert reg.score_sample(s, "#### 51") == 0.0 and s.reward == 0.0
+
+
 def test_unknown_data_source_strict_errors_lenient_counts() -> None:
     strict = RewardRegistry(strict=True, entry_points=False)
     with pytest.raises(UnknownDataSource, match=r"'chat'.*registered patterns: .*gsm8k.*arith"):

@@ -197,3 +197,9 @@ class RewardRegistry:
             self.unscored += 1
             return None
         return float(fn(response, ground_truth))
+
+    def score_sample(self, sample: Any, response_text: str) -> Optional[float]:
+        """Score a Sample (kubedistill.runtime.driver.samples) from its decoded response text
+        (`tokenizer.decode(sample.response_ids, skip_special_tokens=True)`) and store the reward."""
+        sample.reward = self.score(sample.data_source, response_text, sample.ground_truth, sample.reward_fn)
+        return sample.reward
