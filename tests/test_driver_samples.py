@@ -24,8 +24,10 @@ def test_resume_after_abort_merges_prefix_and_continuation() -> None:
     # The wire request the driver sends: prompt unchanged, the tokens so far as the prefix.
     req = GenerateRequest(request_id=second.request_id, prompt_token_ids=second.prompt_token_ids,
                           prefix_token_ids=second.prefix_token_ids, sampling=Sampling(max_tokens=second.max_tokens))
+    # max_tokens is the whole response's budget: the server generates at most 6 - 2 more.
     assert (req.request_id, req.prompt_token_ids, req.prefix_token_ids, req.sampling.max_tokens) == (
-        "7-1-r2", [1, 2, 3], [10, 11], 4)
+        "7-1-r2", [1, 2, 3], [10, 11], 6)
+    assert second.remaining == 4
     s.extend(response(req.request_id, [12, 13, 2], [-0.3, -0.4, -0.5], 4, "stop"))
 
     assert s.response_ids == [10, 11, 12, 13, 2]
@@ -81,3 +83,40 @@ def test_group_versions_and_round_trip() -> None:
     assert again == g
     with pytest.raises(ValueError, match="unknown fields"):
         Sample.from_dict({**g.samples[0].to_dict(), "bogus": 1})
+
+
+async def test_resume_on_the_hf_engine_matches_an_uninterrupted_generation(tiny_models) -> None:
+    """Greedy decoding interrupted after 2 tokens and continued from that prefix (under a new
+    weight version) yields the same tokens and log-probs as one uninterrupted request."""
+    import torch
+
+    from kubedistill.runtime.engines.hf import HFEngine
+
+    torch.set_num_threads(1)
+    engine = HFEngine(str(tiny_models["student"]), dtype="float32")
+    await engine.start()
+    prompt, budget = [1, 4, 11, 14, 8, 9, 15], 6
+    greedy = Sampling(max_tokens=budget, temperature=0.0)
+
+    whole = await engine.generate(GenerateRequest(request_id="whole", prompt_token_ids=prompt, sampling=greedy))
+    assert len(whole.token_ids) > 2  # there is something to continue after the interruption
+
+    s = Sample(group_id=0, index=0, prompt_ids=prompt, max_tokens=budget)
+    c = s.continuation()
+    head = await engine.generate(GenerateRequest(
+        request_id=c.request_id, prompt_token_ids=c.prompt_token_ids, prefix_token_ids=c.prefix_token_ids,
+        sampling=Sampling(max_tokens=2, temperature=0.0)))
+    # What an abort at a weight sync after two tokens returns.
+    s.extend(head.model_copy(update={"finish_reason": "abort"}))
+    engine.version = 1  # the sync happened
+    c = s.continuation()
+    tail = await engine.generate(GenerateRequest(
+        request_id=c.request_id, prompt_token_ids=c.prompt_token_ids, prefix_token_ids=c.prefix_token_ids,
+        sampling=Sampling(max_tokens=c.max_tokens, temperature=0.0)))
+    s.extend(tail)
+
+    assert s.response_ids == whole.token_ids
+    assert s.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
+    assert s.versions == [0, 0] + [1] * (len(whole.token_ids) - 2)
+    assert s.finish_reason == whole.finish_reason and s.resumed == 1
+    await engine.shutdown()

@@ -3,7 +3,7 @@ responses to one prompt (a GRPO group), plus partial-rollout resume.
 
 A generation interrupted by a weight sync comes back with `finish_reason == "abort"` and the
 tokens produced so far. `Sample.continuation()` gives the next request (prompt + the tokens so far
-as `prefix_token_ids`, the remaining token budget); `Sample.extend()` appends what that request
+as `prefix_token_ids`, the same whole-response token budget); `Sample.extend()` appends what that request
 returns. The merged response is prefix + continuation, and each token keeps the log-prob and the
 weight version of the request that sampled it, so the loss uses the right behaviour policy.
 """
@@ -34,6 +34,13 @@ class Continuation:
     prompt_token_ids: list[int]
     prefix_token_ids: list[int]
     max_tokens: int
+    """sampling.max_tokens: the budget of the whole response, prefix included (the server
+    generates at most max_tokens - len(prefix_token_ids) more), so a resumed sample ends where an
+    uninterrupted one would."""
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.prefix_token_ids)
 
 
 @dataclass
@@ -118,7 +125,7 @@ class Sample:
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_ids),
             prefix_token_ids=list(self.response_ids),
-            max_tokens=remaining,
+            max_tokens=self.max_tokens,
         )
 
     def extend(self, out: GenerationOutput) -> None:
