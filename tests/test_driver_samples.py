@@ -61,6 +61,20 @@ def test_bad_generate_output_is_refused() -> None:
         s.extend(Broken())
 
 
+def test_teacher_scores_are_checked_against_the_response() -> None:
+    from kubedistill.runtime.protocol import ScoreResponse
+
+    s = Sample(group_id=2, index=0, prompt_ids=[1, 2], max_tokens=4)
+    s.continuation()
+    s.extend(response("x", [7, 8], [-1.0, -1.0], 0, "stop"))
+    assert s.score_input() == ([1, 2, 7, 8], 2)
+    s.set_scores("math", ScoreResponse(logprobs=[-0.5, -0.25], topk_ids=[[7, 3], [8, 3]],
+                                       topk_logprobs=[[-0.5, -1.0], [-0.25, -2.0]]))
+    assert (s.teacher, s.teacher_logprobs, s.teacher_topk_ids[1], s.scored) == ("math", [-0.5, -0.25], [8, 3], True)
+    with pytest.raises(ValueError, match="scored 1 log-probs, 1 top-k id rows and 1 top-k log-prob rows for 2"):
+        s.set_scores("math", ScoreResponse(logprobs=[-0.5], topk_ids=[[7]], topk_logprobs=[[-0.5]]))
+
+
 def test_restart_forgets_tokens_and_scores() -> None:
     s = Sample(group_id=0, index=0, prompt_ids=[1], max_tokens=3)
     s.continuation()

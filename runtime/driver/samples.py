@@ -153,6 +153,24 @@ class Sample:
             reason = "length"
         self.finish_reason = reason
 
+    def score_input(self) -> tuple[list[int], int]:
+        """(token_ids, prompt_len) of the teacher's /score request: prompt followed by response."""
+        return list(self.prompt_ids) + list(self.response_ids), len(self.prompt_ids)
+
+    def set_scores(self, teacher: str, out: Any) -> None:
+        """Store a teacher's /score output (ScoreResponse): one entry per response token."""
+        t = len(self.response_ids)
+        lps, ids, tlps = list(out.logprobs), list(out.topk_ids), list(out.topk_logprobs)
+        if not (len(lps) == len(ids) == len(tlps) == t):
+            raise ValueError(
+                f"sample {self.sample_id}: teacher {teacher} scored {len(lps)} log-probs, {len(ids)} top-k id rows "
+                f"and {len(tlps)} top-k log-prob rows for {t} response tokens"
+            )
+        self.teacher = teacher
+        self.teacher_logprobs = [float(x) for x in lps]
+        self.teacher_topk_ids = [list(map(int, row)) for row in ids]
+        self.teacher_topk_logprobs = [list(map(float, row)) for row in tlps]
+
     def restart(self) -> None:
         """Forget the tokens generated so far (resume without partial rollouts: start over)."""
         self.response_ids, self.logprobs, self.versions = [], [], []
