@@ -109,3 +109,18 @@ def test_bad_rows_and_files_get_one_line_errors(tmp_path: Path, tok) -> None:
         PromptSource([tmp_path / "x.csv"], tok)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         PromptSource([tmp_path / "missing.jsonl"], tok)
+
+
+def test_from_spec_reads_train_and_val(tmp_path: Path, tok) -> None:
+    from kubedistill.api.spec import DistillationJobSpec
+
+    train = write_jsonl(problems(6), tmp_path / "train.jsonl")
+    val = write_jsonl(problems(3), tmp_path / "val.jsonl")
+    spec = DistillationJobSpec.model_validate({
+        "student": {"model": "/m"}, "teachers": [{"name": "t", "model": "/t"}],
+        "data": {"train": [str(train)], "val": [str(val)], "maxPromptLength": 16, "seed": 5},
+    })
+    src = PromptSource.from_spec(spec, tok)
+    assert (len(src), src.seed, src.max_prompt_length, src.shuffle) == (6, 5, 16, True)
+    v = PromptSource.from_spec(spec, tok, split="val")
+    assert len(v) == 3 and not v.shuffle and [i.row for i in v.take(3)] == [0, 1, 2]

@@ -149,14 +149,20 @@ class PromptSource:
         self._too_long: set[int] = set()
 
     @classmethod
-    def from_spec(cls, spec: Any, tokenizer: Any) -> PromptSource:
+    def from_spec(cls, spec: Any, tokenizer: Any, split: str = "train") -> PromptSource:
+        """The source of spec.data.train, or of spec.data.val (never shuffled) with split="val"."""
         d = spec.data
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        files = d.train if split == "train" else d.val
+        if not files:
+            raise ValueError(f"spec.data.{split}: no files")
         return cls(
-            d.train,
+            files,
             tokenizer,
             prompt_key=d.prompt_key,
             max_prompt_length=d.max_prompt_length,
-            shuffle=d.shuffle,
+            shuffle=d.shuffle and split == "train",
             seed=d.seed,
             route_key=spec.routing.key,
         )
