@@ -247,3 +247,25 @@ def test_dashboard_is_well_formed() -> None:
         mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not mine & cells, f"panel {p['title']!r} overlaps another"
         cells |= mine
+
+
+def test_metric_reference_lists_every_metric() -> None:
+    """docs/monitoring.md's reference names every metric the runtime and the operator export."""
+    from kubedistill.operator.metrics import METRICS as OPERATOR
+    from kubedistill.runtime.metrics import METRICS as RUNTIME
+
+    doc = (ROOT / "docs" / "monitoring.md").read_text()
+    names = [d.full_name + ("_total" if d.kind.__name__ == "Counter" else "") for d in [*RUNTIME, *OPERATOR]]
+    missing = [n for n in names if f"`{n}`" not in doc]
+    assert not missing, f"docs/monitoring.md does not describe {missing}"
+    for name in REQUESTED_OPERATOR_METRICS:
+        assert name in doc
+
+
+def test_docs_link_each_other_and_the_readme_links_them() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for doc in ["install", "monitoring", "troubleshooting", "tuning"]:
+        assert f"(docs/{doc}.md)" in readme
+        path = ROOT / "docs" / f"{doc}.md"
+        for target in re.findall(r"\]\(([^)#:]+)\)", path.read_text()):
+            assert (path.parent / target).exists(), f"{path.name} links to missing {target}"
