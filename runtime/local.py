@@ -26,6 +26,15 @@ from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, rol
 from kubedistill.api.spec import DistillationJobSpec
 
 HOST = "127.0.0.1"
+# Trainer rank 0 appends one JSON line per train step to this file when the variable is set
+# (same fields as its /status, plus `time`: seconds since the driver started).
+HISTORY_ENV = "KUBEDISTILL_HISTORY"
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass
@@ -195,6 +204,11 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
     config_path = run_dir / "config.json"
     config, processes = plan(job, config_path)
     config.dump(config_path)
+    history_path = run_dir / "history.jsonl"
+    history_path.unlink(missing_ok=True)
+    for p in processes:
+        if p.identity.role is Role.trainer and p.identity.replica == 0:
+            p.env[HISTORY_ENV] = str(history_path)
 
     import ray
 
@@ -265,6 +279,7 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
         ray.shutdown()
     outcome["seconds"] = round(time.time() - started, 1)
     outcome["logs"] = str(run_dir / "logs")
+    outcome["history"] = read_history(history_path)
     log(f"kubedistill run: {outcome['result']} after {outcome['seconds']} s; " + _progress_line(outcome.get("status", {}), job.spec.trainer.total_steps, outcome["seconds"]))
     if report is not None:
         report.write_text(json.dumps(outcome, indent=2))
