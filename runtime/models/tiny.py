@@ -104,3 +104,21 @@ def build_tiny_model(out_dir: Path, tokenizer, seed: int = 0, **config_kwargs) -
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
+
+
+def tiny_corpus(lines: int = 200, seed: int = 0) -> list[str]:
+    """Deterministic English-like text to train a small BPE tokenizer on (no downloads)."""
+    import random
+
+    words = (
+        "the a student teacher model learns from token weights loss step batch prompt answer "
+        "sum of two numbers is equal to plus minus and then we check if it is right"
+    ).split()
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(12)) + f" {rng.randint(0, 999)}" for _ in range(lines)]
+
+
+def build_tiny_bpe_model(out_dir: Path, *, arch: str = "llama", vocab_size: int = 300, seed: int = 0, **config_kwargs) -> Path:
+    """A random-weight model with a byte-level BPE tokenizer trained here on :func:`tiny_corpus`."""
+    tok = bpe_tokenizer(tiny_corpus(seed=seed), vocab_size=vocab_size)
+    return build_tiny_model(out_dir, tok, seed=seed, arch=arch, **config_kwargs)

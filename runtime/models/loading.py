@@ -1,0 +1,89 @@
+"""Loading HF-format models (safetensors directories at local paths) and checking that the
+student and its teachers share one tokenizer.
+
+Distillation compares log-probs token id by token id (teacher top-k ids index the student's
+vocabulary), so every teacher must map text to the same ids as the student.
+:func:`check_shared_vocabulary` refuses a job whose tokenizers differ and names the teacher and
+the first difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def require_model_dir(path: str | Path, what: str) -> Path:
+    """A local HF model directory (config.json + safetensors), else a one-line error."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{what}: {p} is not a HF model directory (no config.json)")
+    if not any(p.glob("*.safetensors")):
+        raise FileNotFoundError(f"{what}: {p} has no *.safetensors weights")
+    return p
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32", what: str = "model", trust_remote_code: bool = False) -> Any:
+    """An AutoModelForCausalLM from a local safetensors directory, never from a hub."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"{what}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    p = require_model_dir(path, what)
+    return AutoModelForCausalLM.from_pretrained(
+        str(p), dtype=getattr(torch, dtype), local_files_only=True, trust_remote_code=trust_remote_code
+    )
+
+
+def load_tokenizer(path: str | Path, *, what: str = "tokenizer", trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"{what}: {p} is not a directory")
+    return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def vocabulary_difference(student_tok: Any, teacher_tok: Any) -> str | None:
+    """None when both tokenizers map every token to the same id, else what differs (one phrase)."""
+    a, b = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if a == b:
+        for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            sa, sb = getattr(student_tok, attr, None), getattr(teacher_tok, attr, None)
+            if sa is not None and sb is not None and sa != sb:
+                return f"{attr} is {sa} for the student but {sb} for the teacher"
+        return None
+    if len(a) != len(b):
+        head = f"vocabulary size {len(a)} (student) vs {len(b)} (teacher)"
+    else:
+        head = f"same size {len(a)} but different ids"
+    for token in sorted(a.keys() | b.keys(), key=lambda t: (a.get(t, b.get(t, 0)), t)):
+        ia, ib = a.get(token), b.get(token)
+        if ia != ib:
+            return f"{head}; first difference: token {token!r} is id {ia} in the student, {ib} in the teacher"
+    return head  # unreachable in practice: different dicts differ at some token
+
+
+def check_shared_vocabulary(student: str | Path, teachers: Mapping[str, str | Path]) -> None:
+    """Raise ValueError if any teacher's tokenizer differs from the student's (names the teacher).
+
+    ``student`` and the ``teachers`` values are tokenizer directories (usually the model
+    directories; spec.*.tokenizer when set).
+    """
+    student_tok = load_tokenizer(student, what="student tokenizer")
+    problems = []
+    for name, path in teachers.items():
+        diff = vocabulary_difference(student_tok, load_tokenizer(path, what=f"teacher {name!r} tokenizer"))
+        if diff is not None:
+            problems.append(f"teacher {name!r} ({path}): {diff}")
+    if problems:
+        raise ValueError("student and teachers must share one tokenizer: " + "; ".join(problems))
+
+
+def check_job_vocabulary(spec: Any) -> None:
+    """check_shared_vocabulary for a DistillationJobSpec (tokenizer paths default to model paths)."""
+    student = spec.student.tokenizer or spec.student.model
+    check_shared_vocabulary(student, {t.name: t.tokenizer or t.model for t in spec.teachers})

@@ -1,0 +1,28 @@
+"""Learning-rate schedule: linear warm-up, then constant, cosine or linear decay (spec.trainer.optim)."""
+
+from __future__ import annotations
+
+import math
+
+from kubedistill.api.spec import OptimSpec
+
+
+def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
+    """Multiplier of optim.lr for the optimiser step with 0-based index `step`.
+
+    Warm-up ramps (step + 1) / warmupSteps so the first step already learns; decay runs from the
+    end of warm-up to total_steps, ending at minLrRatio.
+    """
+    warmup = optim.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    schedule = optim.schedule.value
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    floor = optim.min_lr_ratio
+    if schedule == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    raise ValueError(f"trainer.optim.schedule must be constant, cosine or linear, got {schedule!r}")
