@@ -97,13 +97,13 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
-def render_alert_groups() -> list[dict[str, Any]]:
+def render_alert_groups(*extra: str) -> list[dict[str, Any]]:
     local = ROOT / ".venv" / "tools" / "helm"
     helm = str(local) if local.exists() else shutil.which("helm")
     assert helm, "helm not found: run `bash scripts/install-helm.sh`"
     out = subprocess.run(
         [helm, "template", "kd", str(CHART), "--set", "metrics.prometheusRule.enabled=true",
-         "--api-versions", "monitoring.coreos.com/v1/PrometheusRule"],
+         "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", *extra],
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout
     (rule,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule"]
