@@ -1,0 +1,325 @@
+"""The training driver (trainer rank 0): one asyncio loop for the three modes of DESIGN.md §2.
+
+Two sides share a SampleBuffer:
+
+* generation — takes prompts from the PromptSource, reserves each group in the buffer (which
+  waits while the mode's staleness bound or the in-flight cap would be exceeded), sends every
+  sample to the least busy rollout server, resumes a sample aborted by a weight sync from the
+  tokens it already has (partialRollout), sends each finished sample to its teacher right away
+  (scoring overlaps the other generations), computes its task reward and puts the group back;
+* training — takes `requireBatches x miniBatchSize` samples, runs the trainer step in a worker
+  thread (generation and scoring continue meanwhile), syncs weights every
+  `triggerParameterSyncStep` steps and tells the buffer, checkpoints.
+
+The modes differ only in the StalenessPolicy: sync allows one batch under the current weights
+(generate, train, sync), oneStepOff two (batch k+1 generates while k trains), fullyAsync the
+spec's bound. All trainer calls run on one dedicated thread, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import pickle
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Protocol
+
+from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.runtime.checkpoint import checkpoint_due
+from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
+from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
+from kubedistill.runtime.driver.data import PromptSource
+from kubedistill.runtime.driver.rewards import RewardRegistry
+from kubedistill.runtime.driver.routing import EndpointPool, TeacherRouter
+from kubedistill.runtime.driver.samples import Sample, SampleGroup
+from kubedistill.runtime.driver.staleness import StalenessPolicy
+from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
+
+log = logging.getLogger("kubedistill.driver")
+
+DRIVER_STATE_FORMAT = 1
+EXPORT_DIR = "student-hf"
+
+
+class TrainerLike(Protocol):
+    def step(self, batch: Any) -> Any: ...
+    def named_full_weights(self) -> Iterable[tuple[str, Any]]: ...
+    def save_checkpoint(self, step: int, weight_version: int, driver_state: Any) -> Path: ...
+    def export_hf(self, out_dir: str | Path) -> Optional[Path]: ...
+
+
+class SenderLike(Protocol):
+    def sync(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> Any: ...
+
+
+def request_seed(base: Optional[int], sample: Sample) -> Optional[int]:
+    """A distinct, reproducible seed per /generate call (the n samples of a prompt must differ)."""
+    if base is None:
+        return None
+    return (base * 1_000_003 + sample.group_id * 7919 + sample.index * 104_729 + sample.requests * 15_485_863) % (2**31)
+
+
+class Driver:
+    def __init__(
+        self,
+        spec: DistillationJobSpec,
+        *,
+        trainer: TrainerLike,
+        sender: SenderLike,
+        rollout_urls: list[str],
+        teacher_urls: dict[str, list[str]],
+        tokenizer: Any,
+        metrics: Any = None,
+        history: Optional[HistoryWriter] = None,
+        status: Optional[DriverStatus] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.spec = spec
+        self.trainer = trainer
+        self.sender = sender
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.history = history or HistoryWriter()
+        self.status = status or DriverStatus(total_steps=spec.trainer.total_steps)
+        self.clock = clock
+        self.policy = StalenessPolicy.from_spec(spec)
+        self.buffer = SampleBuffer(self.policy, metrics)
+        self.req = BatchRequirements.from_spec(spec)
+        self.src = PromptSource.from_spec(spec, tokenizer)
+        self.rewards = RewardRegistry.for_spec(spec)
+        self.pool = EndpointPool("rollout", rollout_urls)
+        self.router = TeacherRouter(spec, teacher_urls)
+        self._rollout_urls = list(rollout_urls)
+        self._teacher_urls = [u for urls in teacher_urls.values() for u in urls]
+        self.step = 0
+        self.version = 0
+        self._pending_cursor: Optional[dict[str, Any]] = None
+        """Data cursor before a prompt drawn but not yet reserved in the buffer (a checkpoint
+        taken then must not skip it)."""
+        self._tasks: set[asyncio.Task] = set()
+        self._error: Optional[BaseException] = None
+        self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self._started = clock()
+        self._wait_seconds = 0.0
+        self._consumed = 0
+        self._resumed_groups: list[SampleGroup] = []
+
+    # ---- checkpoint state ------------------------------------------------------------------
+    def driver_state(self) -> bytes:
+        """Data cursor + every sample generated but not trained on (buffered or in flight)."""
+        cursor = self._pending_cursor if self._pending_cursor is not None else self.src.state_dict()
+        return pickle.dumps({
+            "format": DRIVER_STATE_FORMAT,
+            "step": self.step,
+            "version": self.version,
+            "data": cursor,
+            "buffer": self.buffer.to_bytes(),
+        })
+
+    def restore(self, step: int, weight_version: int, driver_state: Any) -> None:
+        state = pickle.loads(driver_state) if isinstance(driver_state, (bytes, bytearray)) else driver_state
+        if not isinstance(state, dict) or state.get("format") != DRIVER_STATE_FORMAT:
+            raise ValueError(f"checkpoint driver state has an unknown format (want {DRIVER_STATE_FORMAT})")
+        self.src.load_state_dict(state["data"])
+        self.buffer.load_bytes(state["buffer"])
+        self.step, self.version = step, weight_version
+        self.status.step, self.status.weight_version = step, weight_version
+        for g in self.buffer.in_flight_groups():
+            if not self.policy.partial_rollout:
+                for s in g.samples:
+                    if not s.finished:
+                        s.restart()
+            self._resumed_groups.append(g)
+        log.info("resumed at step %d, weight version %d: %d groups buffered, %d in flight",
+                 step, weight_version, len(self.buffer.ready_groups()), len(self._resumed_groups))
+
+    # ---- trainer thread --------------------------------------------------------------------
+    async def _on_trainer(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
+
+    def _sync_blocking(self, version: int) -> Any:
+        return self.sender.sync(version, self.trainer.named_full_weights())
+
+    async def sync_weights(self, version: int) -> None:
+        t0 = self.clock()
+        await self._on_trainer(self._sync_blocking, version)
+        self.version = version
+        self.status.weight_version = version
+        await self.buffer.synced(version)
+        self._observe("sync", self.clock() - t0)
+
+    # ---- the run ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Train until totalSteps, then the final checkpoint and the HF export."""
+        import httpx
+
+        from kubedistill.runtime.clients import RolloutClient, TeacherClient
+
+        total = self.spec.trainer.total_steps
+        self._started = self.clock()
+        self.status.set_phase("running")
+        async with httpx.AsyncClient(timeout=float(self.spec.weight_sync.timeout_seconds) + 600.0,
+                                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)) as http:
+            self._rollout = {u: RolloutClient(u, client=http) for u in self._rollout_urls}
+            self._teacher = {u: TeacherClient(u, client=http) for u in self._teacher_urls}
+            for g in self._resumed_groups:
+                self._spawn(self._generate_group(g))
+            self._resumed_groups = []
+            producer = asyncio.create_task(self._produce())
+            producer.add_done_callback(self._task_done)
+            try:
+                while self.step < total:
+                    await self._train_one()
+                    if checkpoint_due(self.step, self.spec.checkpoint.every_steps, total):
+                        await self._checkpoint()
+            finally:
+                producer.cancel()
+                for t in list(self._tasks):
+                    t.cancel()
+                await asyncio.gather(producer, *self._tasks, return_exceptions=True)
+                await self.buffer.close()
+        if self.spec.checkpoint.export_hf:
+            out = Path(self.spec.checkpoint.path) / EXPORT_DIR
+            await self._on_trainer(self.trainer.export_hf, out)
+            log.info("exported the student to %s", out)
+        self._trainer_thread.shutdown(wait=True)
+        self.status.set_phase("done")
+
+    async def _checkpoint(self) -> None:
+        state = self.driver_state()  # a consistent snapshot: taken on the loop thread
+        path = await self._on_trainer(self.trainer.save_checkpoint, self.step, self.version, state)
+        self.status.last_checkpoint = str(path) if path is not None else None
+        log.info("checkpoint %s", path)
+
+    async def _train_one(self) -> None:
+        t0 = self.clock()
+        try:
+            groups = await self.buffer.take(self.req.step_samples)
+        except BufferClosed:
+            raise self._error or RuntimeError("the sample buffer closed before totalSteps") from None
+        waited = self.clock() - t0
+        self._wait_seconds += waited
+        self._observe("wait", waited)
+        trainer_version = self.version
+        step_samples = assemble(groups, self.req, trainer_version)
+        batches = step_samples.train_batches(self.req)
+        stats = await self._on_trainer(lambda: [self.trainer.step(b) for b in batches])
+        self.step += 1
+        self._consumed += len(step_samples.samples)
+        staleness = step_samples.staleness()
+        rewards = [s.reward for s in step_samples.samples if s.reward is not None]
+        synced = False
+        if self.step % self.policy.trigger_parameter_sync_step == 0 and self.step < self.spec.trainer.total_steps:
+            await self.sync_weights(self.version + 1)
+            synced = True
+        now = self.clock()
+        elapsed = max(now - self._started, 1e-9)
+        last = stats[-1]
+        st = self.status
+        st.step = self.step
+        st.samples_per_second = self._consumed / elapsed
+        st.reward_mean = sum(rewards) / len(rewards) if rewards else None
+        kls = [s.kl for s in stats if s.kl is not None]
+        st.kl_student_teacher = sum(kls) / len(kls) if kls else None
+        st.staleness_mean = sum(staleness) / len(staleness) if staleness else 0.0
+        st.trainer_idle_ratio = self._wait_seconds / elapsed
+        if self.metrics is not None:
+            self.metrics["step"].set(self.step)
+            self.metrics["trainer_idle_ratio"].set(st.trainer_idle_ratio)
+            if st.reward_mean is not None:
+                self.metrics["reward_mean"].set(st.reward_mean)
+            self.metrics["weight_version"].set(self.version)
+        self.history.write({
+            **st.to_json(),
+            "time": round(now - self._started, 3),
+            "trainerVersion": trainer_version,
+            "synced": synced,
+            "lossTotal": sum(s.loss_total for s in stats) / len(stats),
+            "lossDistill": sum(s.loss_distill for s in stats) / len(stats),
+            "lossPg": sum(s.loss_pg for s in stats) / len(stats),
+            "gradNorm": last.grad_norm,
+            "lr": last.lr,
+            "stalenessMax": max(staleness) if staleness else 0,
+            "groups": [g.group_id for g in groups],
+            "resumedSamples": sum(s.resumed for s in step_samples.samples),
+            "waitSeconds": round(waited, 4),
+            "trainSeconds": round(sum(s.seconds for s in stats), 4),
+            "droppedStale": self.buffer.counters["dropped_stale"],
+        })
+
+    # ---- generation ------------------------------------------------------------------------
+    async def _produce(self) -> None:
+        n, max_tokens = self.spec.rollout.sampling.n, self.spec.rollout.sampling.max_tokens
+        while True:
+            self._pending_cursor = self.src.state_dict()
+            group = SampleGroup.from_prompt(self.src.next(), n, max_tokens)
+            await self.buffer.reserve(group)
+            self._pending_cursor = None
+            self._spawn(self._generate_group(group))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, BufferClosed) and self._error is None:
+            log.error("generation failed: %r", exc)
+            self._error = exc
+            asyncio.get_running_loop().create_task(self.buffer.close())
+
+    async def _generate_group(self, group: SampleGroup) -> None:
+        await asyncio.gather(*(self._generate_sample(group, s) for s in group.samples))
+        await self.buffer.put(group)
+
+    async def _generate_sample(self, group: SampleGroup, s: Sample) -> None:
+        from kubedistill.runtime.protocol import GenerateRequest, Sampling
+
+        sp = self.spec.rollout.sampling
+        t0 = self.clock()
+        while not s.finished:
+            if s.needs_resume and not self.policy.partial_rollout:
+                s.restart()
+            c = s.continuation()
+            req = GenerateRequest(
+                request_id=c.request_id, prompt_token_ids=c.prompt_token_ids, prefix_token_ids=c.prefix_token_ids,
+                sampling=Sampling(max_tokens=c.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                  seed=request_seed(sp.seed, s)),
+            )
+            url = self.pool.acquire()
+            try:
+                out = await self._rollout[url].generate(req)
+            finally:
+                self.pool.release(url)
+            s.extend(out)
+        self._observe("gen", self.clock() - t0)
+        if self.req.teacher_scores and not s.scored:
+            await self._score(group, s)
+        if s.reward is None:
+            text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            self.rewards.score_sample(s, text)
+
+    async def _score(self, group: SampleGroup, s: Sample) -> None:
+        from kubedistill.runtime.protocol import ScoreRequest
+
+        t0 = self.clock()
+        ids, prompt_len = s.score_input()
+        name, url = self.router.acquire(s.route_value)
+        try:
+            out = await self._teacher[url].score(ScoreRequest(
+                token_ids=ids, prompt_len=prompt_len, top_k=self.spec.algorithm.distillation.top_k,
+                images=group.images))
+        finally:
+            self.router.release(name, url)
+        s.set_scores(name, out)
+        self._observe("score", self.clock() - t0)
+
+    def _observe(self, phase: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics["step_seconds"].labels(phase=phase).observe(seconds)

@@ -1,0 +1,111 @@
+"""`kubedistill role trainer`: one trainer rank.
+
+Rank 0 serves GET /status, /health, /metrics on --host/--port, resumes from the newest
+checkpoint (spec.checkpoint.resume: auto), forms the weight-sync group with the rollout servers
+and runs the driver (runtime/driver/loop.py) until totalSteps; then the final checkpoint, the
+student exported to `<checkpoint.path>/student-hf`, exit 0. Ranks >= 1 join torch.distributed
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and follow rank 0's calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import traceback
+
+log = logging.getLogger("kubedistill.trainer")
+
+
+def _init_distributed(spec, rank: int, world: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if world <= 1 or dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if spec.device.value == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=max(600, spec.weight_sync.timeout_seconds)))
+
+
+def run(args: argparse.Namespace) -> int:
+    from kubedistill.runtime.roles import _load
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config, identity, port = _load(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kubedistill role trainer: {e}", file=sys.stderr)
+        return 2
+    spec = config.spec
+    rank = identity.replica
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    import torch
+
+    torch.set_num_threads(spec.trainer.overrides.cpu_threads or 1 if spec.device.value == "cpu" else torch.get_num_threads())
+    _init_distributed(spec, rank, world)
+
+    from kubedistill.runtime.metrics import RoleMetrics
+    from kubedistill.runtime.trainer import Trainer
+
+    metrics = RoleMetrics(config.job, "trainer", rank)
+    if rank != 0:
+        trainer = Trainer(spec, metrics=metrics)
+        trainer.follow()
+        return 0
+    return asyncio.run(_lead(config, args.host, port, metrics))
+
+
+async def _lead(config, host: str, port: int, metrics) -> int:
+    from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
+    from kubedistill.runtime.status_server import StatusServer
+
+    spec = config.spec
+    status = DriverStatus(total_steps=spec.trainer.total_steps)
+    server = StatusServer(status, metrics, host, port)
+    await server.start()
+    trainer = None
+    try:
+        trainer, driver = await asyncio.to_thread(_build, config, metrics, status)
+        resumed = await asyncio.to_thread(trainer.resume)
+        if resumed is not None:
+            driver.restore(resumed.step, resumed.weight_version, resumed.driver_state)
+            status.last_checkpoint = str(resumed.path)
+        log.info("waiting for %d rollout worker(s) to join the weight-sync group", len(config.endpoints.rollout))
+        from kubedistill.runtime.weight_sync.sender import WeightSender
+
+        driver.sender = await asyncio.to_thread(WeightSender, spec, config.endpoints, metrics)
+        if resumed is not None:
+            # The rollout servers may hold other weights (fresh start, or a newer un-checkpointed
+            # version): give them the checkpoint's, under its version number.
+            await driver.sync_weights(resumed.weight_version)
+        driver.history = HistoryWriter.from_env()
+        await driver.run()
+        await asyncio.to_thread(trainer.close)
+        return 0
+    except Exception as e:
+        status.set_phase("failed", f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        return 1
+    finally:
+        await server.stop()
+
+
+def _build(config, metrics, status):
+    from transformers import AutoTokenizer
+
+    from kubedistill.runtime.driver.loop import Driver
+    from kubedistill.runtime.trainer import Trainer
+
+    spec = config.spec
+    trainer = Trainer(spec, metrics=metrics)
+    tok_path = spec.student.tokenizer or spec.student.model
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True,
+                                              trust_remote_code=spec.student.trust_remote_code)
+    driver = Driver(spec, trainer=trainer, sender=None, rollout_urls=config.endpoints.rollout,  # type: ignore[arg-type]
+                    teacher_urls=config.endpoints.teachers, tokenizer=tokenizer, metrics=metrics, status=status)
+    return trainer, driver
