@@ -1,0 +1,186 @@
+"""Shared pieces of the CPU benchmarks in bench/: job files, running a job with every role as
+local processes (`kubedistill run`), reading its per-step history and checkpoints, tables.
+
+Nothing here fakes a measurement: every number comes from a job that really ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/x.py` from a checkout without the package installed
+    sys.path.insert(0, str(REPO))
+
+MODES = ("sync", "oneStepOff", "fullyAsync")
+API_VERSION = "kubedistill.io/v1alpha1"
+
+
+@dataclass
+class JobShape:
+    """What varies between benchmark jobs; everything else is fixed by `job_manifest`."""
+
+    name: str
+    mode: str
+    student: Path
+    teacher: Path
+    train: Path
+    val: Optional[Path]
+    checkpoint: Path
+    steps: int
+    lr: float
+    loss: str = "forwardKLTopK"
+    policy_gradient: bool = False
+    top_k: int = 16
+    engine: str = "hf"
+    n: int = 4
+    max_tokens: int = 8
+    mini_batch: int = 64
+    checkpoint_every: int = 10
+    warmup: int = 5
+    max_model_len: int = 64
+    async_: dict[str, Any] = field(default_factory=dict)
+    loss_max_clamp: Optional[float] = None
+
+
+def job_manifest(s: JobShape) -> dict[str, Any]:
+    """A DistillationJob for CPU: one rollout, one teacher, one trainer, one thread each."""
+    inference: dict[str, Any] = {"engine": s.engine, "maxModelLen": s.max_model_len}
+    if s.engine == "vllm":
+        inference["kvCacheGiB"] = 1
+    distillation: dict[str, Any] = {"lossMode": s.loss, "topK": s.top_k, "usePolicyGradient": s.policy_gradient}
+    if s.loss_max_clamp is not None:
+        distillation["lossMaxClamp"] = s.loss_max_clamp
+    spec: dict[str, Any] = {
+        "mode": s.mode,
+        "device": "cpu",
+        "student": {"model": str(s.student)},
+        "teachers": [{"name": "teacher", "model": str(s.teacher), "inference": dict(inference),
+                      "overrides": {"cpuThreads": 1}}],
+        "rollout": {"replicas": 1, "inference": dict(inference),
+                    "sampling": {"n": s.n, "temperature": 1.0, "maxTokens": s.max_tokens, "seed": 0},
+                    "overrides": {"cpuThreads": 1}},
+        "trainer": {"replicas": 1, "miniBatchSize": s.mini_batch, "totalSteps": s.steps,
+                    "mixedPrecision": "float32",
+                    "optim": {"lr": s.lr, "warmupSteps": s.warmup, "schedule": "cosine", "gradClip": 1.0},
+                    "overrides": {"cpuThreads": 1}},
+        "algorithm": {"distillation": distillation},
+        "data": {"train": [str(s.train)], "val": [str(s.val)] if s.val else [], "maxPromptLength": 32, "seed": 0},
+        "checkpoint": {"path": str(s.checkpoint), "everySteps": s.checkpoint_every, "keep": 1000,
+                       "resume": "never"},
+        "weightSync": {"bucketMB": 16},
+    }
+    if s.mode == "fullyAsync" or s.async_:
+        spec["async"] = dict(s.async_)
+    return {"apiVersion": API_VERSION, "kind": "DistillationJob", "metadata": {"name": s.name}, "spec": spec}
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def run_job(shape: JobShape, workdir: Path, log=print) -> dict[str, Any]:
+    """Write the job file, run it with `kubedistill run` machinery and return its report
+    (``history``: one entry per train step from trainer rank 0)."""
+    import yaml
+
+    from kubedistill.runtime import local
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_path = workdir / f"{shape.name}.yaml"
+    job_path.write_text(yaml.safe_dump(job_manifest(shape), sort_keys=False))
+    report_path = workdir / f"{shape.name}.report.json"
+    report_path.unlink(missing_ok=True)
+    t0 = time.time()
+    code = local.run(job_path, workdir=workdir / shape.name, report=report_path, progress=False,
+                     log=lambda line: log(f"  [{shape.name}] {line}"))
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    report["launcherSeconds"] = round(time.time() - t0, 1)
+    if code != 0 or not report.get("history"):
+        raise JobFailed(f"job {shape.name} failed ({report.get('result', f'exit {code}')}); logs in "
+                        f"{report.get('logs', workdir / shape.name / 'logs')}")
+    return report
+
+
+def history_at(history: Sequence[dict[str, Any]], step: int) -> Optional[dict[str, Any]]:
+    for h in history:
+        if h.get("step") == step:
+            return h
+    return None
+
+
+def load_checkpoint_student(init_dir: Path, checkpoint_dir: Path):
+    """The student of a trainer checkpoint (`trainer.pt`) as a plain HF model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(init_dir))
+    state = torch.load(checkpoint_dir / "trainer.pt", map_location="cpu", weights_only=False)["model"]
+    # The trainer wraps the HF model as `lm` (see runtime/trainer/trainer.py).
+    sd = {k[len("lm."):] if k.startswith("lm.") else k: v for k, v in state.items()}
+    result = model.load_state_dict(sd, strict=False)
+    missing = set(result.missing_keys) - {"lm_head.weight"}
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint {checkpoint_dir} does not match {init_dir}: missing {sorted(missing)[:3]}, "
+                           f"unexpected {sorted(result.unexpected_keys)[:3]}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
+def checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the complete checkpoints under `root`, oldest first."""
+    from kubedistill.runtime.checkpoint import CheckpointStore
+
+    return sorted((c.step, c.path) for c in CheckpointStore(root, keep=1000).complete())
+
+
+def mean(xs: Iterable[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def first_time_at_or_below(points: Sequence[tuple[float, float]], target: float) -> Optional[float]:
+    """The first time a (time, value) curve reaches `target`, interpolated linearly between the
+    two points around the crossing; None if it never does."""
+    prev: Optional[tuple[float, float]] = None
+    for t, v in points:
+        if v <= target:
+            if prev is None or prev[1] == v:
+                return t
+            (t0, v0) = prev
+            return t0 + (t - t0) * (v0 - target) / (v0 - v)
+        prev = (t, v)
+    return None
+
+
+def fmt(x: Any, spec: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return format(x, spec) if isinstance(x, (int, float)) else str(x)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def single_thread() -> None:
+    """The benchmark process itself (evaluation, preparation) uses one thread: the roles already
+    share the two cores and more threads collapse under contention (notes/opd-learning-facts)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)

