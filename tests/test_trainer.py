@@ -1,0 +1,181 @@
+"""Single-rank trainer: log-probs, micro-batching, learning, metrics, full weights, HF export."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubedistill.api.spec import OptimSpec
+from kubedistill.runtime.batch import TrainBatch
+from kubedistill.runtime.metrics import RoleMetrics
+from kubedistill.runtime.trainer import Trainer
+from kubedistill.runtime.trainer.plan import collate, micro_batches, shard_samples
+from kubedistill.runtime.trainer.schedule import lr_factor
+from trainer_cases import make_batch, make_spec
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def trainer(tiny_models: dict[str, Path], tmp_path: Path):
+    t = Trainer(make_spec(tiny_models["student"], tmp_path / "ckpt"))
+    yield t
+    t.close()
+
+
+def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    batch = make_batch()
+    idx = list(range(len(batch)))
+    resp = [batch.response_len(i) for i in idx]
+    mb = collate(batch, idx, [torch.ones(r) for r in resp], None, trainer.pad_id)
+    with torch.no_grad():
+        got, got_topk = trainer.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids)
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_models["student"]), dtype=torch.float32)
+    want, want_topk = [], []
+    with torch.no_grad():
+        for i in idx:
+            ids = torch.tensor([batch.token_ids[i]])
+            lp = ref(ids).logits[0].log_softmax(-1)
+            p = batch.prompt_lens[i]
+            rows = lp[p - 1 : len(batch.token_ids[i]) - 1]
+            want.append(rows.gather(-1, torch.tensor(batch.token_ids[i][p:]).unsqueeze(-1)).squeeze(-1))
+            want_topk.append(rows.gather(-1, torch.tensor(batch.teacher_topk_ids[i])))
+    assert torch.allclose(got, torch.cat(want), atol=1e-5)
+    assert torch.allclose(got_topk, torch.cat(want_topk), atol=1e-5)
+
+
+def test_micro_batch_split_does_not_change_the_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    results = []
+    for tokens in (16, 100000):
+        t = Trainer(make_spec(tiny_models["student"], tmp_path / "c", **{"trainer.microBatchTokens": tokens,
+                                                                         "algorithm.lossAggregation": "seqMeanTokenMean"}))
+        try:
+            stats = t.step(make_batch())
+            results.append((stats, {n: w.clone() for n, w in t.named_full_weights()}))
+        finally:
+            t.close()
+    (a, wa), (b, wb) = results
+    assert a.loss_total == pytest.approx(b.loss_total, rel=1e-6)
+    assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], atol=1e-5), name
+
+
+def test_steps_learn_and_report_metrics(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    metrics = RoleMetrics("job", "trainer", 0)
+    spec = make_spec(tiny_models["student"], tmp_path / "c", **{"trainer.optim": {"lr": 3e-3, "warmupSteps": 2}})
+    t = Trainer(spec, metrics=metrics)
+    try:
+        batch = make_batch()
+        stats = [t.step(batch) for _ in range(6)]
+    finally:
+        t.close()
+    assert stats[-1].loss_total < 0.6 * stats[0].loss_total
+    assert [s.step for s in stats] == [1, 2, 3, 4, 5, 6]
+    assert stats[0].lr == pytest.approx(1.5e-3) and stats[1].lr == pytest.approx(3e-3)
+    assert stats[0].tokens == sum(len(x) for x in batch.token_ids)
+    assert stats[0].kl is not None and stats[0].tokens_per_second > 0
+    reg = metrics.registry
+    labels = {"job": "job", "role": "trainer", "replica": "0"}
+    assert reg.get_sample_value("kubedistill_step", labels) == 6
+    assert reg.get_sample_value("kubedistill_loss", {**labels, "kind": "total"}) == pytest.approx(stats[-1].loss_total)
+    assert reg.get_sample_value("kubedistill_loss", {**labels, "kind": "distill"}) == pytest.approx(stats[-1].loss_distill)
+    assert reg.get_sample_value("kubedistill_grad_norm", labels) == pytest.approx(stats[-1].grad_norm)
+    assert reg.get_sample_value("kubedistill_learning_rate", labels) == pytest.approx(stats[-1].lr)
+    assert reg.get_sample_value("kubedistill_kl_student_teacher", labels) == pytest.approx(stats[-1].kl)
+    assert reg.get_sample_value("kubedistill_step_seconds_count", {**labels, "phase": "train"}) == 6
+
+
+def test_full_weights_have_hf_names_and_export_round_trips(trainer: Trainer, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer.step(make_batch())
+    weights = list(trainer.named_full_weights())
+    names = [n for n, _ in weights]
+    on_disk = set(load_file(str(tiny_models["student"] / "model.safetensors")))
+    assert set(names) == on_disk - {"lm_head.weight"}  # tied lm_head omitted
+    assert names[0] == "model.embed_tokens.weight" and len(names) == len(set(names))
+    out = trainer.export_hf(tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    state = exported.state_dict()
+    for name, tensor in weights:
+        assert torch.equal(state[name], tensor), name
+    assert torch.equal(exported.lm_head.weight, exported.model.embed_tokens.weight)
+    assert len(AutoTokenizer.from_pretrained(str(out))) == 16
+
+
+def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    spec = make_spec(tiny_models["student"], tmp_path / "c", **{
+        "algorithm.distillation": {"lossMode": "k1", "usePolicyGradient": True, "useTaskRewards": True, "coef": 0.5},
+        "rollout.sampling.n": 2, "trainer.miniBatchSize": 4,
+    })
+    t = Trainer(spec)
+    try:
+        s = t.step(make_batch())
+    finally:
+        t.close()
+    assert math.isfinite(s.loss_total) and s.loss_pg != 0.0
+    assert s.loss_total == pytest.approx(s.loss_pg + 0.5 * s.loss_distill, rel=1e-6)
+
+
+def test_missing_teacher_signal_is_a_clear_error(trainer: Trainer) -> None:
+    batch = make_batch()
+    batch.teacher_topk_ids = batch.teacher_topk_logprobs = None
+    with pytest.raises(ValueError, match="forwardKLTopK needs teacher top-k"):
+        trainer.step(batch)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: b.prompt_lens.pop(), r"TrainBatch.prompt_lens: has 4 entries, expected one per sample \(5\)"),
+        (lambda b: b.prompt_lens.__setitem__(0, 99), r"TrainBatch.prompt_lens\[0\]: 99 must be >= 1"),
+        (lambda b: b.rollout_logprobs[1].pop(), r"TrainBatch.rollout_logprobs\[1\]: has \d+ entries, expected \d+ response tokens"),
+        (lambda b: setattr(b, "group_ids", None), "rewards and group_ids must be given together"),
+    ],
+)
+def test_batch_validation_names_the_field(change, message) -> None:
+    batch = make_batch()
+    change(batch)
+    with pytest.raises(ValueError, match=message):
+        batch.validate()
+
+
+def test_plan_balances_ranks_and_bounds_micro_batches() -> None:
+    lengths = [10, 3, 7, 7, 2, 9]
+    shards = shard_samples(lengths, 2)
+    assert sorted(i for s in shards for i in s) == list(range(6))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert abs(loads[0] - loads[1]) <= 2
+    mbs = micro_batches(list(range(6)), lengths, 16)
+    assert sorted(i for m in mbs for i in m) == list(range(6))
+    assert all(len(m) * max(lengths[i] for i in m) <= 16 or len(m) == 1 for m in mbs)
+    assert micro_batches([0], [50], 16) == [[0]]  # too long alone still runs
+
+
+def test_lr_schedule() -> None:
+    o = OptimSpec(lr=1.0, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
+    assert [lr_factor(s, o, 12) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_factor(7, o, 12) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(12, o, 12) == pytest.approx(0.1)
+    lin = OptimSpec(lr=1.0, schedule="linear")
+    assert lr_factor(5, lin, 10) == pytest.approx(0.5)
+    assert lr_factor(5, OptimSpec(lr=1.0), 10) == 1.0
+
+
+def test_short_top_k_rows_are_masked() -> None:
+    batch = TrainBatch(
+        token_ids=[[1, 5, 6, 7]], prompt_lens=[2], rollout_logprobs=[[-1.0, -1.0]],
+        teacher_topk_ids=[[[5, 6], [7]]], teacher_topk_logprobs=[[[-0.1, -2.0], [-0.01]]],
+    )
+    batch.validate()
+    mb = collate(batch, [0], [torch.ones(2)], None, 0)
+    assert mb.topk_ids.tolist() == [[5, 6], [7, 0]]
+    assert mb.topk_valid.tolist() == [[True, True], [True, False]]
+    assert mb.gather_index.tolist() == [1, 2] and mb.targets.tolist() == [6, 7]
