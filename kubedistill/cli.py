@@ -70,6 +70,7 @@ def _plugins() -> list[Callable[[argparse._SubParsersAction], None]]:
 COMMAND_MODULES: list[tuple[str, str]] = [
     ("kubedistill.runtime.local", "add_commands"),
     ("kubedistill.runtime.roles", "add_commands"),
+    ("kubedistill.runtime.quickstart", "add_commands"),
     ("kubedistill.operator.main", "add_commands"),
 ]
 

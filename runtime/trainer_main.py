@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from kubedistill.runtime.roles import _load
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         config, identity, port = _load(args)
     except (ValueError, FileNotFoundError) as e:

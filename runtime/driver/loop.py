@@ -210,10 +210,11 @@ class Driver:
         self._consumed += len(step_samples.samples)
         staleness = step_samples.staleness()
         rewards = [s.reward for s in step_samples.samples if s.reward is not None]
-        synced = False
+        synced, served = False, None
         if self.step % self.policy.trigger_parameter_sync_step == 0 and self.step < self.spec.trainer.total_steps:
             await self.sync_weights(self.version + 1)
             synced = True
+            served = await asyncio.gather(*(c.version() for c in self._rollout.values()))
         now = self.clock()
         elapsed = max(now - self._started, 1e-9)
         last = stats[-1]
@@ -236,6 +237,7 @@ class Driver:
             "time": round(now - self._started, 3),
             "trainerVersion": trainer_version,
             "synced": synced,
+            "rolloutVersions": served,
             "lossTotal": sum(s.loss_total for s in stats) / len(stats),
             "lossDistill": sum(s.loss_distill for s in stats) / len(stats),
             "lossPg": sum(s.loss_pg for s in stats) / len(stats),
