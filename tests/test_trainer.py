@@ -127,7 +127,7 @@ def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path:
 def test_missing_teacher_signal_is_a_clear_error(trainer: Trainer) -> None:
     batch = make_batch()
     batch.teacher_topk_ids = batch.teacher_topk_logprobs = None
-    with pytest.raises(ValueError, match="forwardKLTopK needs teacher top-k"):
+    with pytest.raises(ValueError, match="TrainBatch.teacher_topk_ids: lossMode forwardKLTopK needs teacher top-k"):
         trainer.step(batch)
 
 

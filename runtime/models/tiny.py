@@ -97,7 +97,7 @@ def build_tiny_model(out_dir: Path, tokenizer, seed: int = 0, **config_kwargs) -
     out_dir.mkdir(parents=True, exist_ok=True)
     config = tiny_config(len(tokenizer), **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )

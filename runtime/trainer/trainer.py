@@ -229,9 +229,20 @@ class Trainer:
     def step(self, batch: TrainBatch) -> StepStats:
         """One optimiser step on `batch` (rank 0; the followers join). Returns global stats."""
         batch.validate()
+        self._check_signals(batch)
         if self.world > 1:
             self._lead("step", batch)
         return self._step(batch)
+
+    def _check_signals(self, batch: TrainBatch) -> None:
+        """Refuse a batch lacking what the configured loss reads, before the followers get it."""
+        d = self.spec.algorithm.distillation
+        if d.enabled and d.loss_mode.value == "forwardKLTopK" and batch.teacher_topk_ids is None:
+            raise ValueError("TrainBatch.teacher_topk_ids: lossMode forwardKLTopK needs teacher top-k ids and log-probs")
+        if d.enabled and d.loss_mode.value in ("k1", "k3") and batch.teacher_logprobs is None:
+            raise ValueError(f"TrainBatch.teacher_logprobs: lossMode {d.loss_mode.value} needs teacher log-probs")
+        if d.use_task_rewards and batch.rewards is None:
+            raise ValueError("TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
 
     def _step(self, batch: TrainBatch) -> StepStats:
         start = time.perf_counter()
@@ -244,8 +255,6 @@ class Trainer:
         per_sample_w = list(torch.split(weights, resp_lens))
         advantages = None
         if algo.distillation.use_task_rewards:
-            if batch.rewards is None or batch.group_ids is None:
-                raise ValueError("TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
             advantages = L.grpo_advantages(torch.tensor(batch.rewards, dtype=torch.float32), batch.group_ids)
 
         shards = shard_samples(lengths, self.world)
