@@ -39,7 +39,15 @@ from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
 
 log = logging.getLogger("kubedistill.driver")
 
+try:
+    import httpx
+
+    TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError,)
+except ImportError:  # pragma: no cover - httpx is a runtime dependency
+    TRANSPORT_ERRORS = ()
+
 DRIVER_STATE_FORMAT = 1
+MAX_TRANSPORT_RETRIES = 5
 EXPORT_DIR = "student-hf"
 
 
@@ -105,6 +113,7 @@ class Driver:
         self._wait_seconds = 0.0
         self._consumed = 0
         self._resumed_groups: list[SampleGroup] = []
+        self._transport_failures = 0
 
     # ---- checkpoint state ------------------------------------------------------------------
     def driver_state(self) -> bytes:
@@ -160,8 +169,11 @@ class Driver:
         total = self.spec.trainer.total_steps
         self._started = self.clock()
         self.status.set_phase("running")
+        # Idle connections expire before the servers' keep-alive (uvicorn: 5 s) closes them, so a
+        # request rarely races a closing connection (and is retried when it does).
         async with httpx.AsyncClient(timeout=float(self.spec.weight_sync.timeout_seconds) + 600.0,
-                                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)) as http:
+                                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                                         keepalive_expiry=2.0)) as http:
             self._rollout = {u: RolloutClient(u, client=http) for u in self._rollout_urls}
             self._teacher = {u: TeacherClient(u, client=http) for u in self._teacher_urls}
             for g in self._resumed_groups:
@@ -207,6 +219,7 @@ class Driver:
         batches = step_samples.train_batches(self.req)
         stats = await self._on_trainer(lambda: [self.trainer.step(b) for b in batches])
         self.step += 1
+        self.status.step = self.step
         self._consumed += len(step_samples.samples)
         staleness = step_samples.staleness()
         rewards = [s.reward for s in step_samples.samples if s.reward is not None]
@@ -297,8 +310,14 @@ class Driver:
             url = self.pool.acquire()
             try:
                 out = await self._rollout[url].generate(req)
+            except TRANSPORT_ERRORS as e:
+                # A connection the server closed as the request went out: the sample is
+                # unchanged, so send it again (under a new request id).
+                self._transport_failure(f"generate on {url}", e)
+                continue
             finally:
                 self.pool.release(url)
+            self._transport_failures = 0
             s.extend(out)
         self._observe("gen", self.clock() - t0)
         if self.req.teacher_scores and not s.scored:
@@ -312,15 +331,26 @@ class Driver:
 
         t0 = self.clock()
         ids, prompt_len = s.score_input()
-        name, url = self.router.acquire(s.route_value)
-        try:
-            out = await self._teacher[url].score(ScoreRequest(
-                token_ids=ids, prompt_len=prompt_len, top_k=self.spec.algorithm.distillation.top_k,
-                images=group.images))
-        finally:
-            self.router.release(name, url)
+        req = ScoreRequest(token_ids=ids, prompt_len=prompt_len, top_k=self.spec.algorithm.distillation.top_k,
+                           images=group.images)
+        while True:
+            name, url = self.router.acquire(s.route_value)
+            try:
+                out = await self._teacher[url].score(req)
+                break
+            except TRANSPORT_ERRORS as e:
+                self._transport_failure(f"score on {url}", e)
+            finally:
+                self.router.release(name, url)
+        self._transport_failures = 0
         s.set_scores(name, out)
         self._observe("score", self.clock() - t0)
+
+    def _transport_failure(self, what: str, e: Exception) -> None:
+        self._transport_failures += 1
+        if self._transport_failures > MAX_TRANSPORT_RETRIES:
+            raise RuntimeError(f"{what}: {MAX_TRANSPORT_RETRIES} connection failures in a row ({e!r})") from e
+        log.warning("%s: %r; retrying", what, e)
 
     def _observe(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:
