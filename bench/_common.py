@@ -86,6 +86,25 @@ class JobFailed(RuntimeError):
     pass
 
 
+KEEPALIVE_DIR = Path(__file__).resolve().parent / "_keepalive"
+
+
+def keepalive_fix(enabled: bool) -> None:
+    """Load bench/_keepalive/sitecustomize.py into the role processes (they inherit this
+    environment through Ray): it works around an idle keep-alive race between the driver's httpx
+    client and the role servers that otherwise fails sync/oneStepOff runs with httpx.ReadError."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(KEEPALIVE_DIR)]
+    if enabled:
+        os.environ["KUBEDISTILL_BENCH_KEEPALIVE"] = "1"
+        parts.insert(0, str(KEEPALIVE_DIR))
+    else:
+        os.environ.pop("KUBEDISTILL_BENCH_KEEPALIVE", None)
+    if parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
 def run_job(shape: JobShape, workdir: Path, log=print) -> dict[str, Any]:
     """Write the job file, run it with `kubedistill run` machinery and return its report
     (``history``: one entry per train step from trainer rank 0)."""
@@ -181,6 +200,9 @@ def single_thread() -> None:
     """The benchmark process itself (evaluation, preparation) uses one thread: the roles already
     share the two cores and more threads collapse under contention (notes/opd-learning-facts)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
+    from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
