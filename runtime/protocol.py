@@ -22,6 +22,8 @@ class Sampling(Wire):
     n: Literal[1] = 1
     """One sample per request: the driver sends n requests so each can be aborted and resumed alone."""
     seed: Optional[Annotated[int, Field(ge=0)]] = None
+    ignore_eos: bool = False
+    """Keep generating past EOS until max_tokens (benchmarks with fixed response lengths)."""
 
 
 class GenerateRequest(Wire):

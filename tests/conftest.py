@@ -7,6 +7,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Session-scoped rollout/teacher server fixtures (vllm_servers, hf_servers).
+pytest_plugins = ["server_fixtures"]
+
 # Nothing in the tests may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

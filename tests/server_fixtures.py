@@ -45,7 +45,7 @@ def job_config(student: Path, teacher: Path, *, engine: str, rollout_urls: list[
         "rollout": {"replicas": len(rollout_urls),
                     "inference": {"engine": engine, "kvCacheGiB": 1, "maxModelLen": 256, "maxNumSeqs": 16}},
         "data": {"train": ["/dev/null"]},
-        "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": 120},
+        "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": 600},
         "algorithm": {"distillation": {"topK": 4}},
     }
     if partial_rollout:
@@ -69,7 +69,7 @@ class Server:
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env,
         )
 
-    def wait_healthy(self, timeout: float = 180.0) -> None:
+    def wait_healthy(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -145,7 +145,7 @@ def start_servers(base: Path, tiny_models: dict[str, Path], engines: list[str], 
     try:
         for s in result._all:
             s.wait_healthy()
-        t.join(timeout=120)
+        t.join(timeout=600)
         if "sender" not in box:
             raise RuntimeError(f"weight-sync group did not form: {box.get('error')}")
     except BaseException:

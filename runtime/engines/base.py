@@ -165,8 +165,17 @@ class Engine(ABC):
         """HF names and shapes a weight sync must carry (a tied lm_head excluded)."""
 
     @abstractmethod
+    async def weight_checksums(self) -> dict[str, str]:
+        """sha256 per weight as the engine computes with it, under HF names, `lm_head.weight`
+        included even when tied: lets a test or an operator check a sync bit for bit."""
+
+    @abstractmethod
     async def join_weight_group(self, addr: GroupAddress) -> None:
         """Join the weight-sync group; returns once joined (run it as a background task)."""
+
+    @abstractmethod
+    async def probe_transport(self, nbytes: int) -> None:
+        """Receive one raw broadcast of `nbytes` and join the closing all-reduce (benchmarks)."""
 
     @abstractmethod
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:

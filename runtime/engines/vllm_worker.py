@@ -93,6 +93,11 @@ class WeightSyncWorkerExtension:
             "group_failures": failed,
         }
 
+    def kd_ws_probe(self, nbytes: int) -> None:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self._kd_group.device)
+        self._kd_group.broadcast(buf).wait()
+        self._kd_group.all_reduce_sum(0)
+
     def _kd_refresh_tied_lm_head(self, model) -> None:
         if not getattr(self.model_config.hf_config, "tie_word_embeddings", False):
             return
@@ -103,6 +108,11 @@ class WeightSyncWorkerExtension:
         if lm_head.weight.numel() and lm_head.weight.data_ptr() != embed.weight.data_ptr():
             lm_head.weight.data.copy_(embed.weight.data)
         lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def kd_weight_checksums(self) -> dict[str, str]:
+        from kubedistill.runtime.weight_sync.manifest import tensor_checksum
+
+        return {n: tensor_checksum(t) for n, t in self.kd_effective_weights().items()}
 
     # --- inspection -----------------------------------------------------------------------------
     def kd_effective_weights(self) -> dict[str, torch.Tensor]:

@@ -92,6 +92,25 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
         """Stats of the last completed weight load (seconds, bytes, repack time) or its error."""
         return state["last_sync"] or {}
 
+    @app.get("/weights/checksums")
+    async def checksums() -> dict[str, str]:
+        """sha256 of every weight as the engine uses it (HF names): compare with the trainer's."""
+        return await engine.weight_checksums()
+
+    @app.post("/weights/probe")
+    async def weights_probe(body: dict):
+        """Receive one raw broadcast of `bytes` bytes and discard it (transport benchmark)."""
+        nbytes = body.get("bytes")
+        if not isinstance(nbytes, int) or nbytes < 1:
+            return JSONResponse({"error": "bytes: a positive integer is required"}, status_code=422)
+        if engine.weight_group_state != "ready":
+            return JSONResponse({"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"},
+                                status_code=503)
+        if state["sync"] is not None and not state["sync"].done():
+            return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
+        state["sync"] = asyncio.create_task(engine.probe_transport(nbytes))
+        return {"accepted": True, "bytes": nbytes}
+
     @app.post("/weights/begin", response_model=WeightsBeginResponse)
     async def weights_begin(req: WeightsBeginRequest):
         if engine.weight_group_state != "ready":

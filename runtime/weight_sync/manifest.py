@@ -104,3 +104,15 @@ def _few(names: Iterable[str], k: int = 3) -> str:
     names = list(names)
     more = f" and {len(names) - k} more" if len(names) > k else ""
     return ", ".join(names[:k]) + more
+
+
+def tensor_checksum(t) -> str:
+    """sha256 of a tensor's dtype, shape and bytes: equal checksums mean bit-for-bit equal."""
+    import hashlib
+
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{dtype_name(t.dtype)}{list(t.shape)}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -49,12 +49,28 @@ class WeightSender:
         self.group = WeightSyncGroup(addr)
         self.last_stats: Optional[TransferStats] = None
 
-    def sync(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> TransferStats:
+    def probe(self, nbytes: int) -> float:
+        """Time one raw broadcast of a flat `nbytes` tensor to every rollout worker (the
+        transport's limit, for benchmarks and link checks); returns seconds."""
+        import httpx
+
+        for url in self.endpoints.rollout:
+            r = httpx.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes}, timeout=self.timeout)
+            if r.status_code != 200:
+                raise WeightSyncError(f"{url}/weights/probe: {r.status_code} {_error_text(r)}")
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        t0 = time.perf_counter()
+        self.group.broadcast(buf).wait()
+        self.group.all_reduce_sum(0)
+        return time.perf_counter() - t0
+
+    def sync(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             bucket_bytes: Optional[int] = None) -> TransferStats:
         import httpx
 
         t0 = time.perf_counter()
         named = [(n, t.to(self.group.device)) for n, t in named_tensors]
-        manifest = build_manifest(named, self.spec.weight_sync.bucket_mb * 1024 * 1024)
+        manifest = build_manifest(named, bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024)
         body = WeightsBeginRequest(version=version, manifest=manifest).model_dump(mode="json")
 
         def begin(url: str) -> Optional[str]:

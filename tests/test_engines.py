@@ -1,0 +1,92 @@
+"""Engine-side pure logic: request checks, pause modes, dtype choice, checkpoint manifests,
+vision-prompt plumbing, and the `kubedistill role` command's errors."""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+
+import pytest
+
+from kubedistill.runtime.engines.base import BadRequest, check_generate, check_score
+from kubedistill.runtime.engines.vllm_engine import build_prompt, checkpoint_tensors, engine_env, resolve_dtype
+from kubedistill.runtime.protocol import GenerateRequest, Sampling, ScoreRequest
+from kubedistill.runtime.servers.rollout import pause_mode
+from server_fixtures import job_config
+
+
+def gen(prompt, prefix=(), max_tokens=8) -> GenerateRequest:
+    return GenerateRequest(request_id="r", prompt_token_ids=list(prompt), prefix_token_ids=list(prefix),
+                           sampling=Sampling(max_tokens=max_tokens))
+
+
+def test_generate_budget_counts_the_prefix_and_the_context_limit() -> None:
+    assert check_generate(gen([1, 2], max_tokens=8), max_model_len=100, vocab_size=10) == 8
+    assert check_generate(gen([1, 2], prefix=[3, 4, 5], max_tokens=8), 100, 10) == 5
+    assert check_generate(gen([1] * 95, max_tokens=8), 100, 10) == 5
+    with pytest.raises(BadRequest, match="limit \\(max_model_len\\) is 100"):
+        check_generate(gen([1] * 98, prefix=[1, 1]), 100, 10)
+
+
+def test_score_checks() -> None:
+    check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, top_k=2), 100, 10)
+    with pytest.raises(BadRequest, match="top_k \\(11\\) exceeds the vocabulary size \\(10\\)"):
+        check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, top_k=11), 100, 10)
+    with pytest.raises(BadRequest, match="token_ids has 3 tokens"):
+        check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2), 2, 10)
+
+
+def test_pause_mode_follows_partial_rollout(tiny_models) -> None:
+    def spec(strategy):
+        return job_config(tiny_models["student"], tiny_models["teacher"], engine="hf", rollout_urls=["http://x"],
+                          teacher_urls=["http://y"], weight_sync_port=1, partial_rollout=strategy).spec
+
+    assert pause_mode(spec(None)) == "wait"
+    assert pause_mode(spec("resume")) == "abort"
+    assert pause_mode(spec("inflight")) == "keep"
+
+
+def test_cpu_auto_dtype_is_float32() -> None:
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("auto", "cuda") == "auto" and resolve_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_kv_cache_env_only_on_cpu() -> None:
+    assert engine_env("cpu", 3) == {"VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert engine_env("cuda", 3) == {} and engine_env("cpu", None) == {}
+
+
+def test_checkpoint_tensors_drop_a_tied_lm_head(tiny_models) -> None:
+    names = checkpoint_tensors(str(tiny_models["student"]))
+    assert "lm_head.weight" not in names
+    assert names["model.embed_tokens.weight"] == [16, 128]
+    assert names["model.layers.1.self_attn.q_proj.bias"] == [128]
+
+
+def test_images_become_multi_modal_data() -> None:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3), (255, 0, 0)).save(buf, format="PNG")
+    prompt = build_prompt([1, 2, 3], [base64.b64encode(buf.getvalue()).decode()])
+    assert prompt["prompt_token_ids"] == [1, 2, 3]
+    (img,) = prompt["multi_modal_data"]["image"]
+    assert img.size == (4, 3) and img.getpixel((0, 0)) == (255, 0, 0)
+    assert "multi_modal_data" not in build_prompt([1])
+    with pytest.raises(BadRequest, match="images\\[0\\] is not a base64-encoded image"):
+        build_prompt([1], ["bm90IGFuIGltYWdl"])
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kubedistill.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_role_command_errors_are_one_line(tmp_path) -> None:
+    r = run_cli("role", "rollout", "--config", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "no such file" in r.stderr
+    (tmp_path / "bad.json").write_text('{"job": "x"}')
+    r = run_cli("role", "teacher", "--config", str(tmp_path / "bad.json"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "spec" in r.stderr

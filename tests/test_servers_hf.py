@@ -1,0 +1,201 @@
+"""Rollout and teacher servers on the hf engine (fast): the wire protocol, bad requests, abort
+and resume, and weight sync to two replicas bit for bit. Servers come from server_fixtures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from kubedistill.runtime.clients import RolloutClient, ServerError, TeacherClient
+from kubedistill.runtime.protocol import GenerateRequest, Sampling, ScoreRequest
+from kubedistill.runtime.weight_sync.manifest import tensor_checksum
+from kubedistill.runtime.weight_sync.sender import WeightSyncError
+
+torch.set_num_threads(1)
+PROMPT = [1, 5, 6, 14, 7]
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def reference_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)]
+
+
+def perturbed(path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's side: an HF model's named_parameters (a tied lm_head is not among them)."""
+    model = hf_model(path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def expected_checksums(named) -> dict[str, str]:
+    out = {n: tensor_checksum(t) for n, t in named}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied
+    return out
+
+
+def model_with(path, named):
+    model = hf_model(path)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for n, t in named:
+            params[n].copy_(t)
+    return model
+
+
+async def test_generate_returns_tokens_logprobs_versions(hf_servers, tiny_models) -> None:
+    async with RolloutClient(hf_servers.rollout_urls[0]) as c:
+        version = await c.version()
+        out = await c.generate(GenerateRequest(request_id="g1", prompt_token_ids=PROMPT,
+                                               sampling=Sampling(max_tokens=12, temperature=1.0, seed=3)))
+    n = len(out.token_ids)
+    assert 1 <= n <= 12 and len(out.logprobs) == n and out.versions == [version] * n
+    assert out.finish_reason in ("stop", "length")
+    if version == 0:  # log-probs are the served model's own log-softmax at each sampled token
+        ref = reference_logprobs(hf_model(tiny_models["student"]), PROMPT, out.token_ids)
+        assert out.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+async def test_prefix_continues_a_greedy_generation(hf_servers) -> None:
+    async with RolloutClient(hf_servers.rollout_urls[1]) as c:
+        greedy = Sampling(max_tokens=10, temperature=0.0, ignore_eos=True)
+        full = await c.generate(GenerateRequest(request_id="p-full", prompt_token_ids=PROMPT, sampling=greedy))
+        cont = await c.generate(GenerateRequest(request_id="p-cont", prompt_token_ids=PROMPT, sampling=greedy,
+                                                prefix_token_ids=full.token_ids[:3]))
+    # Only the new tokens come back, and max_tokens counts the prefix.
+    assert len(full.token_ids) == 10
+    assert cont.token_ids == full.token_ids[3:]
+    assert cont.logprobs == pytest.approx(full.logprobs[3:], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"request_id": "e", "prompt_token_ids": []}, 400, "prompt_token_ids is empty"),
+        ({"request_id": "e", "prompt_token_ids": [1] * 600}, 400, "max_model_len"),
+        ({"request_id": "e", "prompt_token_ids": [1, 99]}, 400, "token id 99"),
+        ({"request_id": "e", "prompt_token_ids": [1], "prefix_token_ids": [5] * 4, "sampling": {"max_tokens": 4}},
+         400, "nothing left to generate"),
+        ({"request_id": "e", "prompt_token_ids": [1], "sampling": {"n": 2}}, 422, "sampling.n"),
+        ({"prompt_token_ids": [1]}, 422, "request_id"),
+    ],
+)
+def test_bad_generate_requests_get_4xx_and_server_keeps_serving(hf_servers, body, status, message) -> None:
+    url = hf_servers.rollout_urls[0]
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]
+    ok = httpx.post(url + "/generate", json={"request_id": "after-bad", "prompt_token_ids": PROMPT,
+                                             "sampling": {"max_tokens": 2}}, timeout=60)
+    assert ok.status_code == 200
+
+
+async def test_abort_unknown_request_is_404(hf_servers) -> None:
+    async with RolloutClient(hf_servers.rollout_urls[0]) as c:
+        with pytest.raises(ServerError, match="no request in flight with id 'nope'") as e:
+            await c.abort(["nope"])
+        assert e.value.status == 404
+        assert (await c.health()).status == "ok"
+
+
+async def test_abort_returns_the_partial_output(hf_servers) -> None:
+    async with RolloutClient(hf_servers.rollout_urls[0]) as c:
+        gen = asyncio.create_task(c.generate(GenerateRequest(
+            request_id="long", prompt_token_ids=PROMPT,
+            sampling=Sampling(max_tokens=400, temperature=0.0, ignore_eos=True))))
+        await asyncio.sleep(1.5)  # let it produce some tokens
+        aborted = await c.abort(["long"])
+        out = await gen
+    assert aborted.aborted == ["long"]
+    assert out.finish_reason == "abort" and aborted.outputs["long"].finish_reason == "abort"
+    assert 0 < len(out.token_ids) == len(aborted.outputs["long"].token_ids) < 250
+    assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
+
+
+async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
+    tokens, prompt_len = PROMPT + [8, 9, 10, 11], len(PROMPT)
+    async with TeacherClient(hf_servers.teacher.url) as c:
+        out = await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4))
+        with pytest.raises(ServerError, match="prompt_len") as bad:
+            await c.score(ScoreRequest(token_ids=PROMPT, prompt_len=len(PROMPT), top_k=4))
+        assert bad.value.status == 400
+        with pytest.raises(ServerError, match="text-only"):
+            await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4, images=["aGk="]))
+    model = hf_model(tiny_models["teacher"])
+    assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=1e-4)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[prompt_len - 1:-1]
+    top = lp.topk(4, -1)
+    assert out.topk_ids == top.indices.tolist()
+    assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=1e-4)
+    metrics = httpx.get(hf_servers.teacher.url + "/metrics").text
+    assert 'kubedistill_teacher_tokens_total{job="test",replica="0",role="teacher",teacher="math"} 4.0' in metrics
+
+
+def test_weight_sync_reaches_both_replicas_bit_for_bit(hf_servers, tiny_models) -> None:
+    before = [httpx.get(u + "/version").json()["version"] for u in hf_servers.rollout_urls]
+    named = perturbed(tiny_models["student"], seed=1)
+    version = max(before) + 1
+    stats = hf_servers.sender.sync(version, named)
+    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in named)
+    want = expected_checksums(named)
+    for url in hf_servers.rollout_urls:
+        assert httpx.get(url + "/version").json()["version"] == version
+        assert httpx.get(url + "/weights/checksums", timeout=60).json() == want
+        metrics = httpx.get(url + "/metrics").text
+        assert f'kubedistill_weight_version{{job="test",replica="{hf_servers.rollout_urls.index(url)}",role="rollout"}} {version}.0' in metrics
+        assert "kubedistill_weight_sync_bytes_total" in metrics and "kubedistill_weight_sync_seconds_count" in metrics
+    # The new weights are the ones generating: log-probs match the synced model.
+    out = httpx.post(hf_servers.rollout_urls[0] + "/generate", json={
+        "request_id": "after-sync", "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 6, "temperature": 0}},
+        timeout=60).json()
+    assert out["versions"] == [version] * len(out["token_ids"])
+    model = model_with(tiny_models["student"], named)
+    assert out["logprobs"] == pytest.approx(reference_logprobs(model, PROMPT, out["token_ids"]), abs=1e-4)
+
+
+def test_manifest_mismatch_is_refused_and_servers_keep_serving(hf_servers, tiny_models) -> None:
+    before = [httpx.get(u + "/version").json()["version"] for u in hf_servers.rollout_urls]
+    wrong = [(n, p.detach()) for n, p in hf_model(tiny_models["teacher"]).named_parameters()]
+    with pytest.raises(WeightSyncError, match="manifest mismatch: unknown tensors model.layers.2"):
+        hf_servers.sender.sync(99, wrong)
+    assert [httpx.get(u + "/version").json()["version"] for u in hf_servers.rollout_urls] == before
+    # The group is still in step: a correct sync right after works.
+    named = perturbed(tiny_models["student"], seed=2)
+    hf_servers.sender.sync(max(before) + 1, named)
+    assert httpx.get(hf_servers.rollout_urls[1] + "/weights/checksums", timeout=60).json() == expected_checksums(named)
+
+
+async def test_partial_rollout_resume_aborts_at_sync_then_continues_under_new_weights(hf_servers, tiny_models) -> None:
+    # hf_servers runs with partialRollout: resume, so a sync aborts the generations in flight.
+    url = hf_servers.rollout_urls[0]
+    v0 = httpx.get(url + "/version").json()["version"]
+    named = perturbed(tiny_models["student"], seed=3)
+    async with RolloutClient(url) as c:
+        gen = asyncio.create_task(c.generate(GenerateRequest(
+            request_id="straggler", prompt_token_ids=PROMPT,
+            sampling=Sampling(max_tokens=300, temperature=0.0, ignore_eos=True))))
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(hf_servers.sender.sync, v0 + 1, named)
+        first = await gen
+        assert first.finish_reason == "abort" and first.versions == [v0] * len(first.versions)
+        assert len(first.token_ids) > 0
+        resumed = await c.generate(GenerateRequest(
+            request_id="straggler", prompt_token_ids=PROMPT, prefix_token_ids=first.token_ids,
+            sampling=Sampling(max_tokens=len(first.token_ids) + 5, temperature=0.0, ignore_eos=True)))
+    assert resumed.versions == [v0 + 1] * 5 and resumed.finish_reason == "length"
+    ref = reference_logprobs(model_with(tiny_models["student"], named), PROMPT + first.token_ids, resumed.token_ids)
+    assert resumed.logprobs == pytest.approx(ref, abs=1e-4)

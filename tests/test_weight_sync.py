@@ -1,0 +1,101 @@
+"""Weight sync without servers: manifest planning and checks, and a real two-rank gloo
+broadcast (sender and receiver threads in one process) that must arrive bit for bit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kubedistill.runtime.protocol import Manifest, TensorMeta
+from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, resolve_backend
+from kubedistill.runtime.weight_sync.manifest import check_against, check_layout, plan, tensor_checksum
+from kubedistill.runtime.weight_sync.sender import build_manifest
+from kubedistill.runtime.weight_sync.transfer import receive, send
+from server_fixtures import free_port
+
+torch.set_num_threads(1)
+
+
+def metas(*specs: tuple[str, str, list[int]]) -> list[TensorMeta]:
+    return [TensorMeta(name=n, dtype=d, shape=s) for n, d, s in specs]
+
+
+def test_plan_fills_buckets_in_order_and_groups_dtypes() -> None:
+    m = plan(metas(("a", "float32", [4]), ("b", "bfloat16", [8]), ("c", "float32", [4]), ("d", "float32", [4])),
+             bucket_bytes=32)
+    # a and c share the first fp32 bucket (32 bytes); d opens a second; b has its own dtype.
+    layout = [(b.dtype, [(m.tensors[e.index].name, e.offset) for e in b.entries]) for b in m.buckets]
+    assert layout == [("float32", [("a", 0), ("c", 4)]), ("float32", [("d", 0)]), ("bfloat16", [("b", 0)])]
+    assert m.total_bytes == 3 * 16 + 16
+    check_layout(m)
+
+
+def test_plan_gives_an_oversized_tensor_its_own_bucket() -> None:
+    m = plan(metas(("small", "float32", [2]), ("big", "float32", [100]), ("tail", "float32", [2])), bucket_bytes=64)
+    assert [[e.index for e in b.entries] for b in m.buckets] == [[0], [1], [2]]
+    assert m.buckets[1].numel == 100
+
+
+def test_layout_errors_name_the_problem() -> None:
+    m = plan(metas(("a", "float32", [4]), ("b", "float32", [4])), bucket_bytes=1024)
+    bad = m.model_copy(deep=True)
+    bad.buckets[0].entries[1].offset = 3
+    with pytest.raises(ValueError, match="b at offset 3, expected 4"):
+        check_layout(bad)
+    with pytest.raises(ValueError, match="cannot be synced"):
+        plan(metas(("x", "complex64", [2])), 16)
+
+
+def test_check_against_reports_unknown_missing_and_shape() -> None:
+    m = plan(metas(("a", "float32", [4]), ("extra", "float32", [1])), bucket_bytes=1024)
+    with pytest.raises(ValueError, match=r"manifest mismatch: unknown tensors extra; missing tensors b"):
+        check_against(m, {"a": [4], "b": [2]})
+    with pytest.raises(ValueError, match=r"a has shape \[4\], the engine's is \[2, 2\]"):
+        check_against(plan(metas(("a", "float32", [4])), 64), {"a": [2, 2]})
+    check_against(plan(metas(("a", "float32", [2, 2])), 64), {"a": [2, 2]})
+
+
+def test_backend_follows_device() -> None:
+    assert resolve_backend("auto", "cpu") == "gloo"
+    assert resolve_backend("auto", "cuda") == "nccl"
+    with pytest.raises(ValueError, match="nccl needs device cuda"):
+        resolve_backend("nccl", "cpu")
+
+
+def test_gloo_broadcast_is_bit_exact_across_buckets_and_dtypes() -> None:
+    g = torch.Generator().manual_seed(0)
+    named = [
+        ("w1", torch.randn(33, 17, generator=g)),
+        ("n1", torch.randn(17, generator=g).to(torch.bfloat16)),
+        ("w2", torch.randn(64, 65, generator=g)),
+        ("n2", torch.randn(5, generator=g).to(torch.bfloat16)),
+        ("w3", torch.randn(3, generator=g).double()),
+    ]
+    manifest = build_manifest(named, bucket_bytes=4096)
+    assert len(manifest.buckets) >= 4
+    port = free_port()
+    got: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def receiver() -> None:
+        try:
+            group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
+            # The views die with their bucket: keep copies, as an engine's load would.
+            receive(group, Manifest.model_validate_json(manifest.model_dump_json()),
+                    lambda batch: got.update({n: t.clone() for n, t in batch}))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    sender = WeightSyncGroup(GroupAddress("127.0.0.1", port, 0, 2, "gloo", 60))
+    stats = send(sender, manifest, [x for _, x in named])
+    t.join(60)
+    assert not errors, errors
+    assert stats.bytes == manifest.total_bytes
+    assert list(got) == [manifest.tensors[e.index].name for b in manifest.buckets for e in b.entries]
+    for name, x in named:
+        assert got[name].dtype == x.dtype and got[name].shape == x.shape
+        assert tensor_checksum(got[name]) == tensor_checksum(x), name
