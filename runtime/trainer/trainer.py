@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -478,7 +478,3 @@ class Trainer:
         if self.world > 1:
             dist.barrier(group=self._ctrl)
         return out
-
-
-def stats_dict(stats: StepStats) -> dict[str, Any]:
-    return asdict(stats)
