@@ -255,7 +255,7 @@ class TrainerSpec(ApiModel):
     """Train steps to run before the job succeeds."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
-    mixed_precision: DType = DType.bfloat16
+    mixed_precision: DType = DType.auto
     """Compute dtype of the FSDP parameters (master weights stay fp32). auto = bfloat16 on cuda, float32 on cpu."""
     overrides: RoleOverrides = Field(default_factory=RoleOverrides)
     """Pod settings for the trainer pods."""
