@@ -146,6 +146,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--docs", metavar="FILE.md", help="also write the tables as markdown here (e.g. docs/learning.md)")
     ap.add_argument("--keepalive-fix", action=argparse.BooleanOptionalAction, default=True,
                     help="work around the idle keep-alive race of the role HTTP clients (bench/_keepalive)")
+    ap.add_argument("--render-only", action="store_true",
+                    help="run nothing: tables, plot and markdown from the results saved in --workdir")
     args = ap.parse_args(argv)
     steps = args.steps or (30 if args.quick else 60)
     every = args.every or (5 if args.quick else 10)
@@ -180,6 +182,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         loss_steps = (args.pg_steps or steps) if pg else steps
         for mode in modes:
             name = f"learn-{loss_mode.lower()}-{mode.lower()}"
+            if args.render_only:
+                saved = work / f"{name}.result.json"
+                if saved.is_file():
+                    results.setdefault(loss, {})[mode] = json.loads(saved.read_text())
+                continue
             ckpt = work / name / "ckpt"
             shutil.rmtree(ckpt, ignore_errors=True)
             shape = JobShape(name=name, mode=mode, student=init_dir, teacher=teacher_dir,
@@ -200,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  done: {len(hist)} steps in {hist[-1]['time']:.0f} s; evaluating its checkpoints ...", flush=True)
             # Between runs, so evaluation never competes with a run for the CPU.
             r["points"] = evaluate_run(ckpt, hist, init_dir, teacher_dir, problems, init_point)
-            (work / f"{name}.points.json").write_text(json.dumps(r["points"], indent=1))
+            (work / f"{name}.result.json").write_text(json.dumps(r))
             last = r["points"][-1]
             print(f"  step {last['step']}: reverse KL {last['reverse_kl']:.4f}, accuracy {last['accuracy']:.1%}",
                   flush=True)

@@ -4,8 +4,8 @@ fullyAsync + partialRollout, one after the other in one run, through the real ru
 
 Long-tailed response lengths: the student is a random-weight model over the 16-token character
 vocabulary of the arithmetic task, so it emits <eos> with probability ≈ 1/16 at every token:
-response lengths are geometric (median ≈ 11 tokens, 90th percentile ≈ 36) and capped by
-`maxTokens` (64), i.e. a few responses per batch are 4-6× longer than the median. A synchronous
+response lengths are roughly geometric and capped by `maxTokens` (64): a few responses per batch
+are several times longer than the median (the run measures and prints the distribution first). A synchronous
 batch waits for its longest response; fullyAsync keeps generating and trains on whatever is
 finished. A tiny learning rate keeps the length distribution the same throughout, so the three
 runs see the same workload (this benchmark measures speed, not learning).
@@ -55,6 +55,31 @@ def prepare_models(base: Path, hidden: int, layers: int, teacher_layers: int) ->
     if not out["train"].is_file():
         arith.write_jsonl(arith.split()[0], out["train"])
     return out
+
+
+def length_profile(student: Path, prompts: Path, max_tokens: int, n: int = 256) -> dict[str, float]:
+    """Response lengths of the student sampled at temperature 1 (HF generate, CPU), to show the
+    workload's tail: median, 90th percentile, max and the share that hit maxTokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(student))
+    model = AutoModelForCausalLM.from_pretrained(str(student)).eval()
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()[:n]]
+    ids = torch.tensor([tok(tok.bos_token + r["prompt"][0]["content"], add_special_tokens=False).input_ids for r in rows])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=True, temperature=1.0, top_k=0, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    lengths = []
+    for seq in out[:, ids.shape[1]:].tolist():
+        end = seq.index(tok.eos_token_id) + 1 if tok.eos_token_id in seq else len(seq)
+        lengths.append(end)
+    lengths.sort()
+    return {"median": statistics.median(lengths), "p90": lengths[int(0.9 * (len(lengths) - 1))],
+            "max": lengths[-1], "capped": sum(x >= max_tokens for x in lengths) / len(lengths),
+            "mean": statistics.mean(lengths)}
 
 
 def steady_rate(history: list[dict[str, Any]], mini_batch: int, skip: int) -> float:
@@ -111,6 +136,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"({args.teacher_layers} layers), 16-token vocabulary → geometric response lengths (p(eos) ≈ 1/16) "
           f"capped at maxTokens {args.max_tokens}; {steps} steps x {args.mini_batch} samples per mode; "
           f"engine {args.engine}; throughput after the first {skip} steps")
+    prof = length_profile(paths["student"], paths["train"], args.max_tokens)
+    print(f"response lengths of the student (256 samples, measured before the runs): median {prof['median']:.0f}, "
+          f"mean {prof['mean']:.1f}, 90th percentile {prof['p90']}, max {prof['max']}, "
+          f"{prof['capped']:.0%} hit maxTokens")
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         async_ = {}
