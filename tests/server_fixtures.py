@@ -67,6 +67,7 @@ class Server:
             [sys.executable, "-m", "kubedistill.cli", "role", role, "--config", str(config_path),
              "--replica", str(replica), "--host", "127.0.0.1", "--port", str(port)],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,  # its own process group: stop() reaches vLLM's children too
         )
 
     def wait_healthy(self, timeout: float = 600.0) -> None:
@@ -86,13 +87,19 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
+        import signal
+
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:  # engine processes left behind (the group id is the server's pid)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @dataclass

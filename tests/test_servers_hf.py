@@ -56,6 +56,19 @@ def model_with(path, named):
     return model
 
 
+async def wait_in_flight(c: RolloutClient, then: float = 0.15) -> None:
+    """Return shortly after a /generate is in flight on the server (the metrics request itself
+    counts as one more request in flight)."""
+    for _ in range(1000):
+        text = (await c.http.get(c.base_url + "/metrics")).text
+        line = next(ln for ln in text.splitlines() if ln.startswith("kubedistill_requests_in_flight{"))
+        if float(line.rsplit(" ", 1)[1]) >= 2:
+            await asyncio.sleep(then)
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the generation never reached the server")
+
+
 async def test_generate_returns_tokens_logprobs_versions(hf_servers, tiny_models) -> None:
     async with RolloutClient(hf_servers.rollout_urls[0]) as c:
         version = await c.version()
@@ -116,7 +129,7 @@ async def test_abort_returns_the_partial_output(hf_servers) -> None:
         gen = asyncio.create_task(c.generate(GenerateRequest(
             request_id="long", prompt_token_ids=PROMPT,
             sampling=Sampling(max_tokens=400, temperature=0.0, ignore_eos=True))))
-        await asyncio.sleep(1.5)  # let it produce some tokens
+        await wait_in_flight(c)
         aborted = await c.abort(["long"])
         out = await gen
     assert aborted.aborted == ["long"]
@@ -188,7 +201,7 @@ async def test_partial_rollout_resume_aborts_at_sync_then_continues_under_new_we
         gen = asyncio.create_task(c.generate(GenerateRequest(
             request_id="straggler", prompt_token_ids=PROMPT,
             sampling=Sampling(max_tokens=300, temperature=0.0, ignore_eos=True))))
-        await asyncio.sleep(1.5)
+        await wait_in_flight(c)
         await asyncio.to_thread(hf_servers.sender.sync, v0 + 1, named)
         first = await gen
         assert first.finish_reason == "abort" and first.versions == [v0] * len(first.versions)

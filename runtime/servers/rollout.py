@@ -106,7 +106,7 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
         if engine.weight_group_state != "ready":
             return JSONResponse({"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"},
                                 status_code=503)
-        if state["sync"] is not None and not state["sync"].done():
+        if not await _previous_sync_done():
             return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
         state["sync"] = asyncio.create_task(engine.probe_transport(nbytes))
         return {"accepted": True, "bytes": nbytes}
@@ -116,7 +116,7 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
         if engine.weight_group_state != "ready":
             return JSONResponse({"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"},
                                 status_code=503)
-        if state["sync"] is not None and not state["sync"].done():
+        if not await _previous_sync_done():
             return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
         try:
             check_layout(req.manifest)
@@ -133,6 +133,20 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
         if refusal is not None:
             return JSONResponse({"error": refusal}, status_code=409)
         return WeightsBeginResponse(version=req.version)
+
+    async def _previous_sync_done() -> bool:
+        """The trainer's side of a sync returns at the closing all-reduce, a moment before this
+        server's task finishes: give a finishing task a little time rather than refusing."""
+        task = state["sync"]
+        if task is None or task.done():
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=30)
+        except asyncio.TimeoutError:
+            return False
+        except Exception:
+            pass
+        return True
 
     async def _receive(req: WeightsBeginRequest, load: bool) -> None:
         try:
