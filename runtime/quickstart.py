@@ -92,7 +92,8 @@ QUICKSTART_JOB = Path("examples/quickstart-cpu.yaml")
 def summary_line(before: dict[str, float], after: dict[str, float], teacher_accuracy: float) -> str:
     """The command's last line: how much closer to the teacher distillation brought the student."""
     ratio = before["reverse_kl"] / after["reverse_kl"] if after["reverse_kl"] > 0 else float("inf")
-    return (f"student→teacher reverse KL {before['reverse_kl']:.2f} → {after['reverse_kl']:.2f} ({ratio:.1f}× closer); "
+    change = f"{ratio:.1f}× closer" if ratio >= 1 else f"{1 / ratio:.1f}× farther"
+    return (f"student→teacher reverse KL {before['reverse_kl']:.2f} → {after['reverse_kl']:.2f} ({change}); "
             f"accuracy {before['accuracy']:.1%} → {after['accuracy']:.1%} (teacher {teacher_accuracy:.1%})")
 
 
