@@ -58,8 +58,10 @@ def main() -> int:
     from kubedistill.runtime.weight_sync.sender import WeightSender
 
     torch.set_num_threads(1)
+    cache = ROOT / ".kubedistill" / "bench" / "weight_sync"  # converted model reused across runs
+    cache.mkdir(parents=True, exist_ok=True)
+    mdir = model_dir(cache, args.random)
     work = Path(tempfile.mkdtemp(prefix="kd-bench-ws-"))
-    mdir = model_dir(work, args.random)
     model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)

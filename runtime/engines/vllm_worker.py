@@ -133,6 +133,9 @@ class WeightSyncWorkerExtension:
                     if pname == "weight" and t.numel() == 0 and hasattr(module, "cpu_linear"):
                         k = module.input_size_per_partition
                         t = module.cpu_linear(torch.eye(k, dtype=torch.float32).to(p.dtype), p, None).t()
+                    vocab = getattr(module, "org_vocab_size", None)
+                    if vocab is not None and pname == "weight":
+                        t = t[:vocab]  # vLLM pads the vocabulary rows
                     leaf = mname.rsplit(".", 1)[-1]
                     if leaf in packed:
                         sizes = list(module.output_sizes)
@@ -145,5 +148,6 @@ class WeightSyncWorkerExtension:
             if lm_head is not None and hasattr(lm_head, "quant_method"):
                 h = model.config.hidden_size
                 eye = torch.eye(h, dtype=lm_head.weight.dtype if lm_head.weight.numel() else torch.float32)
-                out["lm_head.weight"] = lm_head.quant_method.apply(lm_head, eye).t().contiguous()
+                w = lm_head.quant_method.apply(lm_head, eye).t()
+                out["lm_head.weight"] = w[: getattr(lm_head, "org_vocab_size", w.shape[0])].contiguous()
         return out
