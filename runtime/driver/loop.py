@@ -176,6 +176,8 @@ class Driver:
                                                          keepalive_expiry=2.0)) as http:
             self._rollout = {u: RolloutClient(u, client=http) for u in self._rollout_urls}
             self._teacher = {u: TeacherClient(u, client=http) for u in self._teacher_urls}
+            await self._wait_healthy([*self._rollout.values(), *self._teacher.values()])
+            self._started = self.clock()
             for g in self._resumed_groups:
                 self._spawn(self._generate_group(g))
             self._resumed_groups = []
@@ -198,6 +200,21 @@ class Driver:
             log.info("exported the student to %s", out)
         self._trainer_thread.shutdown(wait=True)
         self.status.set_phase("done")
+
+    async def _wait_healthy(self, clients: list[Any]) -> None:
+        """Every server answers /health (teachers may still be loading when the rollout servers
+        have already joined the weight-sync group)."""
+        deadline = self.clock() + float(self.spec.weight_sync.timeout_seconds)
+        for c in clients:
+            while True:
+                try:
+                    await c.health()
+                    break
+                except Exception as e:  # connection refused / 503 while the engine loads
+                    if self.clock() > deadline:
+                        raise RuntimeError(f"{c.base_url} is not healthy after "
+                                           f"{self.spec.weight_sync.timeout_seconds} s: {e!r}") from e
+                    await asyncio.sleep(0.5)
 
     async def _checkpoint(self) -> None:
         state = self.driver_state()  # a consistent snapshot: taken on the loop thread
