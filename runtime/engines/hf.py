@@ -198,11 +198,13 @@ class HFEngine(Engine):
                     errors.append(f"{type(e).__name__}: {e}")
 
             stats = receive(self.group, manifest, consume)
+            if load and not errors:
+                # Before the all-reduce that releases the trainer: once its sync returns, /version
+                # must already report the new version.
+                self.version = version
             failed = self.group.all_reduce_sum(1 if (errors or not load) else 0)
             if errors:
                 raise RuntimeError(errors[0])
-            if load:
-                self.version = version
         finally:
             self._running.set()
         return {"bytes": stats.bytes, "seconds": time.perf_counter() - t0, "transport_wait_seconds": stats.wait_seconds,
