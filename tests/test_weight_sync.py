@@ -32,6 +32,12 @@ def test_plan_fills_buckets_in_order_and_groups_dtypes() -> None:
     check_layout(m)
 
 
+def test_plan_sends_large_tensors_alone() -> None:
+    m = plan(metas(("a", "float32", [2]), ("big", "float32", [8]), ("b", "float32", [2])), bucket_bytes=1024,
+             direct_bytes=32)
+    assert [[m.tensors[e.index].name for e in b.entries] for b in m.buckets] == [["big"], ["a", "b"]]
+
+
 def test_plan_gives_an_oversized_tensor_its_own_bucket() -> None:
     m = plan(metas(("small", "float32", [2]), ("big", "float32", [100]), ("tail", "float32", [2])), bucket_bytes=64)
     assert [[e.index for e in b.entries] for b in m.buckets] == [[0], [1], [2]]
@@ -75,8 +81,10 @@ def test_gloo_broadcast_is_bit_exact_across_buckets_and_dtypes() -> None:
     ]
     manifest = build_manifest(named, bucket_bytes=4096)
     assert len(manifest.buckets) >= 4
+    assert [len(b.entries) for b in manifest.buckets if manifest.tensors[b.entries[0].index].name == "w2"] == [1]
     port = free_port()
     got: dict[str, torch.Tensor] = {}
+    landing = torch.zeros(64, 65)  # the receiving engine's own parameter for w2
     errors: list[BaseException] = []
 
     def receiver() -> None:
@@ -84,7 +92,8 @@ def test_gloo_broadcast_is_bit_exact_across_buckets_and_dtypes() -> None:
             group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
             # The views die with their bucket: keep copies, as an engine's load would.
             receive(group, Manifest.model_validate_json(manifest.model_dump_json()),
-                    lambda batch: got.update({n: t.clone() for n, t in batch}))
+                    lambda batch: got.update({n: t.clone() for n, t in batch}),
+                    destination=lambda name: landing if name == "w2" else None)
         except BaseException as e:
             errors.append(e)
 
@@ -95,7 +104,8 @@ def test_gloo_broadcast_is_bit_exact_across_buckets_and_dtypes() -> None:
     t.join(60)
     assert not errors, errors
     assert stats.bytes == manifest.total_bytes
-    assert list(got) == [manifest.tensors[e.index].name for b in manifest.buckets for e in b.entries]
+    assert "w2" not in got  # landed directly, never handed to consume
+    got["w2"] = landing
     for name, x in named:
         assert got[name].dtype == x.dtype and got[name].shape == x.shape
         assert tensor_checksum(got[name]) == tensor_checksum(x), name

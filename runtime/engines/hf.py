@@ -197,7 +197,12 @@ class HFEngine(Engine):
                 except Exception as e:  # keep receiving so the collective stays in step
                     errors.append(f"{type(e).__name__}: {e}")
 
-            stats = receive(self.group, manifest, consume)
+            def destination(name: str):
+                # Generation is paused: the broadcast may land in the parameter itself.
+                p = self._params.get(name)
+                return p.data if (load and not errors and p is not None) else None
+
+            stats = receive(self.group, manifest, consume, destination)
             if load and not errors:
                 # Before the all-reduce that releases the trainer: once its sync returns, /version
                 # must already report the new version.

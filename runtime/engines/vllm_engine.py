@@ -140,8 +140,13 @@ class VLLMEngine(Engine):
             logprobs=0, detokenize=False, ignore_eos=s.ignore_eos,
         )
         finish = "abort"
+        abort_sent = False
         async for out in self.llm.generate(build_prompt(req.prompt_token_ids + req.prefix_token_ids),
                                            params, req.request_id):
+            if state.aborted and not abort_sent:
+                # /abort arrived before vLLM knew the request: abort it now.
+                abort_sent = True
+                await self.llm.abort(req.request_id)
             comp = out.outputs[0]
             new = comp.token_ids[len(state.token_ids):]
             lps = comp.logprobs[len(state.logprobs):] if comp.logprobs is not None else []

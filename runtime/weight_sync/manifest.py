@@ -31,11 +31,14 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
-def plan(tensors: Sequence[TensorMeta], bucket_bytes: int) -> Manifest:
+def plan(tensors: Sequence[TensorMeta], bucket_bytes: int, direct_bytes: int | None = None) -> Manifest:
     """Pack tensors in order into flat buckets of at most `bucket_bytes` (a larger tensor gets a
     bucket of its own). A bucket holds one dtype; a dtype change closes the open bucket of that
     dtype only when it fills, so interleaved dtypes (e.g. fp32 norms between bf16 weights) still
-    share buckets. Buckets are ordered by when they close, which is also when they can be sent."""
+    share buckets. Buckets are ordered by when they close, which is also when they can be sent.
+    Tensors of at least `direct_bytes` get a bucket of their own: such a bucket is broadcast
+    straight from the sender's tensor into the receiver's parameter where the engine allows it,
+    with no packing or unpacking copy."""
     buckets: list[Bucket] = []
     open_: dict[str, tuple[list[BucketEntry], int]] = {}
     for i, t in enumerate(tensors):
@@ -43,6 +46,9 @@ def plan(tensors: Sequence[TensorMeta], bucket_bytes: int) -> Manifest:
         n = numel(t.shape)
         if n == 0:
             raise ValueError(f"tensor {t.name!r} is empty; nothing to sync")
+        if direct_bytes is not None and n * size >= direct_bytes:
+            buckets.append(Bucket(dtype=t.dtype, numel=n, entries=[BucketEntry(index=i, offset=0)]))
+            continue
         entries, used = open_.get(t.dtype, ([], 0))
         if entries and (used + n) * size > bucket_bytes:
             buckets.append(Bucket(dtype=t.dtype, numel=used, entries=entries))

@@ -26,9 +26,14 @@ class WeightSyncError(RuntimeError):
     pass
 
 
-def build_manifest(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Manifest:
+DIRECT_BYTES = 1 << 20
+"""Tensors of at least 1 MiB travel in buckets of their own, without packing copies."""
+
+
+def build_manifest(named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+                   direct_bytes: Optional[int] = DIRECT_BYTES) -> Manifest:
     metas = [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
-    return plan(metas, bucket_bytes)
+    return plan(metas, bucket_bytes, direct_bytes=min(direct_bytes, bucket_bytes) if direct_bytes else None)
 
 
 class WeightSender:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -50,6 +50,18 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Ten
     spare: dict[str, list[torch.Tensor]] = {}
     pending = None  # (work, buffer, dtype)
     for bucket in manifest.buckets:
+        if len(bucket.entries) == 1:
+            t = tensors[bucket.entries[0].index].detach()
+            if t.is_contiguous() and dtype_name_of(t) == bucket.dtype and t.device == group.device:
+                flat = t.reshape(-1)  # a view: sent straight from the caller's tensor
+                if pending is not None:
+                    work, old, dtype = pending
+                    work.wait()
+                    if old is not None:
+                        spare[dtype].append(old)
+                pending = (group.broadcast(flat), None, bucket.dtype)
+                stats.bytes += flat.numel() * flat.element_size()
+                continue
         pool = spare.setdefault(bucket.dtype, [])
         cap = max(b.numel for b in manifest.buckets if b.dtype == bucket.dtype)
         buf = pool.pop() if pool else torch.empty(cap, dtype=torch_dtype(bucket.dtype), device=group.device)
@@ -60,7 +72,8 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Ten
         if pending is not None:
             work, old, dtype = pending
             work.wait()
-            spare[dtype].append(old)
+            if old is not None:
+                spare[dtype].append(old)
         pending = (group.broadcast(view), buf, bucket.dtype)
         stats.bytes += view.numel() * view.element_size()
     if pending is not None:
@@ -71,16 +84,30 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Ten
     return stats
 
 
+def dtype_name_of(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def receive(
     group: WeightSyncGroup,
     manifest: Manifest,
     consume: Callable[[list[tuple[str, torch.Tensor]]], None],
+    destination: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
 ) -> TransferStats:
-    """Receive every bucket and hand its (name, tensor) views to `consume`, in manifest order."""
+    """Receive every bucket and hand its (name, tensor) views to `consume`, in manifest order.
+    For a single-tensor bucket, `destination(name)` may return the engine's own tensor: if it is
+    contiguous with the right dtype and size, the broadcast lands in it directly and `consume`
+    is not called for it."""
     stats = TransferStats()
     t0 = time.perf_counter()
 
     def post(bucket: Bucket):
+        if destination is not None and len(bucket.entries) == 1:
+            meta = manifest.tensors[bucket.entries[0].index]
+            dest = destination(meta.name)
+            if (dest is not None and dest.is_contiguous() and dest.numel() == bucket.numel
+                    and dtype_name_of(dest) == bucket.dtype and dest.device == group.device):
+                return group.broadcast(dest.view(-1)), None
         buf = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=group.device)
         return group.broadcast(buf), buf
 
@@ -91,6 +118,9 @@ def receive(
         work.wait()
         stats.wait_seconds += time.perf_counter() - tw
         pending = post(manifest.buckets[i + 1]) if i + 1 < len(manifest.buckets) else None
+        if buf is None:  # landed in the engine's tensor
+            stats.bytes += bucket.numel * torch.empty(0, dtype=torch_dtype(bucket.dtype)).element_size()
+            continue
         named = []
         for e in bucket.entries:
             meta = manifest.tensors[e.index]
