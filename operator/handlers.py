@@ -56,6 +56,9 @@ class Reconciler:
         self._progress: dict[Key, Progress] = {}
         self._polling: dict[Key, asyncio.Task[None]] = {}
         self._last_error: dict[Key, str] = {}
+        # The status each job's loop last wrote: the job's live body shows it only once the watch
+        # event arrives, and deciding from an older status would repeat transitions and events.
+        self._written: dict[Key, dict[str, Any]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
     def kube(self) -> Kube:
@@ -116,7 +119,7 @@ class Reconciler:
             namespace=namespace,
             generation=int(body.meta.get("generation") or 0),
             spec=dict(body.spec),
-            status=dict(body.status),
+            status=self._written.get(key) or dict(body.status),
         )
         started = time.perf_counter()
         try:
@@ -171,6 +174,7 @@ class Reconciler:
         new = status_patch(p.status)
         if new != status_patch(current_status(job.status)):
             await kube.patch_status(job.namespace, job.name, new)
+            self._written[(job.namespace, job.name)] = new
         for ev in p.events:
             kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
         if p.delete_job:
@@ -196,6 +200,7 @@ class Reconciler:
             stop.cancel()
             self._wakeups.pop(key, None)
             self._progress.pop(key, None)
+            self._written.pop(key, None)
             task = self._polling.pop(key, None)
             if task is not None:
                 task.cancel()

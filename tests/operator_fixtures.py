@@ -18,8 +18,10 @@ import kopf
 import kubernetes
 
 from kubedistill.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.operator.handlers import OperatorOptions, Reconciler, build_registry, configure
 from kubedistill.operator.metrics import OperatorMetrics
+from kubedistill.operator.render import render_children
 
 NS = "ml"
 
@@ -47,6 +49,12 @@ def job_manifest(name: str, spec: Optional[dict[str, Any]] = None, **overrides: 
     }
 
 
+def expected_children(job: str, spec: Optional[dict[str, Any]] = None) -> set[tuple[str, str]]:
+    """(kind, name) of every child the operator must create for a job with `spec`."""
+    parsed = DistillationJobSpec.model_validate(spec if spec is not None else BASE_SPEC)
+    return {(o["kind"], o["metadata"]["name"]) for o in render_children(job, NS, parsed)}
+
+
 def prepare_emulator(kmock: Any) -> None:
     kmock.resources.load_bundled()
     kmock.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
@@ -69,7 +77,13 @@ class Cluster:
         self.custom = kubernetes.client.CustomObjectsApi(self.api_client)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("_request_timeout", 10)
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    def reconnect(self) -> None:
+        """Drop pooled connections. Needed after an in-process operator stops: kopf cancels
+        every task started after it, including the emulator's handlers of our open connections."""
+        self.api_client.rest_client.pool_manager.clear()
 
     async def create_job(self, manifest: dict[str, Any]) -> None:
         await self.call(self.custom.create_namespaced_custom_object, GROUP, VERSION, NS, PLURAL, manifest)
@@ -117,7 +131,10 @@ class Cluster:
     async def fail_pod(self, name: str, exit_code: int = 1) -> None:
         terminated = {"exitCode": exit_code, "reason": "Error"}
         await self.set_pod_status(
-            name, "Failed", containerStatuses=[{"name": "kubedistill", "state": {"terminated": terminated}}]
+            name, "Failed", containerStatuses=[{
+                "name": "kubedistill", "image": "kubedistill", "imageID": "", "ready": False, "restartCount": 0,
+                "state": {"terminated": terminated},
+            }]
         )
 
     async def delete_pod(self, name: str) -> None:
