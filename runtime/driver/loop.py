@@ -201,6 +201,16 @@ class Driver:
         self._trainer_thread.shutdown(wait=True)
         self.status.set_phase("done")
 
+    async def _served_versions(self, version: int, wait: float = 10.0) -> list[int]:
+        """GET /version of every rollout server, waiting briefly until each reports `version`
+        (an engine may finish bookkeeping just after the sync's last collective)."""
+        deadline = self.clock() + wait
+        while True:
+            served = list(await asyncio.gather(*(c.version() for c in self._rollout.values())))
+            if all(v >= version for v in served) or self.clock() > deadline:
+                return served
+            await asyncio.sleep(0.05)
+
     async def _wait_healthy(self, clients: list[Any]) -> None:
         """Every server answers /health (teachers may still be loading when the rollout servers
         have already joined the weight-sync group)."""
@@ -244,7 +254,7 @@ class Driver:
         if self.step % self.policy.trigger_parameter_sync_step == 0 and self.step < self.spec.trainer.total_steps:
             await self.sync_weights(self.version + 1)
             synced = True
-            served = await asyncio.gather(*(c.version() for c in self._rollout.values()))
+            served = await self._served_versions(self.version)
         now = self.clock()
         elapsed = max(now - self._started, 1e-9)
         last = stats[-1]
