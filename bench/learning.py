@@ -230,7 +230,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         times = time_to_sync_final(by_mode)
         for mode, r in by_mode.items():
             pts = r["points"]
-            summary.append([loss, mode, pts[-1]["step"], fmt(r["seconds"], ".0f"), fmt(r["samplesPerSecond"], ".1f"),
+            last = r["history"][-1]
+            rate = last["step"] * 64 / last["time"] if last.get("time") else None  # trained samples / wall s
+            summary.append([loss, mode, pts[-1]["step"], fmt(r["seconds"], ".0f"), fmt(rate, ".1f"),
                             fmt(pts[-1]["reverse_kl"], ".4f"), fmt(pts[-1]["accuracy"], ".1%"),
                             fmt(max(p["accuracy"] for p in pts), ".1%"),
                             fmt(times.get(mode), ".0f") if mode in times else "—"])
