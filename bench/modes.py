@@ -140,6 +140,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"response lengths of the student (256 samples, measured before the runs): median {prof['median']:.0f}, "
           f"mean {prof['mean']:.1f}, 90th percentile {prof['p90']}, max {prof['max']}, "
           f"{prof['capped']:.0%} hit maxTokens")
+    if args.engine == "hf":
+        print("engine hf decodes each request token by token without batching: a batch costs its total tokens, "
+              "so long responses do not leave batch slots idle as they do on vLLM (the straggler effect that "
+              "fullyAsync targets); use --engine vllm for that")
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         async_ = {}
