@@ -31,6 +31,7 @@ FINALIZER = "kubedistill.io/finalizer"
 CHILD_KINDS = {"services": "Service", "configmaps": "ConfigMap", "networkpolicies": "NetworkPolicy"}
 
 Key = tuple[str, str]
+RECENT_SECONDS = 3.0
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Reconciler:
         # The status each job's loop last wrote: the job's live body shows it only once the watch
         # event arrives, and deciding from an older status would repeat transitions and events.
         self._written: dict[Key, dict[str, Any]] = {}
+        # Children this loop created in the last RECENT_SECONDS, until the watch-fed indices show
+        # them: counted as present so a pass woken by an early event does not create them again.
+        self._recent: dict[Key, dict[tuple[str, str], tuple[float, dict[str, Any]]]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
     def kube(self) -> Kube:
@@ -114,6 +118,16 @@ class Reconciler:
         name, namespace = body.meta["name"], body.meta["namespace"]
         key = (namespace, name)
         observed = Observed(pods={p.name: p for p in pods}, others=set(others))
+        recent = self._recent.setdefault(key, {})
+        now_mono = time.monotonic()
+        for (kind, child), (made, obj) in list(recent.items()):
+            seen = child in observed.pods if kind == "Pod" else ChildRef(kind, child) in observed.others
+            if seen or now_mono - made > RECENT_SECONDS:
+                del recent[(kind, child)]
+            elif kind == "Pod":
+                observed.pods[child] = PodView.of(obj)
+            else:
+                observed.others.add(ChildRef(kind, child))
         job = JobView(
             name=name,
             namespace=namespace,
@@ -163,10 +177,15 @@ class Reconciler:
                 # kopf.adopt copies the job's labels; ours must win on the children.
                 obj["metadata"]["labels"].update(_own_labels(obj))
             created = await asyncio.gather(*(kube.create(o) for o in p.create))
+            recent = self._recent.setdefault((job.namespace, job.name), {})
             for obj, made in zip(p.create, created):
+                recent[(obj["kind"], obj["metadata"]["name"])] = (time.monotonic(), obj)
                 if made:
                     self.metrics["children_created"].labels(kind=obj["kind"]).inc()
         if p.delete:
+            recent = self._recent.get((job.namespace, job.name), {})
+            for c in p.delete:
+                recent.pop((c.kind, c.name), None)
             gone = await asyncio.gather(*(kube.delete(c.kind, job.namespace, c.name) for c in p.delete))
             for child, deleted in zip(p.delete, gone):
                 if deleted:
@@ -201,6 +220,7 @@ class Reconciler:
             self._wakeups.pop(key, None)
             self._progress.pop(key, None)
             self._written.pop(key, None)
+            self._recent.pop(key, None)
             task = self._polling.pop(key, None)
             if task is not None:
                 task.cancel()

@@ -162,7 +162,7 @@ async def eventually(
 
 @contextlib.asynccontextmanager
 async def running_operator(
-    url: str, resync_seconds: float = 0.5, metrics: Optional[OperatorMetrics] = None
+    url: str, resync_seconds: float = 0.5, metrics: Optional[OperatorMetrics] = None, post_events: bool = True
 ) -> AsyncIterator[Reconciler]:
     """The real operator (kopf + our handlers), cluster-wide (KMock cannot list namespaces), in
     this event loop."""
@@ -172,7 +172,7 @@ async def running_operator(
     settings = kopf.OperatorSettings()
     configure(settings)
     settings.watching.reconnect_backoff = 0.1
-    settings.posting.enabled = True
+    settings.posting.enabled = post_events
     ready = asyncio.Event()
     task = asyncio.create_task(
         kopf.operator(
