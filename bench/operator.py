@@ -131,10 +131,14 @@ def main() -> int:
     emulator.start()
     try:
         url = queue.get(timeout=60)
+        wall = time.perf_counter()
         results = asyncio.run(_bench(url, counts))
+        print(f"wall time: {time.perf_counter() - wall:.1f} s")
     finally:
         emulator.terminate()
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    rss_mib = usage.ru_maxrss / 1024
+    print(f"operator CPU: {usage.ru_utime + usage.ru_stime:.1f} s (user+sys) over the whole run")
     for n, r in results.items():
         print(
             f"N={n:<4} create -> all children: p50 {r['p50']:.0f} ms, p95 {r['p95']:.0f} ms, "
