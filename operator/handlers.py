@@ -150,6 +150,7 @@ class Reconciler:
         finally:
             self.metrics["reconcile_seconds"].observe(time.perf_counter() - started)
         self.metrics.job_phase(namespace, name, p.status.phase.value)
+        self.metrics.job_status(namespace, name, p.status)
         if p.delete_job:
             return None
         rank0 = next(

@@ -35,6 +35,9 @@ METRICS: list[MetricDef] = [
     MetricDef("reconcile_errors", Counter, "Reconcile passes that failed (API errors, unexpected exceptions)."),
     MetricDef("children_created", Counter, "Child objects created, by kind.", ("kind",)),
     MetricDef("children_deleted", Counter, "Child objects deleted, by kind.", ("kind",)),
+    MetricDef("role_ready", Gauge, "Ready pods of each role of a job (trainer, rollout, teacher/<name>).",
+              ("namespace", "job", "role")),
+    MetricDef("job_restarts", Gauge, "Trainer gang restarts of a job so far.", ("namespace", "job")),
 ]
 """Counters are exported with the `_total` suffix (kubedistill_operator_reconcile_errors_total...)."""
 
@@ -49,6 +52,7 @@ class OperatorMetrics:
                 kwargs["buckets"] = d.buckets
             self._m[d.name] = d.kind(d.full_name, d.help, d.labels, **kwargs)
         self._phases: dict[tuple[str, str], str] = {}
+        self._roles: dict[tuple[str, str], set[str]] = {}
         for phase in Phase:
             self._m["jobs"].labels(phase=phase.value).set(0)
 
@@ -60,9 +64,26 @@ class OperatorMetrics:
         key = (namespace, name)
         if phase is None:
             self._phases.pop(key, None)
+            self._forget_job(namespace, name)
         else:
             self._phases[key] = phase
         self._set_counts(self._phases.values())
+
+    def job_status(self, namespace: str, name: str, status: Any) -> None:
+        """Per-job gauges from a computed DistillationJobStatus: ready pods per role, restarts."""
+        self._m["job_restarts"].labels(namespace=namespace, job=name).set(status.restarts)
+        roles = self._roles.setdefault((namespace, name), set())
+        for role, counts in status.roles.items():
+            roles.add(role)
+            self._m["role_ready"].labels(namespace=namespace, job=name, role=role).set(counts.ready)
+
+    def _forget_job(self, namespace: str, name: str) -> None:
+        for role in self._roles.pop((namespace, name), set()):
+            self._m["role_ready"].remove(namespace, name, role)
+        try:
+            self._m["job_restarts"].remove(namespace, name)
+        except KeyError:
+            pass
 
     def _set_counts(self, phases: Iterable[str]) -> None:
         counts = {p.value: 0 for p in Phase}

@@ -20,13 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kubedistill"
 DASHBOARD = CHART / "files" / "dashboard.json"
 
-# Operator metrics requested from the operator engineer (not in operator/metrics.py yet): the
-# dashboard's "Role readiness" and "Restarts" panels need them. Labels: the job's namespace and
-# name (exported labels win: the ServiceMonitor sets honorLabels) and the role.
-REQUESTED_OPERATOR_METRICS: dict[str, set[str]] = {
-    "kubedistill_operator_role_ready": {"namespace", "job", "role"},
-    "kubedistill_operator_job_restarts": {"namespace", "job"},
-}
+# Operator metrics the dashboard needs that operator/metrics.py does not export (none now).
+REQUESTED_OPERATOR_METRICS: dict[str, set[str]] = {}
 # Labels Prometheus attaches to every scraped series (PodMonitor/ServiceMonitor target labels).
 TARGET_LABELS = {"namespace", "pod", "container", "instance", "service", "endpoint", "job"}
 # What Grafana substitutes before a query reaches Prometheus.

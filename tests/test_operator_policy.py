@@ -204,3 +204,21 @@ def test_a_missing_child_is_recreated() -> None:
     assert sorted((o["kind"], o["metadata"]["name"]) for o in p.create) == [
         ("Pod", "j-teacher-math-0"), ("Service", "j-rollout")
     ]
+
+
+def test_per_job_gauges_follow_status_and_vanish_with_the_job() -> None:
+    from kubedistill.api.status import DistillationJobStatus, RoleStatus
+    from kubedistill.operator.metrics import OperatorMetrics
+
+    m = OperatorMetrics()
+    status = DistillationJobStatus(restarts=2, roles={"trainer": RoleStatus(desired=2, ready=1),
+                                                      "teacher/math": RoleStatus(desired=1, ready=1)})
+    m.job_phase("ns", "j", "Running")
+    m.job_status("ns", "j", status)
+    get = m.registry.get_sample_value
+    assert get("kubedistill_operator_role_ready", {"namespace": "ns", "job": "j", "role": "trainer"}) == 1
+    assert get("kubedistill_operator_role_ready", {"namespace": "ns", "job": "j", "role": "teacher/math"}) == 1
+    assert get("kubedistill_operator_job_restarts", {"namespace": "ns", "job": "j"}) == 2
+    m.job_phase("ns", "j", None)
+    assert get("kubedistill_operator_role_ready", {"namespace": "ns", "job": "j", "role": "trainer"}) is None
+    assert get("kubedistill_operator_job_restarts", {"namespace": "ns", "job": "j"}) is None
