@@ -5,10 +5,11 @@ The Helm chart's dashboard and alerts name exactly these (prefix `kubedistill_op
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kubedistill.metricdef import MetricDef
 
 from kubedistill.api.status import Phase
 
@@ -16,28 +17,19 @@ PREFIX = "kubedistill_operator_"
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
-@dataclass(frozen=True)
-class MetricDef:
-    name: str
-    kind: type
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] | None = None
-
-    @property
-    def full_name(self) -> str:
-        return f"{PREFIX}{self.name}"
+def _op(name: str, kind: type, help: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] | None = None) -> MetricDef:
+    return MetricDef(name, kind, help, labels, buckets, prefix=PREFIX)
 
 
 METRICS: list[MetricDef] = [
-    MetricDef("jobs", Gauge, "DistillationJobs handled by this operator, by phase.", ("phase",)),
-    MetricDef("reconcile_seconds", Histogram, "Wall time of one reconcile pass of one job.", (), RECONCILE_BUCKETS),
-    MetricDef("reconcile_errors", Counter, "Reconcile passes that failed (API errors, unexpected exceptions)."),
-    MetricDef("children_created", Counter, "Child objects created, by kind.", ("kind",)),
-    MetricDef("children_deleted", Counter, "Child objects deleted, by kind.", ("kind",)),
-    MetricDef("role_ready", Gauge, "Ready pods of each role of a job (trainer, rollout, teacher/<name>).",
+    _op("jobs", Gauge, "DistillationJobs handled by this operator, by phase.", ("phase",)),
+    _op("reconcile_seconds", Histogram, "Wall time of one reconcile pass of one job.", (), RECONCILE_BUCKETS),
+    _op("reconcile_errors", Counter, "Reconcile passes that failed (API errors, unexpected exceptions)."),
+    _op("children_created", Counter, "Child objects created, by kind.", ("kind",)),
+    _op("children_deleted", Counter, "Child objects deleted, by kind.", ("kind",)),
+    _op("role_ready", Gauge, "Ready pods of each role of a job (trainer, rollout, teacher/<name>).",
               ("namespace", "job", "role")),
-    MetricDef("job_restarts", Gauge, "Trainer gang restarts of a job so far.", ("namespace", "job")),
+    _op("job_restarts", Gauge, "Trainer gang restarts of a job so far.", ("namespace", "job")),
 ]
 """Counters are exported with the `_total` suffix (kubedistill_operator_reconcile_errors_total...)."""
 

@@ -7,27 +7,15 @@ operator's table (a test cross-checks them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kubedistill.metricdef import MetricDef
+
 BASE_LABELS = ("job", "role", "replica")
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
-
-
-@dataclass(frozen=True)
-class MetricDef:
-    name: str
-    kind: type
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] | None = None
-
-    @property
-    def full_name(self) -> str:
-        return f"kubedistill_{self.name}"
 
 
 METRICS: list[MetricDef] = [
