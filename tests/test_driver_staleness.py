@@ -83,6 +83,7 @@ def test_policy_from_example_specs() -> None:
     assert (multi.mode, multi.required, multi.max_required, multi.max_lag, multi.in_flight_cap) == (
         "fullyAsync", 16, 96, 1, 16)
     quick = StalenessPolicy.from_spec(load_job(ROOT / "examples/quickstart-cpu.yaml").spec)
-    assert (quick.required, quick.max_required, quick.max_lag) == (64, 96, 1)
+    # miniBatchSize 32, s 0.5, trigger 1 -> 32 x 1.5 x 1 = 48 samples, lag 1
+    assert (quick.required, quick.max_required, quick.max_lag) == (32, 48, 1)
     one_gpu = StalenessPolicy.from_spec(load_job(ROOT / "examples/one-gpu.yaml").spec)
     assert (one_gpu.mode, one_gpu.max_required, one_gpu.max_lag) == ("sync", 32, 0)

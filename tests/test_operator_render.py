@@ -215,6 +215,8 @@ def test_metrics_table_names() -> None:
         "kubedistill_operator_reconcile_errors",
         "kubedistill_operator_children_created",
         "kubedistill_operator_children_deleted",
+        "kubedistill_operator_role_ready",
+        "kubedistill_operator_job_restarts",
     }
     m = OperatorMetrics()
     m.job_phase("ml", "a", "Running")
