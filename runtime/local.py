@@ -280,6 +280,13 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
     outcome["seconds"] = round(time.time() - started, 1)
     outcome["logs"] = str(run_dir / "logs")
     outcome["history"] = read_history(history_path)
+    if outcome["history"]:
+        # /status is polled once a second and is gone once the trainer exits: the last history
+        # line (same fields) is the trainer's final word.
+        last = outcome["history"][-1]
+        polled = outcome.get("status", {})
+        if last.get("step", 0) >= polled.get("step", 0):
+            outcome["status"] = {**polled, **{k: v for k, v in last.items() if k != "time"}}
     log(f"kubedistill run: {outcome['result']} after {outcome['seconds']} s; " + _progress_line(outcome.get("status", {}), job.spec.trainer.total_steps, outcome["seconds"]))
     if report is not None:
         report.write_text(json.dumps(outcome, indent=2))
