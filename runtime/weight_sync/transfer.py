@@ -49,16 +49,21 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Ten
     t0 = time.perf_counter()
     spare: dict[str, list[torch.Tensor]] = {}
     pending = None  # (work, buffer, dtype)
+
+    def retire(p) -> None:
+        # Wait for the previous broadcast; its buffer (if one of ours) becomes free for reuse.
+        if p is not None:
+            work, old, dtype = p
+            work.wait()
+            if old is not None:
+                spare[dtype].append(old)
+
     for bucket in manifest.buckets:
         if len(bucket.entries) == 1:
             t = tensors[bucket.entries[0].index].detach()
             if t.is_contiguous() and dtype_name_of(t) == bucket.dtype and t.device == group.device:
                 flat = t.reshape(-1)  # a view: sent straight from the caller's tensor
-                if pending is not None:
-                    work, old, dtype = pending
-                    work.wait()
-                    if old is not None:
-                        spare[dtype].append(old)
+                retire(pending)
                 pending = (group.broadcast(flat), None, bucket.dtype)
                 stats.bytes += flat.numel() * flat.element_size()
                 continue
@@ -69,11 +74,7 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Ten
         tp = time.perf_counter()
         _pack(bucket, manifest, tensors, view)
         stats.consume_seconds += time.perf_counter() - tp
-        if pending is not None:
-            work, old, dtype = pending
-            work.wait()
-            if old is not None:
-                spare[dtype].append(old)
+        retire(pending)
         pending = (group.broadcast(view), buf, bucket.dtype)
         stats.bytes += view.numel() * view.element_size()
     if pending is not None:
