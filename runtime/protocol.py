@@ -108,6 +108,22 @@ class Manifest(Wire):
 class WeightsBeginRequest(Wire):
     version: Annotated[int, Field(ge=0)]
     manifest: Manifest
+    group_epoch: Optional[str] = None
+    """The sender's weight-sync group epoch: a server in another group refuses (503) instead
+    of entering a collective nobody else is in."""
+
+
+class WeightsGroupRequest(Wire):
+    """Leave the current weight-sync group (if any) and join the trainer's group `epoch`."""
+
+    epoch: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+
+
+class WeightsGroupResponse(Wire):
+    epoch: Optional[str] = None
+    """The group this server is in or joining (None: never told to join one)."""
+    state: Literal["none", "joining", "ready", "failed"] = "none"
+    error: Optional[str] = None
 
 
 class WeightsBeginResponse(Wire):

@@ -173,6 +173,22 @@ class Engine(ABC):
     async def join_weight_group(self, addr: GroupAddress) -> None:
         """Join the weight-sync group; returns once joined (run it as a background task)."""
 
+    def abort_weight_group(self) -> None:
+        """Break a weight receive blocked on the current group (its trainer is gone). Engines that
+        hold the group in this process keep it in `self.group`; others override."""
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.abort()
+
+    async def leave_weight_group(self) -> None:
+        """Release the current group's resources (before joining a new one). Default: the
+        in-process `self.group`."""
+        group = getattr(self, "group", None)
+        if group is not None:
+            self.group = None
+            await asyncio.to_thread(group.close)
+        self.weight_group_state = "none"
+
     @abstractmethod
     async def probe_transport(self, nbytes: int) -> None:
         """Receive one raw broadcast of `nbytes` and join the closing all-reduce (benchmarks)."""

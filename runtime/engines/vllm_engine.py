@@ -202,7 +202,8 @@ class VLLMEngine(Engine):
 
         self.weight_group_state = "joining"
         await self.llm.collective_rpc(
-            "kd_ws_join", args=(addr.host, addr.port, addr.rank, addr.world_size, addr.backend, addr.timeout_seconds)
+            "kd_ws_join",
+            args=(addr.host, addr.port, addr.rank, addr.world_size, addr.backend, addr.timeout_seconds, addr.epoch),
         )
         while True:
             states = await self.llm.collective_rpc("kd_ws_state")
@@ -213,6 +214,15 @@ class VLLMEngine(Engine):
                 self.weight_group_state = "ready"
                 return
             await asyncio.sleep(0.2)
+
+    def abort_weight_group(self) -> None:
+        # The group lives in the worker processes, which take RPCs one at a time: a receive blocked
+        # there ends when the dead trainer's sockets close (gloo) or at the group timeout (NCCL).
+        pass
+
+    async def leave_weight_group(self) -> None:
+        await self.llm.collective_rpc("kd_ws_leave")
+        self.weight_group_state = "none"
 
     async def probe_transport(self, nbytes: int) -> None:
         await self.llm.collective_rpc("kd_ws_probe", args=(nbytes,))

@@ -20,10 +20,11 @@ class WeightSyncWorkerExtension:
     _kd_group = None
     _kd_state = "none"
     _kd_error: Optional[str] = None
+    _kd_epoch: Optional[str] = None
 
     # --- group --------------------------------------------------------------------------------
     def kd_ws_join(self, host: str, port: int, base_rank: int, world_size: int, backend: str,
-                   timeout_seconds: float) -> None:
+                   timeout_seconds: float, epoch: str = "0") -> None:
         """Join in a thread: the rendezvous waits for the trainer, and the worker must keep serving."""
         from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 
@@ -34,21 +35,38 @@ class WeightSyncWorkerExtension:
             tp_rank = get_tensor_model_parallel_rank()
         except Exception:
             pass
-        addr = GroupAddress(host, port, base_rank + tp_rank, world_size, backend, timeout_seconds)
+        addr = GroupAddress(host, port, base_rank + tp_rank, world_size, backend, timeout_seconds, epoch)
         self._kd_state = "joining"
+        self._kd_error = None
+        self._kd_epoch = epoch
 
         def join() -> None:
             try:
-                self._kd_group = WeightSyncGroup(addr)
-                self._kd_state = "ready"
+                group = WeightSyncGroup(addr)
             except Exception as e:
-                self._kd_error = f"{type(e).__name__}: {e}"
-                self._kd_state = "failed"
+                if self._kd_epoch == epoch:
+                    self._kd_error = f"{type(e).__name__}: {e}"
+                    self._kd_state = "failed"
+                return
+            if self._kd_epoch != epoch:  # superseded while joining (kd_ws_leave ran meanwhile)
+                group.close()
+                return
+            self._kd_group = group
+            self._kd_state = "ready"
 
         threading.Thread(target=join, name="kd-weight-sync-join", daemon=True).start()
 
     def kd_ws_state(self) -> tuple[str, Optional[str]]:
         return self._kd_state, self._kd_error
+
+    def kd_ws_leave(self) -> None:
+        """Tear down the current group (the trainer re-forms it under a new epoch). Runs between
+        RPCs, so never while this worker is inside a receive."""
+        group, self._kd_group = self._kd_group, None
+        self._kd_epoch = None
+        self._kd_state, self._kd_error = "none", None
+        if group is not None:
+            group.close()
 
     # --- receive ------------------------------------------------------------------------------
     def kd_ws_receive(self, manifest_json: str, load: bool) -> dict:

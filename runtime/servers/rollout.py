@@ -1,5 +1,6 @@
 """The rollout server (`kubedistill role rollout`): the student's engine behind /generate,
-/abort, /version, /weights/begin, /health, /metrics. Joins the weight-sync group at start-up."""
+/abort, /version, /weights/group, /weights/begin, /health, /metrics. Joins the weight-sync group
+when the trainer says so (POST /weights/group, on every trainer start: see weight_group.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from kubedistill.runtime.engines.base import Engine, PauseMode
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.protocol import (
     AbortRequest, AbortResponse, GenerateRequest, GenerateResponse, VersionResponse,
-    WeightsBeginRequest, WeightsBeginResponse,
+    WeightsBeginRequest, WeightsBeginResponse, WeightsGroupRequest, WeightsGroupResponse,
 )
 from kubedistill.runtime.servers.http import make_app
+from kubedistill.runtime.servers.weight_group import WeightGroupMembership
 from kubedistill.runtime.weight_sync.group import GroupAddress, resolve_backend
 from kubedistill.runtime.weight_sync.manifest import check_against, check_layout
 
@@ -36,41 +38,61 @@ def pause_mode(spec: DistillationJobSpec) -> PauseMode:
     return "abort" if a.partial_rollout_strategy.value == "resume" else "keep"
 
 
-def group_address(config: JobConfig, replica: int) -> GroupAddress:
+def group_address(config: JobConfig, replica: int, epoch: str = "0") -> GroupAddress:
     spec = config.spec
     return GroupAddress(
         host=config.endpoints.master_addr, port=config.endpoints.weight_sync_port,
         rank=weight_sync_rank(spec, replica), world_size=weight_sync_world_size(spec),
         backend=resolve_backend(spec.weight_sync.backend.value, spec.device.value),
-        timeout_seconds=float(spec.weight_sync.timeout_seconds),
+        timeout_seconds=float(spec.weight_sync.timeout_seconds), epoch=epoch,
     )
 
 
 def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
-                      metrics: Optional[RoleMetrics] = None, join_weight_group: bool = True) -> FastAPI:
+                      metrics: Optional[RoleMetrics] = None) -> FastAPI:
     metrics = metrics or RoleMetrics(config.job, "rollout", identity.replica)
     spec = config.spec
-    state: dict = {"sync": None, "join": None, "last_sync": None}
+    state: dict = {"sync": None, "last_sync": None}
+    membership = WeightGroupMembership(engine, lambda epoch: group_address(config, identity.replica, epoch),
+                                       lambda: state["sync"])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         metrics["weight_version"].set(engine.version)
-        if join_weight_group:
-            state["join"] = asyncio.create_task(_join())
         yield
-        for key in ("join", "sync"):
-            if state[key] is not None and not state[key].done():
-                state[key].cancel()
+        if state["sync"] is not None and not state["sync"].done():
+            state["sync"].cancel()
+        with contextlib.suppress(Exception):
+            await membership.close()
         await engine.shutdown()
 
-    async def _join() -> None:
-        try:
-            await engine.join_weight_group(group_address(config, identity.replica))
-        except Exception as e:  # reported by /health and refused by /weights/begin
-            log.error("joining the weight-sync group failed: %s", e)
-
     app = make_app("rollout", engine, metrics, lifespan=lifespan)
+    app.state.weight_group = membership
+
+    @app.post("/weights/group", response_model=WeightsGroupResponse, status_code=202)
+    async def weights_group(req: WeightsGroupRequest) -> WeightsGroupResponse:
+        """Leave the current weight-sync group and join the trainer's group `epoch` (in the
+        background: the trainer's rendezvous completes the join)."""
+        membership.switch(req.epoch)
+        return membership.status()
+
+    @app.get("/weights/group", response_model=WeightsGroupResponse)
+    async def weights_group_status() -> WeightsGroupResponse:
+        return membership.status()
+
+    async def _group_refusal(epoch: Optional[str]) -> Optional[JSONResponse]:
+        """503 unless this server is in the sender's group (and it is formed)."""
+        if epoch is not None and epoch == membership.epoch:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await membership.wait_switched(timeout=30)
+        if epoch is not None and epoch != membership.epoch:
+            return JSONResponse({"error": f"this server is in weight-sync group epoch {membership.epoch}, "
+                                          f"not the sender's {epoch}; POST /weights/group first"}, status_code=503)
+        if engine.weight_group_state != "ready":
+            return JSONResponse({"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"},
+                                status_code=503)
+        return None
 
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(req: GenerateRequest) -> GenerateResponse:
@@ -103,9 +125,10 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
         nbytes = body.get("bytes")
         if not isinstance(nbytes, int) or nbytes < 1:
             return JSONResponse({"error": "bytes: a positive integer is required"}, status_code=422)
-        if engine.weight_group_state != "ready":
-            return JSONResponse({"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"},
-                                status_code=503)
+        epoch = body.get("group_epoch")
+        refusal = await _group_refusal(epoch if isinstance(epoch, str) else None)
+        if refusal is not None:
+            return refusal
         if not await _previous_sync_done():
             return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
         state["sync"] = asyncio.create_task(engine.probe_transport(nbytes))
@@ -113,9 +136,9 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
 
     @app.post("/weights/begin", response_model=WeightsBeginResponse)
     async def weights_begin(req: WeightsBeginRequest):
-        if engine.weight_group_state != "ready":
-            return JSONResponse({"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"},
-                                status_code=503)
+        refusal = await _group_refusal(req.group_epoch)
+        if refusal is not None:
+            return refusal
         if not await _previous_sync_done():
             return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
         try:

@@ -1,13 +1,24 @@
 """The weight-sync process group: trainer rank 0 + every rollout worker, formed on a standalone
 TCP store at the trainer (endpoints.master_addr:weight_sync_port), so it never touches the
-trainer gang's default group nor vLLM's own. NCCL on GPU, gloo on CPU, the same calls."""
+trainer gang's default group nor vLLM's own. NCCL on GPU, gloo on CPU, the same calls.
+
+A group has an *epoch*: a fresh id the trainer picks each time it (re)forms the group (every
+trainer start, so also after a gang restart). Every store key lives under the epoch's prefix, so
+a member still joining an older group can never be paired with the members of a newer one."""
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Optional
 
 import torch
+
+log = logging.getLogger("kubedistill.weight_sync")
+
+EPOCH_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -18,6 +29,7 @@ class GroupAddress:
     world_size: int
     backend: str  # "nccl" | "gloo"
     timeout_seconds: float = 600.0
+    epoch: str = "0"
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -29,25 +41,34 @@ def resolve_backend(backend: str, device: str) -> str:
     return backend
 
 
-class WeightSyncGroup:
-    """A process group over a standalone store. Rank 0 hosts the store (the trainer)."""
+def open_store(addr: GroupAddress) -> Any:
+    """The group's TCP store: rank 0 hosts it (listening from this call on), the others connect."""
+    import torch.distributed as dist
 
-    def __init__(self, addr: GroupAddress):
+    return dist.TCPStore(addr.host, addr.port, addr.world_size, is_master=addr.rank == 0,
+                         timeout=timedelta(seconds=addr.timeout_seconds), wait_for_workers=False)
+
+
+class WeightSyncGroup:
+    """A process group over a standalone store. Rank 0 hosts the store (the trainer); it may open
+    the store first (`open_store`) and pass it in, so members can be told to join before the
+    rendezvous blocks."""
+
+    def __init__(self, addr: GroupAddress, store: Optional[Any] = None):
         import torch.distributed as dist
 
+        if not EPOCH_PATTERN.match(addr.epoch):
+            raise ValueError(f"weight-sync group epoch {addr.epoch!r}: 1-64 characters of A-Z a-z 0-9 . _ - allowed")
         self.addr = addr
         timeout = timedelta(seconds=addr.timeout_seconds)
-        self.store = dist.TCPStore(
-            addr.host, addr.port, addr.world_size, is_master=addr.rank == 0, timeout=timeout,
-            wait_for_workers=False,
-        )
-        store = dist.PrefixStore("kubedistill-weight-sync", self.store)
+        self.store = store if store is not None else open_store(addr)
+        prefixed = dist.PrefixStore(f"kubedistill-weight-sync/{addr.epoch}", self.store)
         if addr.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.pg = dist.ProcessGroupNCCL(store, addr.rank, addr.world_size)
+            self.pg = dist.ProcessGroupNCCL(prefixed, addr.rank, addr.world_size)
         elif addr.backend == "gloo":
             self.device = torch.device("cpu")
-            self.pg = dist.ProcessGroupGloo(store, addr.rank, addr.world_size, timeout)
+            self.pg = dist.ProcessGroupGloo(prefixed, addr.rank, addr.world_size, timeout)
         else:
             raise ValueError(f"weight-sync backend {addr.backend!r}: allowed nccl, gloo")
         # Rendezvous now, so a missing member is found at start-up rather than at the first sync.
@@ -57,13 +78,17 @@ class WeightSyncGroup:
     def rank(self) -> int:
         return self.addr.rank
 
+    @property
+    def epoch(self) -> str:
+        return self.addr.epoch
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Start a broadcast; returns the Work (call .wait())."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        return self.pg.broadcast([tensor], opts)
+        return self._live().broadcast([tensor], opts)
 
     def all_reduce_sum(self, value: int) -> int:
         import torch.distributed as dist
@@ -71,8 +96,38 @@ class WeightSyncGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self.pg.allreduce([t], opts).wait()
+        self._live().allreduce([t], opts).wait()
         return int(t.item())
 
     def barrier(self) -> None:
         self.all_reduce_sum(0)
+
+    def _live(self):
+        if self.pg is None:
+            raise RuntimeError(f"weight-sync group epoch {self.addr.epoch} is closed")
+        return self.pg
+
+    def abort(self) -> None:
+        """Break collectives blocked on this group from another thread. NCCL's abort does (its
+        communicators are torn down); gloo's does not, but a gloo collective fails by itself
+        within moments when a peer process dies (its sockets close)."""
+        pg = self.pg
+        if pg is not None and self.addr.backend == "nccl" and hasattr(pg, "abort"):
+            try:
+                pg.abort()
+            except Exception as e:  # already broken: nothing left to abort
+                log.warning("aborting weight-sync group epoch %s: %s", self.addr.epoch, e)
+
+    def close(self) -> None:
+        """Release the communicators, sockets and the store connection (or, on rank 0, the store
+        itself). Idempotent; the group is unusable afterwards."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                if self.addr.backend == "nccl" and hasattr(pg, "abort"):
+                    pg.abort()
+                elif hasattr(pg, "shutdown"):
+                    pg.shutdown()
+            except Exception as e:
+                log.warning("closing weight-sync group epoch %s: %s", self.addr.epoch, e)
+        self.store = None

@@ -1,14 +1,18 @@
 """Trainer side of a weight sync: `WeightSender(spec, endpoints).sync(version, named_tensors)`.
 
-Rank 0 hosts the group's TCP store; construction blocks until every rollout worker has joined
-(they join at start-up). A sync POSTs /weights/begin (version + manifest) to every rollout
-server, broadcasts the buckets, then all-reduces a failure count so it returns only once every
-engine has loaded the weights (or raises naming how many failed).
+Construction (re)forms the group under a fresh epoch: rank 0 opens the group's TCP store, tells
+every rollout server `POST /weights/group {epoch}` (retrying while a server is still starting),
+and returns once every rollout worker has joined. Servers that were in an older group (this
+trainer's predecessor, before a gang restart) leave it first, so a restarted trainer reaches the
+same long-lived rollout servers. A sync POSTs /weights/begin (version + manifest + epoch) to
+every rollout server, broadcasts the buckets, then all-reduces a failure count so it returns only
+once every engine has loaded the weights (or raises naming how many failed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 from typing import Iterable, Optional
 
@@ -16,8 +20,8 @@ import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime.protocol import Manifest, TensorMeta, WeightsBeginRequest
-from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, resolve_backend
+from kubedistill.runtime.protocol import Manifest, TensorMeta, WeightsBeginRequest, WeightsGroupRequest
+from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, open_store, resolve_backend
 from kubedistill.runtime.weight_sync.manifest import dtype_name, plan
 from kubedistill.runtime.weight_sync.transfer import TransferStats, send
 
@@ -36,9 +40,15 @@ def build_manifest(named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
     return plan(metas, bucket_bytes, direct_bytes=min(direct_bytes, bucket_bytes) if direct_bytes else None)
 
 
+def new_epoch() -> str:
+    """A group id no earlier trainer used: start time (ns) and pid, so also unique across the
+    restarts of one pod and across pods."""
+    return f"{time.time_ns():x}-{os.getpid()}"
+
+
 class WeightSender:
     def __init__(self, spec: DistillationJobSpec, endpoints: Endpoints, metrics=None,
-                 bind_host: Optional[str] = None):
+                 bind_host: Optional[str] = None, epoch: Optional[str] = None):
         self.spec = spec
         self.endpoints = endpoints
         self.metrics = metrics
@@ -50,9 +60,45 @@ class WeightSender:
             world_size=weight_sync_world_size(spec),
             backend=resolve_backend(spec.weight_sync.backend.value, spec.device.value),
             timeout_seconds=self.timeout,
+            epoch=epoch or new_epoch(),
         )
-        self.group = WeightSyncGroup(addr)
+        self.epoch = addr.epoch
+        store = open_store(addr)  # listening before any server is told to join
+        self._tell_servers_to_join()
+        self.group = WeightSyncGroup(addr, store=store)
         self.last_stats: Optional[TransferStats] = None
+
+    def _tell_servers_to_join(self) -> None:
+        """POST /weights/group to every rollout server, retrying while it is unreachable or
+        still loading its engine (until weightSync.timeoutSeconds)."""
+        import httpx
+
+        body = WeightsGroupRequest(epoch=self.epoch).model_dump(mode="json")
+        deadline = time.monotonic() + self.timeout
+
+        def tell(url: str) -> None:
+            last = ""
+            while True:
+                try:
+                    r = httpx.post(f"{url.rstrip('/')}/weights/group", json=body, timeout=30)
+                    if r.status_code in (200, 202):
+                        return
+                    if r.status_code not in (502, 503, 504):
+                        raise WeightSyncError(f"{url}/weights/group answered {r.status_code}: {_error_text(r)}")
+                    last = f"{r.status_code} {_error_text(r)}"
+                except httpx.TransportError as e:
+                    last = repr(e)
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"{url}/weights/group: no answer within weightSync.timeoutSeconds "
+                                          f"({self.timeout:.0f} s); last: {last}")
+                time.sleep(0.5)
+
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
+            list(pool.map(tell, self.endpoints.rollout))
+
+    def close(self) -> None:
+        """Release the group and its store (the servers leave it when told to join the next)."""
+        self.group.close()
 
     def probe(self, nbytes: int) -> float:
         """Time one raw broadcast of a flat `nbytes` tensor to every rollout worker (the
@@ -60,7 +106,8 @@ class WeightSender:
         import httpx
 
         for url in self.endpoints.rollout:
-            r = httpx.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes}, timeout=self.timeout)
+            r = httpx.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes, "group_epoch": self.epoch},
+                           timeout=self.timeout)
             if r.status_code != 200:
                 raise WeightSyncError(f"{url}/weights/probe: {r.status_code} {_error_text(r)}")
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
@@ -76,7 +123,7 @@ class WeightSender:
         t0 = time.perf_counter()
         named = [(n, t.to(self.group.device)) for n, t in named_tensors]
         manifest = build_manifest(named, bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024)
-        body = WeightsBeginRequest(version=version, manifest=manifest).model_dump(mode="json")
+        body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch).model_dump(mode="json")
 
         def begin(url: str) -> Optional[str]:
             """None: the server will load; a message: it refused the manifest (409) but still

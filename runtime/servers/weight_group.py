@@ -1,0 +1,103 @@
+"""A rollout server's membership of the trainer's weight-sync group, one epoch at a time.
+
+The trainer (re)forms the group on every start — also after its gang was restarted while this
+server kept running — and tells each rollout server `POST /weights/group {epoch}`. Switching to a
+new epoch, in order, one switch at a time:
+
+1. break a weight receive still blocked on the old group (its trainer is gone) and wait for that
+   sync task to end, so no thread is inside the old group when it is released;
+2. release the old group (communicators, sockets, store connection): a long-lived server that
+   sees many trainer restarts holds one group at most;
+3. join the new group (the trainer's rendezvous is waiting for every member).
+
+A newer epoch arriving mid-switch supersedes the older one: the older switch ends at its next
+step, and the newer one tears down whatever it left."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Optional
+
+from kubedistill.runtime.engines.base import Engine
+from kubedistill.runtime.protocol import WeightsGroupResponse
+from kubedistill.runtime.weight_sync.group import GroupAddress
+
+log = logging.getLogger("kubedistill.rollout")
+
+SYNC_DRAIN_SECONDS = 60.0
+"""How long a switch waits for a sync on the old group to end before releasing the group anyway."""
+
+
+class WeightGroupMembership:
+    def __init__(self, engine: Engine, address: Callable[[str], GroupAddress],
+                 current_sync: Callable[[], Optional[asyncio.Task]]):
+        self.engine = engine
+        self.address = address
+        self.current_sync = current_sync
+        self.epoch: Optional[str] = None
+        self.error: Optional[str] = None
+        self.switches = 0
+        """Completed joins (for /weights/group and tests)."""
+        self._task: Optional[asyncio.Task] = None
+
+    def status(self) -> WeightsGroupResponse:
+        state = self.engine.weight_group_state
+        if self.epoch is not None and self.switching:
+            state = "joining"
+        return WeightsGroupResponse(epoch=self.epoch, state=state, error=self.error)  # type: ignore[arg-type]
+
+    @property
+    def switching(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def switch(self, epoch: str) -> None:
+        """Start moving to group `epoch` (returns at once). Re-sending the current epoch while it
+        is joining or formed is a no-op, so a trainer may retry its request."""
+        if epoch == self.epoch and (self.switching or self.engine.weight_group_state == "ready"):
+            return
+        self.epoch, self.error = epoch, None
+        previous = self._task
+        self._task = asyncio.create_task(self._switch(epoch, previous))
+
+    async def wait_switched(self, timeout: float) -> None:
+        """Wait for a switch in progress (a sync may arrive a moment before this side of the
+        rendezvous has returned)."""
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        await self.engine.leave_weight_group()
+
+    async def _switch(self, epoch: str, previous: Optional[asyncio.Task]) -> None:
+        if previous is not None and not previous.done():
+            self.engine.abort_weight_group()  # the previous switch may be waiting on a sync
+            await asyncio.gather(previous, return_exceptions=True)
+        if self.epoch != epoch:
+            return
+        self.engine.abort_weight_group()
+        sync = self.current_sync()
+        if sync is not None and not sync.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(sync), SYNC_DRAIN_SECONDS)
+            except asyncio.TimeoutError:
+                log.warning("a weight sync on the old group is still blocked after %.0f s; releasing the group",
+                            SYNC_DRAIN_SECONDS)
+            except Exception:
+                pass  # its failure is recorded by the sync task itself
+        await self.engine.leave_weight_group()
+        if self.epoch != epoch:
+            return
+        log.info("joining weight-sync group epoch %s", epoch)
+        try:
+            await self.engine.join_weight_group(self.address(epoch))
+        except Exception as e:  # reported by GET /weights/group and /health; /weights/begin refuses
+            if self.epoch == epoch:
+                self.error = f"{type(e).__name__}: {e}"
+            log.error("joining weight-sync group epoch %s failed: %s", epoch, e)
+            return
+        self.switches += 1
+        log.info("joined weight-sync group epoch %s", epoch)

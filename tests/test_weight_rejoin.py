@@ -1,0 +1,119 @@
+"""A trainer restart while the rollout server keeps running (what the operator's gang restart and
+`kubedistill run`'s trainer relaunch do): a trainer-side sender process syncs weights to a real
+hf rollout server, begins another sync and is SIGKILLed in the middle of it; a new sender process
+on the same address re-forms the group under a new epoch and syncs other weights, which the
+server must then hold bit for bit. Repeated re-joins must not leak the old groups' sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from server_fixtures import Server, free_port, job_config
+from test_servers_hf import expected_checksums, perturbed
+
+torch.set_num_threads(1)
+
+# A trainer-side process: form the group, sync the weights of `seed` as version 1, then begin
+# version 2 (every server enters the broadcast) and hang there until killed.
+SENDER = """
+import json, sys, time
+import httpx, torch
+torch.set_num_threads(1)
+from kubedistill.api.roleconfig import JobConfig
+from kubedistill.runtime.protocol import WeightsBeginRequest
+from kubedistill.runtime.weight_sync.sender import WeightSender, build_manifest
+sys.path.insert(0, {tests!r})
+from test_servers_hf import perturbed
+cfg = JobConfig.load({config!r})
+sender = WeightSender(cfg.spec, cfg.endpoints)
+named = perturbed({student!r}, seed={seed})
+sender.sync(1, named)
+body = WeightsBeginRequest(version=2, manifest=build_manifest(named, 1 << 20), group_epoch=sender.epoch)
+for url in cfg.endpoints.rollout:
+    assert httpx.post(url + "/weights/begin", json=body.model_dump(mode="json"), timeout=60).status_code == 200
+print(json.dumps({{"epoch": sender.epoch}}), flush=True)
+time.sleep(600)
+"""
+
+
+def _open_sockets(pid: int) -> int:
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            n += os.readlink(fd).startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Path) -> None:
+    port, wport = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = job_config(tiny_models["student"], tiny_models["teacher"], engine="hf", rollout_urls=[url],
+                     teacher_urls=["http://127.0.0.1:1"], weight_sync_port=wport)
+    config = tmp_path / "config.json"
+    cfg.dump(config)
+    server = Server("rollout", config, port)
+    sender_proc = None
+    try:
+        code = SENDER.format(tests=str(Path(__file__).parent), config=str(config),
+                             student=str(tiny_models["student"]), seed=11)
+        sender_proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+        line = sender_proc.stdout.readline()  # the server is inside the version-2 broadcast now
+        assert line, f"sender failed; server log:\n{server.log()[-3000:]}"
+        first_epoch = json.loads(line)["epoch"]
+        assert httpx.get(url + "/version").json()["version"] == 1
+        assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(
+            perturbed(tiny_models["student"], seed=11))
+        assert httpx.get(url + "/weights/group").json() == {"epoch": first_epoch, "state": "ready", "error": None}
+        os.kill(sender_proc.pid, signal.SIGKILL)
+        sender_proc.wait(30)
+
+        # The new trainer: same address, new process, new epoch.
+        from kubedistill.runtime.weight_sync.sender import WeightSender
+
+        t0 = time.monotonic()
+        sender = WeightSender(cfg.spec, cfg.endpoints)
+        rejoin_seconds = time.monotonic() - t0
+        assert sender.epoch != first_epoch
+        assert httpx.get(url + "/weights/group").json() == {"epoch": sender.epoch, "state": "ready", "error": None}
+        # The interrupted version-2 sync failed on the server; it never loaded.
+        last = httpx.get(url + "/weights/last").json()
+        assert last["version"] == 2 and "error" in last, last
+        named = perturbed(tiny_models["student"], seed=12)
+        sender.sync(3, named)
+        assert httpx.get(url + "/version").json()["version"] == 3
+        assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(named)
+        assert rejoin_seconds < 30, rejoin_seconds
+
+        # A begin carrying another group's epoch is refused without entering a collective.
+        stale = httpx.post(url + "/weights/begin", json={"version": 4, "manifest": {
+            "bucket_bytes": 1, "tensors": [], "buckets": []}, "group_epoch": first_epoch})
+        assert stale.status_code == 503 and first_epoch in stale.json()["error"]
+
+        # Many trainer restarts: each re-join releases the previous group's sockets.
+        sender.close()
+        sockets = []
+        for i in range(4):
+            sender = WeightSender(cfg.spec, cfg.endpoints)
+            sender.sync(4 + i, perturbed(tiny_models["student"], seed=20 + i))
+            sender.close()
+            sockets.append(_open_sockets(server.proc.pid))
+        assert max(sockets[1:]) <= sockets[0], f"open sockets of the rollout server grew: {sockets}"
+        assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(
+            perturbed(tiny_models["student"], seed=23))
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+    finally:
+        if sender_proc is not None and sender_proc.poll() is None:
+            sender_proc.kill()
+        server.stop()
