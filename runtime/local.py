@@ -5,7 +5,10 @@ the addresses differ (loopback and free ports instead of pod DNS names). Ray pla
 machine with a local `ray.init()`, or an existing cluster with `--address`); each role process
 runs as a child of a small Ray actor so Ray accounts for its CPUs/GPUs and kills it with the
 actor. The launcher waits for trainer rank 0, shows progress from its `/status`, and stops every
-process when the trainer ends, when any process fails, or on Ctrl-C.
+process when the trainer ends, when a server process fails, or on Ctrl-C. A failing trainer
+process restarts the whole trainer gang (up to spec.backoffLimit times), like the operator does:
+the servers keep running, the new gang resumes from the last checkpoint and re-forms the
+weight-sync group with them.
 """
 
 from __future__ import annotations
@@ -131,6 +134,8 @@ def _process_actor_class():
 
                 ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
+            if getattr(self, "log", None) is not None:  # a restarted trainer rank
+                self.log.close()
             self.log = open(log_path, "ab", buffering=0)
             self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
                                          preexec_fn=die_with_parent, start_new_session=True)
@@ -235,9 +240,23 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
         log(f"kubedistill run: {len(processes)} processes for job {job.metadata.name} "
             f"({job.spec.mode.value}); logs in {run_dir / 'logs'}")
         trainer0 = next(p.name for p in processes if p.identity.role is Role.trainer and p.identity.replica == 0)
+        gang = [p for p in processes if p.identity.role is Role.trainer]
+        restarts: list[dict[str, Any]] = []
+        outcome["restarts"] = restarts
         last_print, status = 0.0, {}
         while True:
             exits = {name: ray.get(a.poll.remote()) for name, a in actors.items()}
+            failed_rank = next((p.name for p in gang if exits[p.name] not in (None, 0)), None)
+            if failed_rank is not None and len(restarts) < job.spec.backoff_limit:
+                restarts.append({"process": failed_rank, "exitCode": exits[failed_rank],
+                                 "historyLines": len(read_history(history_path)),
+                                 "seconds": round(time.time() - started, 1)})
+                log(f"kubedistill run: {failed_rank} exited with {exits[failed_rank]}; restarting the trainer gang "
+                    f"({len(restarts)}/{job.spec.backoff_limit}) from the last checkpoint\n"
+                    f"--- last lines of {failed_rank} ---\n{_tail(run_dir / 'logs' / f'{failed_rank}.log', 8)}")
+                _restart_gang(actors, gang, run_dir)
+                status = {}
+                continue
             status = _status(config.endpoints.trainer) or status
             now = time.time()
             line = _progress_line(status, job.spec.trainer.total_steps, now - started)
@@ -250,7 +269,9 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
                 code = exits[trainer0]
                 outcome["result"] = "succeeded" if code == 0 else f"trainer exited with {code}"
                 break
-            failed = [n for n, c in exits.items() if c is not None]
+            # Trainer ranks >= 1 end (exit 0) when rank 0 closes the gang, a moment before it exits.
+            followers = {p.name for p in gang if p.name != trainer0}
+            failed = [n for n, c in exits.items() if c is not None and not (n in followers and c == 0)]
             if failed:
                 outcome["result"] = f"{failed[0]} exited with {exits[failed[0]]}"
                 code = 1
@@ -291,6 +312,16 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
     if report is not None:
         report.write_text(json.dumps(outcome, indent=2))
     return code
+
+
+def _restart_gang(actors: dict[str, Any], gang: list[ProcessPlan], run_dir: Path) -> None:
+    """Stop every trainer process (a rank may still wait in a collective of the dead gang),
+    then start them all again with the same config; their logs continue in the same files."""
+    import ray
+
+    ray.get([actors[p.name].stop.remote() for p in gang])
+    for p in gang:
+        ray.get(actors[p.name].start.remote(p.argv, p.env, str(run_dir / "logs" / f"{p.name}.log")))
 
 
 def _run_command(args: argparse.Namespace) -> int:

@@ -1,20 +1,23 @@
 """Nothing lost across a trainer crash: run a oneStepOff job through `kubedistill run`, SIGKILL the
-trainer process right after a checkpoint, run the job again, and check from the per-step history
-that training resumed at the checkpoint (step, weight version) and that no prompt was skipped or
-trained twice beyond the groups still generating or buffered when the job ended."""
+trainer process right after a checkpoint; the launcher restarts the trainer gang (as the operator
+does) while the rollout and teacher servers keep running. Check from the per-step history that
+training resumed at the checkpoint (step, weight version), that the new trainer re-formed the
+weight-sync group with the same rollout server (new epoch) and its syncs reached it, and that no
+prompt was skipped or trained twice beyond the groups still generating or buffered at the end."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from e2e_jobs import job_yaml, kubedistill_run, run_env
+import httpx
+
+from e2e_jobs import job_yaml, run_env
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 
 STEPS, EVERY, N = 10, 3, 2
@@ -34,38 +37,56 @@ def _trainer_pid(config: Path) -> int | None:
     return None
 
 
-def test_sigkill_after_checkpoint_then_resume(tiny_models, tmp_path: Path) -> None:
+def _get(url: str) -> dict:
+    try:
+        return httpx.get(url, timeout=5).json()
+    except httpx.HTTPError:
+        return {}
+
+
+def test_sigkill_after_checkpoint_then_gang_restart_resumes(tiny_models, tmp_path: Path) -> None:
     job = job_yaml(tmp_path, tiny_models, name="e2e-resume", mode="oneStepOff", steps=STEPS, every=EVERY, n=N)
     workdir = tmp_path / "run"
+    report_path = workdir / "report.json"
     ckpt = tmp_path / "ckpt" / f"step-{EVERY:08d}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kubedistill.cli", "run", str(job), "--workdir", str(workdir), "--no-progress"],
+        [sys.executable, "-m", "kubedistill.cli", "run", str(job), "--workdir", str(workdir), "--no-progress",
+         "--report", str(report_path)],
         cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 240
-    killed = False
+    killed_pid, epochs, meta = None, [], {}
     while time.monotonic() < deadline and proc.poll() is None:
-        if (ckpt / "meta.json").is_file():
-            pid = _trainer_pid(workdir / "config.json")
-            assert pid is not None, "trainer process not found"
-            os.kill(pid, signal.SIGKILL)
-            killed = True
-            break
+        if killed_pid is None and (ckpt / "meta.json").is_file():
+            rollout = json.loads((workdir / "config.json").read_text())["endpoints"]["rollout"][0]
+            epochs.append(_get(rollout + "/weights/group").get("epoch"))
+            meta = json.loads((ckpt / "meta.json").read_text())  # later checkpoints retire it
+            killed_pid = _trainer_pid(workdir / "config.json")
+            assert killed_pid is not None, "trainer process not found"
+            os.kill(killed_pid, signal.SIGKILL)
+        elif killed_pid is not None:
+            group = _get(rollout + "/weights/group")
+            if group.get("state") == "ready" and group.get("epoch") not in epochs:
+                epochs.append(group["epoch"])
+                break
         time.sleep(0.02)
-    out, _ = proc.communicate(timeout=120)
-    assert killed, f"no checkpoint at step {EVERY} before the job ended:\n{out[-3000:]}"
-    assert proc.returncode != 0, out[-3000:]
-    first = [json.loads(line) for line in (workdir / "history.jsonl").read_text().splitlines() if line.strip()]
-    shutil.copy(workdir / "history.jsonl", tmp_path / "history-1.jsonl")
+    out, _ = proc.communicate(timeout=240)
+    assert killed_pid is not None, f"no checkpoint at step {EVERY} before the job ended:\n{out[-3000:]}"
+    assert proc.returncode == 0, out[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["result"] == "succeeded"
+    # one gang restart, caused by the killed trainer; the same rollout server joined a new group
+    assert [(r["process"], r["exitCode"]) for r in report["restarts"]] == [("trainer-0", -signal.SIGKILL)]
+    assert len(epochs) == 2 and None not in epochs and epochs[0] != epochs[1], epochs
+    cut = report["restarts"][0]["historyLines"]
+    first, second = report["history"][:cut], report["history"][cut:]
     assert [h["step"] for h in first][:EVERY] == list(range(1, EVERY + 1))
-    meta = json.loads((ckpt / "meta.json").read_text())
-
-    code, report, out = kubedistill_run(job, workdir)
-    assert code == 0, out[-3000:]
-    second = report["history"]
     # resumed at the checkpoint: its step and weight version
     assert [h["step"] for h in second] == list(range(EVERY + 1, STEPS + 1))
     assert second[0]["trainerVersion"] == meta["weight_version"] == first[EVERY - 1]["weightVersion"]
+    # the restarted trainer's syncs reached the rollout server that kept running
+    for h in second[:-1]:
+        assert h["synced"] and h["rolloutVersions"] == [h["weightVersion"]], h
 
     trained = [g for h in first[:EVERY] for g in h["groups"]] + [g for h in second for g in h["groups"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
