@@ -6,6 +6,7 @@ operator can run it after every watch event, on a timer, and after a restart.
 Failure policy (docs/operator.md):
   * a failed trainer pod restarts the whole gang (every trainer pod deleted, then recreated with
     the next attempt label) while status.restarts < spec.backoffLimit; then the job is Failed;
+    so does a trainer pod that vanished (deleted, evicted) once the gang had started;
   * a failed rollout or teacher pod is deleted and recreated alone;
   * activeDeadlineSeconds after startTime the job is Failed;
   * trainer pod 0 Succeeded -> the job is Succeeded and the pods still running are deleted;
@@ -161,9 +162,13 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
         return
 
     failed = sorted((q for q in current if q.phase == "Failed"), key=lambda q: q.replica)
-    if failed:
-        first = failed[0]
-        why = f"trainer pod {first.name} failed" + (f" ({first.reason})" if first.reason else "")
+    lost = _lost_trainers(job, spec, observed, st.phase)
+    if failed or lost:
+        if failed:
+            first = failed[0]
+            why = f"trainer pod {first.name} failed" + (f" ({first.reason})" if first.reason else "")
+        else:
+            why = f"trainer pod {lost[0]} is gone"
         if st.restarts >= spec.backoff_limit:
             msg = f"{why}; backoffLimit {spec.backoff_limit} reached after {st.restarts} gang restarts"
             _finish(p, observed, Phase.failed, "BackoffLimitExceeded", msg, now)
@@ -203,7 +208,7 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
     )
     restarting = bool(stale) or not gang_gone or (
         st.phase in (Phase.restarting,) and not current_trainers_running
-    ) or bool(failed)
+    ) or bool(failed) or bool(lost)
     if restarting:
         st.phase = Phase.restarting
     elif len(present) == len(desired) and all(q.ready for q in present):
@@ -212,6 +217,24 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
         st.phase = Phase.initializing
     else:
         st.phase = Phase.pending
+
+
+def _lost_trainers(job: JobView, spec: DistillationJobSpec, observed: Observed, phase: Phase) -> list[str]:
+    """Trainer pods of a started gang that vanished (deleted, evicted, node lost).
+
+    Once the job is Initializing or Running every trainer process has started and joined the
+    gang: losing one loses that rank, so the others cannot go on and the gang restarts, as for a
+    failed pod. Before that (Pending, Restarting) a missing pod is one not created yet."""
+    if phase not in (Phase.initializing, Phase.running):
+        return []
+    out = []
+    for slot in render.slots(spec):
+        if slot.role is Role.trainer:
+            name = slot.pod_name(job.name)
+            pod = observed.pods.get(name)
+            if pod is None or pod.deleting:
+                out.append(name)
+    return out
 
 
 def _create_static(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed) -> None:

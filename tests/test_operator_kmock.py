@@ -164,6 +164,31 @@ async def test_trainer_failure_restarts_the_whole_gang(kmock: Any, cluster: Clus
         assert st["restarts"] == 1
 
 
+async def test_a_trainer_pod_deleted_by_hand_restarts_the_whole_gang(kmock: Any, cluster: Cluster) -> None:
+    async with running_operator(str(kmock.url), resync_seconds=0.3):
+        await cluster.create_job(job_manifest("nu"))
+        await all_children(cluster, "nu")
+        await cluster.run_all("nu")
+        await phase_is(cluster, "nu", "Running")
+        before = len(list(kmock))
+        await cluster.delete_pod("nu-trainer-0")
+
+        async def new_gang() -> Any:
+            pods = await cluster.pods("nu")
+            return {n: p.metadata.labels.get("kubedistill.io/attempt") for n, p in pods.items() if "trainer" in n} == {
+                "nu-trainer-0": "1", "nu-trainer-1": "1"
+            }
+
+        await eventually(new_gang, what="a new trainer gang (attempt 1)")
+        st = await job_status(cluster, "nu")
+        assert st["restarts"] == 1 and st["phase"] == "Restarting"
+        # The surviving rank was deleted by the operator; the servers were left alone.
+        deletes = [r.url.path.rsplit("/", 1)[-1] for r in list(kmock)[before:] if r.method.value == "DELETE"]
+        assert sorted(deletes) == ["nu-trainer-0", "nu-trainer-1"]
+        restart = [e for e in posted(kmock, "events") if e["reason"] == "GangRestart"]
+        assert len(restart) == 1 and "nu-trainer-0 is gone" in restart[0]["message"]
+
+
 async def test_backoff_exhausted_fails_the_job(kmock: Any, cluster: Cluster) -> None:
     async with running_operator(str(kmock.url), resync_seconds=0.3):
         await cluster.create_job(job_manifest("delta", backoffLimit=0))

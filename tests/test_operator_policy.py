@@ -123,6 +123,59 @@ def test_failed_trainer_restarts_the_gang_then_recreates_with_next_attempt() -> 
     assert p3.status.phase is Phase.running and p3.status.restarts == 1
 
 
+def test_a_vanished_trainer_pod_of_a_running_job_restarts_the_gang() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    world = _world(job)
+    del world.pods["j-trainer-1"]
+    p = plan(job, world, T0)
+    assert _deleted_pods(p) == {"j-trainer-0"}
+    assert not any(o["kind"] == "Pod" for o in p.create)
+    assert p.status.restarts == 1 and p.status.phase is Phase.restarting
+    restart = next(e for e in p.events if e.reason == "GangRestart")
+    assert restart.type == "Warning" and "j-trainer-1 is gone" in restart.message
+    # Once rank 0 is gone too, the whole gang comes back with the next attempt, servers untouched.
+    del world.pods["j-trainer-0"]
+    p2 = plan(_next(job, p), world, T0)
+    assert {o["metadata"]["name"]: o["metadata"]["labels"]["kubedistill.io/attempt"] for o in p2.create} == {
+        "j-trainer-0": "1", "j-trainer-1": "1"
+    }
+    assert p2.delete == [] and p2.status.restarts == 1 and p2.status.phase is Phase.restarting
+
+
+def test_a_trainer_pod_being_deleted_counts_as_lost_and_a_single_trainer_restarts_alone() -> None:
+    job = _job({"phase": "Initializing", "startTime": "2026-01-01T00:00:00Z"},
+               trainer={"replicas": 1, "miniBatchSize": 4})
+    world = _with(_world(job, ready=False), "j-trainer-0", deleting=True)
+    p = plan(job, world, T0)
+    assert p.status.restarts == 1 and p.status.phase is Phase.restarting
+    assert not any(o["kind"] == "Pod" for o in p.create)  # it still terminates
+    del world.pods["j-trainer-0"]
+    p2 = plan(_next(job, p), world, T0)
+    assert [(o["metadata"]["name"], o["metadata"]["labels"]["kubedistill.io/attempt"]) for o in p2.create] == [
+        ("j-trainer-0", "1")
+    ]
+
+
+def test_a_trainer_pod_missing_before_the_gang_started_is_just_created() -> None:
+    job = _job({"phase": "Pending", "startTime": "2026-01-01T00:00:00Z"})
+    world = _world(job, phase="Pending", ready=False)
+    del world.pods["j-trainer-1"]
+    p = plan(job, world, T0)
+    assert [o["metadata"]["name"] for o in p.create] == ["j-trainer-1"]
+    assert p.delete == [] and p.status.restarts == 0 and p.events == []
+
+
+def test_a_vanished_trainer_pod_after_the_last_restart_fails_the_job() -> None:
+    job = _job({"phase": "Running", "restarts": 1, "startTime": "2026-01-01T00:00:00Z"}, backoffLimit=1)
+    world = _world(job, attempt=1)
+    del world.pods["j-trainer-0"]
+    p = plan(job, world, T0)
+    assert p.status.phase is Phase.failed
+    failed = condition(p.status, ConditionType.failed)
+    assert failed.reason == "BackoffLimitExceeded" and "j-trainer-0 is gone" in failed.message
+    assert p.create == []
+
+
 def test_old_gang_pods_are_deleted_and_block_the_new_gang() -> None:
     job = _job({"phase": "Restarting", "restarts": 1, "startTime": "2026-01-01T00:00:00Z"})
     world = _world(job, attempt=0)
