@@ -31,7 +31,8 @@ FINALIZER = "kubedistill.io/finalizer"
 CHILD_KINDS = {"services": "Service", "configmaps": "ConfigMap", "networkpolicies": "NetworkPolicy"}
 
 Key = tuple[str, str]
-RECENT_SECONDS = 3.0
+RECENT_SECONDS = 60.0
+"""How long a created child counts as present if no watch event about it ever arrives."""
 
 
 @dataclass
@@ -60,8 +61,10 @@ class Reconciler:
         # The status each job's loop last wrote: the job's live body shows it only once the watch
         # event arrives, and deciding from an older status would repeat transitions and events.
         self._written: dict[Key, dict[str, Any]] = {}
-        # Children this loop created in the last RECENT_SECONDS, until the watch-fed indices show
-        # them: counted as present so a pass woken by an early event does not create them again.
+        # Children this loop created, until a watch event about them arrives (then the indices
+        # are authoritative): counted as present so a pass woken by an early event does not create
+        # them again. With hundreds of jobs the watch can lag seconds behind; a time window alone
+        # then expired first and every later pass re-created children (409s: more load, more lag).
         self._recent: dict[Key, dict[tuple[str, str], tuple[float, dict[str, Any]]]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
@@ -84,6 +87,15 @@ class Reconciler:
             ev = self._wakeups.get((namespace, job))
             if ev is not None:
                 ev.set()
+
+    def child_event(self, namespace: Optional[str], job: Optional[str], kind: str, name: str) -> None:
+        """A watch event about a child: the indices now know it (kopf indexes before it calls
+        event handlers), so it stops counting as recently created; and its job re-plans."""
+        if namespace and job:
+            recent = self._recent.get((namespace, job))
+            if recent:
+                recent.pop((kind, name), None)
+            self.poke(namespace, job)
 
     # -- trainer progress ----------------------------------------------------------------
     def _poll_progress(self, key: Key, pod: Optional[PodView]) -> None:
@@ -121,11 +133,10 @@ class Reconciler:
         recent = self._recent.setdefault(key, {})
         now_mono = time.monotonic()
         for (kind, child), (made, obj) in list(recent.items()):
-            seen = child in observed.pods if kind == "Pod" else ChildRef(kind, child) in observed.others
-            if seen or now_mono - made > RECENT_SECONDS:
+            if now_mono - made > RECENT_SECONDS:
                 del recent[(kind, child)]
             elif kind == "Pod":
-                observed.pods[child] = PodView.of(obj)
+                observed.pods.setdefault(child, PodView.of(obj))
             else:
                 observed.others.add(ChildRef(kind, child))
         job = JobView(
@@ -262,13 +273,15 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
             return kopf.ConnectionInfo(server=reconciler.options.server)
         return kopf.login_via_client(**kwargs)
 
-    # Indices: the children of each job, kept current by label-selected watches.
+    # Indices: the children of each job, kept current by label-selected watches. The per-event
+    # handlers are `async def`: kopf runs plain functions in a thread pool, a thread hop per
+    # watch event, which was a large share of the operator's CPU with many jobs.
     @kopf.index("pods", labels=selector, registry=registry, id="job_pods")
-    def job_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodView]:
+    async def job_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodView]:
         return {(namespace, labels[LABEL_JOB]): PodView.of(body)}
 
     def _child_index(kind: str) -> Any:
-        def index(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> dict[Key, ChildRef]:
+        async def index(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> dict[Key, ChildRef]:
             return {(namespace, labels[LABEL_JOB]): ChildRef(kind, name)}
 
         return index
@@ -278,16 +291,21 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         kopf.index(group_version, plural, labels=selector, registry=registry, id=f"job_{plural}")(_child_index(kind))
 
     # Any change to a child or the job wakes the job's loop.
-    def _poke(namespace: Optional[str], labels: Mapping[str, str], **_: Any) -> None:
-        reconciler.poke(namespace, labels.get(LABEL_JOB))
+    def _child_event(kind: str) -> Any:
+        async def poke(namespace: Optional[str], name: str, labels: Mapping[str, str], **_: Any) -> None:
+            reconciler.child_event(namespace, labels.get(LABEL_JOB), kind, name)
 
-    kopf.on.event("pods", labels=selector, registry=registry, id="poke_pods")(_poke)
-    for plural in CHILD_KINDS:
+        return poke
+
+    kopf.on.event("pods", labels=selector, registry=registry, id="poke_pods")(_child_event("Pod"))
+    for plural, kind in CHILD_KINDS.items():
         group_version = "networking.k8s.io/v1" if plural == "networkpolicies" else "v1"
-        kopf.on.event(group_version, plural, labels=selector, registry=registry, id=f"poke_{plural}")(_poke)
+        kopf.on.event(group_version, plural, labels=selector, registry=registry, id=f"poke_{plural}")(
+            _child_event(kind)
+        )
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def _job_changed(namespace: Optional[str], name: str, **_: Any) -> None:
+    async def _job_changed(namespace: Optional[str], name: str, **_: Any) -> None:
         reconciler.poke(namespace, name)
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)

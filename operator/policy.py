@@ -16,6 +16,8 @@ Failure policy (docs/operator.md):
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Mapping, Optional
@@ -85,9 +87,17 @@ class JobView:
 
 
 def parse_spec(job: JobView) -> tuple[Optional[DistillationJobSpec], str]:
-    """The validated spec, or None and a one-line summary naming the bad fields."""
-    doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": job.name}, "spec": dict(job.spec)}
-    problems = problems_of(doc, job.name)
+    """The validated spec, or None and a one-line summary naming the bad fields.
+
+    Cached by content: a job's loop plans after every watch event about it or its children, and
+    validating the spec was the largest part of a pass. The result is shared: never mutate it."""
+    return _parse_spec(job.name, json.dumps(job.spec, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_spec(name: str, spec_json: str) -> tuple[Optional[DistillationJobSpec], str]:
+    doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": json.loads(spec_json)}
+    problems = problems_of(doc, name)
     if problems:
         return None, "; ".join(f"{p.field}: {p.message}" if p.field else p.message for p in problems)
     return DistillationJob.model_validate(doc).spec, ""
@@ -238,6 +248,8 @@ def _lost_trainers(job: JobView, spec: DistillationJobSpec, observed: Observed, 
 
 
 def _create_static(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed) -> None:
+    if all(ChildRef(kind, name) in observed.others for kind, name in render.static_refs(job.name, spec)):
+        return  # the usual pass: rendering the runtime config just to compare names is wasted
     for obj in render.render_static(job.name, job.namespace, spec):
         if ChildRef(obj["kind"], obj["metadata"]["name"]) not in observed.others:
             p.create.append(obj)

@@ -353,6 +353,14 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
     }
 
 
+def static_refs(job: str, spec: DistillationJobSpec) -> list[tuple[str, str]]:
+    """(kind, name) of what render_static returns, without rendering it."""
+    out = [("ConfigMap", config_map_name(job))]
+    out += [("Service", service_name(job, Role.trainer)), ("Service", service_name(job, Role.rollout))]
+    out += [("Service", service_name(job, Role.teacher, t.name)) for t in spec.teachers]
+    return [*out, ("NetworkPolicy", job)]
+
+
 def render_static(job: str, namespace: str, spec: DistillationJobSpec) -> list[dict[str, Any]]:
     """The children that live as long as the job: ConfigMap, Services, NetworkPolicy."""
     return [
@@ -391,6 +399,7 @@ __all__ = [
     "render_children",
     "render_pods",
     "render_static",
+    "static_refs",
     "slots",
     "groups",
 ]

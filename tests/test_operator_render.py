@@ -18,7 +18,7 @@ from kubedistill.operator import main as operator_main
 from kubedistill.operator.kube import RESOURCES
 from kubedistill.operator.metrics import METRICS, OperatorMetrics
 from kubedistill.operator.rbac import CLUSTER, NAMESPACED, rules
-from kubedistill.operator.render import render_children
+from kubedistill.operator.render import render_children, render_static, static_refs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -72,6 +72,13 @@ def test_multi_teacher_layout() -> None:
         assert labels["kubedistill.io/job"] == job
         assert "kubedistill.io/role" in labels and "kubedistill.io/replica" in labels
         assert len(c["metadata"]["name"]) <= 253
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_static_refs_name_exactly_the_static_children(example: Path) -> None:
+    job = _job(example)
+    rendered = render_static(job.metadata.name, "ml", job.spec)
+    assert static_refs(job.metadata.name, job.spec) == [(o["kind"], o["metadata"]["name"]) for o in rendered]
 
 
 def test_pod_identity_env_and_resources() -> None:
