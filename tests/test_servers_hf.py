@@ -125,16 +125,30 @@ async def test_abort_unknown_request_is_404(hf_servers) -> None:
 
 
 async def test_abort_returns_the_partial_output(hf_servers) -> None:
+    # A tiny model decodes 251 tokens in well under a second, so on a loaded machine the request
+    # can finish before the abort arrives (then /abort is a 404): a few tries must abort one.
+    max_tokens = 256 - len(PROMPT)
     async with RolloutClient(hf_servers.rollout_urls[0]) as c:
-        gen = asyncio.create_task(c.generate(GenerateRequest(
-            request_id="long", prompt_token_ids=PROMPT,
-            sampling=Sampling(max_tokens=400, temperature=0.0, ignore_eos=True))))
-        await wait_in_flight(c)
-        aborted = await c.abort(["long"])
-        out = await gen
-    assert aborted.aborted == ["long"]
-    assert out.finish_reason == "abort" and aborted.outputs["long"].finish_reason == "abort"
-    assert 0 < len(out.token_ids) == len(aborted.outputs["long"].token_ids) < 250
+        for attempt in range(5):
+            rid = f"long-{attempt}"
+            gen = asyncio.create_task(c.generate(GenerateRequest(
+                request_id=rid, prompt_token_ids=PROMPT,
+                sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))))
+            await wait_in_flight(c, then=0.02)
+            try:
+                aborted = await c.abort([rid])
+            except ServerError as e:
+                assert e.status == 404, e
+                aborted = None
+            out = await gen
+            if aborted is not None:
+                break
+            assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
+    assert aborted is not None, "every generation finished before it could be aborted"
+    assert aborted.aborted == [rid]
+    assert out.finish_reason == "abort" and aborted.outputs[rid].finish_reason == "abort"
+    assert len(out.token_ids) == len(aborted.outputs[rid].token_ids) < max_tokens
+    assert out.token_ids == aborted.outputs[rid].token_ids
     assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
 
 
@@ -193,18 +207,25 @@ def test_manifest_mismatch_is_refused_and_servers_keep_serving(hf_servers, tiny_
 
 
 async def test_partial_rollout_resume_aborts_at_sync_then_continues_under_new_weights(hf_servers, tiny_models) -> None:
-    # hf_servers runs with partialRollout: resume, so a sync aborts the generations in flight.
+    # hf_servers runs with partialRollout: resume, so a sync aborts the generations in flight. The
+    # generation may finish before the sync reaches the server on a loaded machine: a few tries
+    # (each one a real sync) must catch one mid-generation.
     url = hf_servers.rollout_urls[0]
-    v0 = httpx.get(url + "/version").json()["version"]
-    named = perturbed(tiny_models["student"], seed=3)
     async with RolloutClient(url) as c:
-        gen = asyncio.create_task(c.generate(GenerateRequest(
-            request_id="straggler", prompt_token_ids=PROMPT,
-            sampling=Sampling(max_tokens=300, temperature=0.0, ignore_eos=True))))
-        await wait_in_flight(c)
-        await asyncio.to_thread(hf_servers.sender.sync, v0 + 1, named)
-        first = await gen
-        assert first.finish_reason == "abort" and first.versions == [v0] * len(first.versions)
+        for attempt in range(4):
+            v0 = httpx.get(url + "/version").json()["version"]
+            named = perturbed(tiny_models["student"], seed=3 + attempt)
+            gen = asyncio.create_task(c.generate(GenerateRequest(
+                request_id="straggler", prompt_token_ids=PROMPT,
+                sampling=Sampling(max_tokens=300, temperature=0.0, ignore_eos=True))))
+            await wait_in_flight(c, then=0.02)
+            await asyncio.to_thread(hf_servers.sender.sync, v0 + 1, named)
+            first = await gen
+            assert first.versions == [v0] * len(first.versions)
+            if first.finish_reason == "abort":
+                break
+            assert first.finish_reason == "length" and len(first.token_ids) == 256 - len(PROMPT)
+        assert first.finish_reason == "abort", "every generation finished before the sync reached the server"
         assert len(first.token_ids) > 0
         resumed = await c.generate(GenerateRequest(
             request_id="straggler", prompt_token_ids=PROMPT, prefix_token_ids=first.token_ids,

@@ -11,7 +11,7 @@ def make_engine(spec: DistillationJobSpec, model: ModelSpec, inference: Inferenc
         from kubedistill.runtime.engines.hf import HFEngine
 
         return HFEngine(model.model, dtype=inference.dtype.value, max_model_len=inference.max_model_len,
-                        trust_remote_code=model.trust_remote_code)
+                        trust_remote_code=model.trust_remote_code, max_num_seqs=inference.max_num_seqs)
     from kubedistill.runtime.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(

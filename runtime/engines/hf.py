@@ -1,43 +1,111 @@
-"""transformers engine for small CPU runs and fast tests. Each request decodes token by token in
-a worker thread (one forward step at a time under a lock, so concurrent requests interleave and
-a pause or an abort takes effect between two tokens); weights load with `copy_`."""
+"""transformers engine for small CPU runs and fast tests, with continuous batching.
+
+One scheduler task (asyncio, on the server's loop) owns the batch; each iteration runs in a
+worker thread and does at most one decode forward for every request in flight (one new token
+each) plus one left-padded prefill forward for the requests that arrived since the previous
+iteration (they join the batch with their first token). Requests that finished or were aborted
+leave between two iterations. So an abort, a pause or a weight load takes effect between two
+tokens, and N concurrent requests cost about one forward per token instead of N. The padded KV
+cache and why it was chosen over recomputation or transformers' own continuous-batching
+manager: runtime/engines/hf_batch.py.
+
+Each request keeps its own sampling (temperature, top_p, seed, max_tokens, EOS or ignore_eos);
+a seeded request samples from its own generator with the same per-row arithmetic whatever the
+batch holds, so it is reproducible. Log-probs are the log-softmax of the raw logits. Concurrent
+/score requests are scored together in right-padded forwards. Weights load with `copy_` while
+the scheduler is parked.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import torch
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
+from kubedistill.runtime.engines.hf_batch import PaddedKVBatch, score_batch
 from kubedistill.runtime.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.transfer import receive
+
+log = logging.getLogger("kubedistill.engines.hf")
+
+DEFAULT_MAX_NUM_SEQS = 256
+SCORE_LOGIT_BUDGET = 64 * 2**20
+"""Logit elements (rows x padded length x vocabulary) one scoring forward may produce (256 MiB
+fp32): bounds the memory of a batch of concurrent /score requests."""
+
+
+@dataclass(eq=False)
+class _Request:
+    state: InFlight
+    context: list[int]
+    max_new: int
+    temperature: float
+    top_p: float
+    generator: Optional[torch.Generator]
+    stop_ids: frozenset[int]
+    finished: asyncio.Future
+    reason: Optional[str] = None  # set when it leaves the batch
+
+    def finish(self, reason: str) -> None:
+        self.reason = reason
+        if not self.finished.done():
+            self.finished.set_result(reason)
+
+    def fail(self, error: BaseException) -> None:
+        self.reason = "error"
+        if not self.finished.done():
+            self.finished.set_exception(error)
+
+
+@dataclass(eq=False)
+class _Score:
+    req: ScoreRequest
+    done: asyncio.Future
+
+
+@dataclass
+class _StepResult:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    scores: list[object] = field(default_factory=list)  # ScoreResponse or the exception
 
 
 class HFEngine(Engine):
     name = "hf"
 
     def __init__(self, model_path: str, dtype: str = "auto", max_model_len: Optional[int] = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, max_num_seqs: Optional[int] = None):
         super().__init__()
         self.model_path = model_path
         self.dtype = dtype
         self._max_model_len = max_model_len
         self.trust_remote_code = trust_remote_code
+        self.max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.model = None
         self.group: Optional[WeightSyncGroup] = None
-        self._step = threading.Lock()  # one forward at a time
-        self._running = threading.Event()  # cleared while paused
-        self._running.set()
-        self._active = 0
-        self._active_cv = threading.Condition()
-        self._pause_mode: PauseMode = "wait"
+        self._lock = threading.Lock()  # forwards vs weight copies and checksums
+        self._rows: list[_Request] = []  # aligned with the batch's rows (finished ones until compacted)
+        self._batch: Optional[PaddedKVBatch] = None
+        self._queue: list[_Request] = []  # waiting to join
+        self._scores: list[_Score] = []
+        self._pause: Optional[PauseMode] = None
+        self._task: Optional[asyncio.Task] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._wake: Optional[asyncio.Event] = None
+        self._parked: Optional[asyncio.Event] = None
+        self.forwards = {"decode": 0, "prefill": 0, "score": 0}  # forwards run, by kind
+        self.decoded_rows = 0  # rows over all decode forwards (/ forwards["decode"] = mean batch)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
+        self._ensure_scheduler()
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -50,8 +118,18 @@ class HFEngine(Engine):
         limit = getattr(cfg, "max_position_embeddings", None) or 2048
         self._max_model_len = min(self._max_model_len or limit, limit)
         self._params = dict(self.model.named_parameters())
+        self._eos = frozenset(self._eos_ids())
 
     async def shutdown(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        error = RuntimeError("the engine shut down")
+        for r in self._rows + self._queue:
+            r.fail(error)
+        for s in self._scores:
+            if not s.done.done():
+                s.done.set_exception(error)
+        self._rows, self._queue, self._scores, self._batch, self._task = [], [], [], None, None
         self.model = None
 
     @property
@@ -62,81 +140,183 @@ class HFEngine(Engine):
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
-    # --- generation -------------------------------------------------------------------------
-    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
-        return await asyncio.to_thread(self._decode, req, max_new, state)
-
-    def _enter(self) -> None:
-        self._running.wait()
-        with self._active_cv:
-            self._active += 1
-
-    def _leave(self) -> None:
-        with self._active_cv:
-            self._active -= 1
-            self._active_cv.notify_all()
-
-    @torch.no_grad()
-    def _decode(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
-        s = req.sampling
-        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
-        ids = torch.tensor([req.prompt_token_ids + req.prefix_token_ids])
-        eos = set() if s.ignore_eos else self._eos_ids()
-        self._enter()
-        try:
-            past = None
-            for _ in range(max_new):
-                if state.aborted:
-                    return "abort"
-                if not self._running.is_set() and self._pause_mode == "keep":
-                    # Paused for a weight load ('keep'): let it proceed, continue afterwards.
-                    self._leave()
-                    self._enter()
-                    if state.aborted:
-                        return "abort"
-                with self._step:
-                    out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-                    version = self.version
-                past = out.past_key_values
-                logits = out.logits[0, -1].float()
-                token = _sample(logits, s.temperature, s.top_p, gen)
-                logprob = torch.log_softmax(logits, -1)[token].item()
-                state.token_ids.append(token)
-                state.logprobs.append(logprob)
-                state.versions.append(version)
-                if token in eos:
-                    return "stop"
-                ids = torch.tensor([[token]])
-            return "length"
-        finally:
-            self._leave()
-
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.model.config.eos_token_id
         return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
+    # --- the scheduler ----------------------------------------------------------------------
+    def _ensure_scheduler(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._loop is loop:
+            return
+        # First use, or a new event loop (tests): whatever belonged to the old loop is gone.
+        self._rows, self._queue, self._scores, self._batch = [], [], [], None
+        self._loop, self._wake, self._parked = loop, asyncio.Event(), asyncio.Event()
+        self._task = loop.create_task(self._run(), name="hf-engine-scheduler")
+        self._task.add_done_callback(_log_crash)
+
+    async def _run(self) -> None:
+        while True:
+            self._retire()
+            active = [r for r in self._rows if r.reason is None]
+            if self._pause is not None and (self._pause == "keep" or not active):
+                # 'keep' freezes the batch (KV cache included) right here; 'wait' and 'abort'
+                # get here once no request is left running. New requests queue meanwhile.
+                self._parked.set()
+                await self._idle()
+                continue
+            joiners = self._admit(len(active))
+            scores, self._scores = self._scores, []
+            if not (active or joiners or scores):
+                await self._idle()
+                continue
+            keep = [i for i, r in enumerate(self._rows) if r.reason is None]
+            version = self.version
+            try:
+                result = await asyncio.to_thread(self._iteration, keep, active + joiners, len(joiners), scores)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # the batch is unusable: fail its requests, keep serving
+                log.exception("hf engine forward failed")
+                for r in active + joiners:
+                    r.fail(e)
+                self._rows, self._batch = [], None
+                for s in scores:
+                    if not s.done.done():
+                        s.done.set_exception(e)
+                continue
+            self._rows = active + joiners
+            for r, token, logprob in zip(self._rows, result.tokens, result.logprobs):
+                st = r.state
+                st.token_ids.append(token)
+                st.logprobs.append(logprob)
+                st.versions.append(version)
+                if token in r.stop_ids:
+                    r.finish("stop")
+                elif len(st.token_ids) >= r.max_new:
+                    r.finish("length")
+            for s, out in zip(scores, result.scores):
+                if s.done.done():
+                    continue
+                if isinstance(out, BaseException):
+                    s.done.set_exception(out)
+                else:
+                    s.done.set_result(out)
+
+    async def _idle(self) -> None:
+        self._wake.clear()
+        await self._wake.wait()
+
+    def _retire(self) -> None:
+        for r in self._rows:
+            if r.reason is None and r.state.aborted:
+                r.finish("abort")
+        still = []
+        for r in self._queue:
+            if r.state.aborted:
+                r.finish("abort")
+            else:
+                still.append(r)
+        self._queue = still
+
+    def _admit(self, running: int) -> list[_Request]:
+        if self._pause is not None:
+            return []
+        room = max(self.max_num_seqs - running, 0)
+        joiners, self._queue = self._queue[:room], self._queue[room:]
+        return joiners
+
+    @torch.no_grad()
+    def _iteration(self, keep: list[int], rows: list[_Request], joining: int, scores: list[_Score]) -> _StepResult:
+        """One decode step for the rows in the batch, one prefill for the joiners, then sampling
+        for all of them; plus the pending /score requests. Runs in a worker thread."""
+        result = _StepResult()
+        with self._lock:
+            if self._batch is not None and len(keep) != self._batch.rows:
+                self._batch = self._batch.select(keep)
+            logits = []
+            if self._batch is not None:
+                logits.append(self._batch.step(self.model))
+                self.forwards["decode"] += 1
+                self.decoded_rows += self._batch.rows
+            joined = None
+            if joining:
+                joined, first = PaddedKVBatch.prefill(self.model, [r.context for r in rows[-joining:]])
+                logits.append(first)
+                self.forwards["prefill"] += 1
+            if logits:
+                all_logits = torch.cat(logits).float()
+                tokens = sample_rows(all_logits, rows)
+                result.tokens = tokens.tolist()
+                result.logprobs = torch.log_softmax(all_logits, -1).gather(1, tokens[:, None])[:, 0].tolist()
+                tokens = tokens.to(all_logits.device)
+                if self._batch is not None:
+                    self._batch.last = tokens[: self._batch.rows]
+                if joined is not None:
+                    joined.last = tokens[len(rows) - joining:]
+                    self._batch = joined if self._batch is None else self._batch.extend(joined)
+            result.scores = self._score_all([s.req for s in scores]) if scores else []
+        return result
+
+    # --- generation -------------------------------------------------------------------------
+    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
+        self._ensure_scheduler()
+        s = req.sampling
+        r = _Request(
+            state=state, context=list(req.prompt_token_ids) + list(req.prefix_token_ids), max_new=max_new,
+            temperature=s.temperature, top_p=s.top_p,
+            generator=torch.Generator().manual_seed(s.seed) if s.seed is not None else None,
+            stop_ids=frozenset() if s.ignore_eos else self._eos, finished=asyncio.get_running_loop().create_future(),
+        )
+        self._queue.append(r)
+        self._wake.set()
+        try:
+            return await r.finished
+        except asyncio.CancelledError:
+            state.aborted = True  # the caller went away: free the row at the next step
+            self._wake.set()
+            raise
+
     async def _abort(self, request_ids: list[str]) -> None:
-        return None  # the decode loops see state.aborted before their next token
+        if self._wake is not None:
+            self._wake.set()  # the scheduler retires aborted requests before its next step
 
     # --- scoring ----------------------------------------------------------------------------
     async def _score(self, req: ScoreRequest) -> ScoreResponse:
         if req.images:
             raise BadRequest("images: the hf engine serves text-only models; use inference.engine vllm for a vision teacher")
-        return await asyncio.to_thread(self._score_sync, req)
+        self._ensure_scheduler()
+        job = _Score(req, asyncio.get_running_loop().create_future())
+        self._scores.append(job)
+        self._wake.set()
+        return await job.done
 
-    @torch.no_grad()
-    def _score_sync(self, req: ScoreRequest) -> ScoreResponse:
-        ids = torch.tensor([req.token_ids])
-        with self._step:
-            logits = self.model(input_ids=ids).logits[0].float()
-        # Position t's token is predicted by the logits at t - 1.
-        lp = torch.log_softmax(logits[req.prompt_len - 1:-1], -1)
-        targets = ids[0, req.prompt_len:]
-        chosen = lp.gather(1, targets[:, None])[:, 0]
-        top = lp.topk(req.top_k, dim=-1)
-        return ScoreResponse(logprobs=chosen.tolist(), topk_ids=top.indices.tolist(), topk_logprobs=top.values.tolist())
+    def _score_all(self, reqs: list[ScoreRequest]) -> list[object]:
+        """Score the requests in as few right-padded forwards as SCORE_LOGIT_BUDGET allows."""
+        vocab = self.vocab_size
+        out: list[object] = []
+        chunk: list[ScoreRequest] = []
+
+        def flush() -> None:
+            if not chunk:
+                return
+            try:
+                lps = score_batch(self.model, [r.token_ids for r in chunk])
+                self.forwards["score"] += 1
+                out.extend(_score_response(r, lp) for r, lp in zip(chunk, lps))
+            except Exception as e:
+                out.extend([e] * len(chunk))
+            chunk.clear()
+
+        for r in reqs:
+            width = max([len(c.token_ids) for c in chunk] + [len(r.token_ids)])
+            if chunk and (len(chunk) + 1) * width * vocab > SCORE_LOGIT_BUDGET:
+                flush()
+            chunk.append(r)
+        flush()
+        return out
 
     # --- weights ----------------------------------------------------------------------------
     def expected_tensors(self) -> Mapping[str, Sequence[int]]:
@@ -145,10 +325,13 @@ class HFEngine(Engine):
     async def weight_checksums(self) -> dict[str, str]:
         from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 
-        with self._step:
-            out = {n: tensor_checksum(p) for n, p in self.model.named_parameters()}
-            out["lm_head.weight"] = tensor_checksum(self.model.get_output_embeddings().weight)
-        return out
+        def run() -> dict[str, str]:
+            with self._lock:
+                out = {n: tensor_checksum(p) for n, p in self.model.named_parameters()}
+                out["lm_head.weight"] = tensor_checksum(self.model.get_output_embeddings().weight)
+            return out
+
+        return await asyncio.to_thread(run)
 
     async def join_weight_group(self, addr: GroupAddress) -> None:
         self.weight_group_state = "joining"
@@ -170,58 +353,110 @@ class HFEngine(Engine):
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
         if self.group is None:
             raise RuntimeError("not in the weight-sync group")
-        return await asyncio.to_thread(self._receive_sync, manifest, version, pause, load)
+        t0 = time.perf_counter()
+        try:
+            await self._pause_generation(pause, self.group.addr.timeout_seconds)
+            stats = await asyncio.to_thread(self._receive_sync, manifest, version, load)
+        finally:
+            self._resume_generation()
+        stats["seconds"] = time.perf_counter() - t0
+        return stats
+
+    async def _pause_generation(self, mode: PauseMode, timeout: float) -> None:
+        """Return once the scheduler is parked, so no forward can mix old and new weights:
+        'wait' lets the running requests finish, 'abort' ends them at their next token, 'keep'
+        freezes them before their next token. New requests queue until the load is done."""
+        self._ensure_scheduler()
+        self._parked.clear()
+        self._pause = mode
+        if mode == "abort":
+            for s in self.inflight.values():
+                s.aborted = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._parked.wait()), timeout)
+        except asyncio.TimeoutError:
+            # The trainer is already blocked in the broadcast: freeze what still runs instead.
+            log.warning("requests still running after %.0f s of 'wait': freezing them for the weight load", timeout)
+            self._pause = "keep"
+            self._wake.set()
+            await self._parked.wait()
+
+    def _resume_generation(self) -> None:
+        self._pause = None
+        self._wake.set()
 
     @torch.no_grad()
-    def _receive_sync(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
-        t0 = time.perf_counter()
-        self._pause_mode = pause
-        self._running.clear()  # new requests wait from here on
-        try:
-            if pause == "abort":
-                for s in list(self.inflight.values()):
-                    s.aborted = True
-            with self._active_cv:
-                # No forward may mix old and new weights: 'wait' lets running requests finish,
-                # 'abort' waits for them to notice, 'keep' for them to park before their next token.
-                self._active_cv.wait_for(lambda: self._active == 0, timeout=self.group.addr.timeout_seconds)
-            errors: list[str] = []
+    def _receive_sync(self, manifest: Manifest, version: int, load: bool) -> dict:
+        errors: list[str] = []
 
-            def consume(named):
-                if errors or not load:
-                    return
-                try:
-                    with self._step:
-                        for name, t in named:
-                            self._params[name].data.copy_(t)
-                except Exception as e:  # keep receiving so the collective stays in step
-                    errors.append(f"{type(e).__name__}: {e}")
+        def consume(named):
+            if errors or not load:
+                return
+            try:
+                with self._lock:
+                    for name, t in named:
+                        self._params[name].data.copy_(t)
+            except Exception as e:  # keep receiving so the collective stays in step
+                errors.append(f"{type(e).__name__}: {e}")
 
-            def destination(name: str):
-                # Generation is paused: the broadcast may land in the parameter itself.
-                p = self._params.get(name)
-                return p.data if (load and not errors and p is not None) else None
+        def destination(name: str):
+            # Generation is parked: the broadcast may land in the parameter itself.
+            p = self._params.get(name)
+            return p.data if (load and not errors and p is not None) else None
 
-            stats = receive(self.group, manifest, consume, destination)
-            if load and not errors:
-                # Before the all-reduce that releases the trainer: once its sync returns, /version
-                # must already report the new version.
-                self.version = version
-            failed = self.group.all_reduce_sum(1 if (errors or not load) else 0)
-            if errors:
-                raise RuntimeError(errors[0])
-        finally:
-            self._running.set()
-        return {"bytes": stats.bytes, "seconds": time.perf_counter() - t0, "transport_wait_seconds": stats.wait_seconds,
+        stats = receive(self.group, manifest, consume, destination)
+        if load and not errors:
+            # Before the all-reduce that releases the trainer: once its sync returns, /version
+            # must already report the new version.
+            self.version = version
+        failed = self.group.all_reduce_sum(1 if (errors or not load) else 0)
+        if errors:
+            raise RuntimeError(errors[0])
+        return {"bytes": stats.bytes, "transport_wait_seconds": stats.wait_seconds,
                 "load_seconds": stats.consume_seconds, "group_failures": failed}
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: Optional[torch.Generator]) -> int:
-    if temperature == 0.0:
-        return int(logits.argmax())
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the hf engine's scheduler stopped", exc_info=task.exception())
+
+
+def _score_response(req: ScoreRequest, lp: torch.Tensor) -> ScoreResponse:
+    # Position t's token is predicted by the log-probs at t - 1.
+    lp = lp[req.prompt_len - 1:-1]
+    targets = torch.tensor(req.token_ids[req.prompt_len:], dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, targets[:, None])[:, 0]
+    top = lp.topk(req.top_k, dim=-1)
+    return ScoreResponse(logprobs=chosen.tolist(), topk_ids=top.indices.tolist(), topk_logprobs=top.values.tolist())
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:
+    """One token per row of float logits [rows, vocab] with each row's own sampling: greedy rows
+    take the argmax, seeded rows sample alone from their generator, the rest in one batched draw."""
+    tokens = logits.argmax(-1).cpu()
+    batched = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.generator is None]
+    if batched:
+        idx = torch.tensor(batched, dtype=torch.long, device=logits.device)
+        temps = torch.tensor([rows[i].temperature for i in batched], device=logits.device)[:, None]
+        top_p = torch.tensor([rows[i].top_p for i in batched], device=logits.device)[:, None]
+        probs = _top_p(torch.softmax(logits.index_select(0, idx) / temps, -1), top_p)
+        tokens[batched] = torch.multinomial(probs, 1)[:, 0].cpu()
+    for i, r in enumerate(rows):
+        if r.temperature > 0.0 and r.generator is not None:
+            tokens[i] = _sample_one(logits[i].cpu(), r.temperature, r.top_p, r.generator)
+    return tokens
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (per row)."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep = sorted_p.cumsum(-1) - sorted_p < top_p
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+
+
+def _sample_one(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
     probs = torch.softmax(logits / temperature, -1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        probs = _top_p(probs[None], torch.tensor([[top_p]]))[0]
     return int(torch.multinomial(probs, 1, generator=gen))
