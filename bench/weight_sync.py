@@ -48,6 +48,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--buckets-mb", default="32,128,512", help="bucket sizes to sweep; the last is the headline")
     ap.add_argument("--random", action="store_true", help="random weights instead of SmolLM2")
+    ap.add_argument("--model", type=Path, help="an HF model directory instead (e.g. .kubedistill/quickstart/student)")
     args = ap.parse_args()
 
     import httpx
@@ -60,7 +61,7 @@ def main() -> int:
     torch.set_num_threads(1)
     cache = ROOT / ".kubedistill" / "bench" / "weight_sync"  # converted model reused across runs
     cache.mkdir(parents=True, exist_ok=True)
-    mdir = model_dir(cache, args.random)
+    mdir = args.model.resolve() if args.model else model_dir(cache, args.random)
     work = Path(tempfile.mkdtemp(prefix="kd-bench-ws-"))
     model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]

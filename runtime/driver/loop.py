@@ -250,11 +250,13 @@ class Driver:
         self._consumed += len(step_samples.samples)
         staleness = step_samples.staleness()
         rewards = [s.reward for s in step_samples.samples if s.reward is not None]
-        synced, served = False, None
+        synced, served, sync_seconds = False, None, 0.0
         if self.step % self.policy.trigger_parameter_sync_step == 0 and self.step < self.spec.trainer.total_steps:
+            t_sync = self.clock()
             await self.sync_weights(self.version + 1)
             synced = True
             served = await self._served_versions(self.version)
+            sync_seconds = self.clock() - t_sync
         now = self.clock()
         elapsed = max(now - self._started, 1e-9)
         last = stats[-1]
@@ -286,8 +288,13 @@ class Driver:
             "stalenessMax": max(staleness) if staleness else 0,
             "groups": [g.group_id for g in groups],
             "resumedSamples": sum(s.resumed for s in step_samples.samples),
+            # [first, last] weight version of the tokens of each trained sample that was resumed
+            # across a sync (partialRollout: resume), and the run's samples_total counters.
+            "resumedVersionRanges": [[s.min_version, s.max_version] for s in step_samples.samples if s.resumed],
+            "samplesTotal": dict(self.buffer.counters),
             "waitSeconds": round(waited, 4),
             "trainSeconds": round(sum(s.seconds for s in stats), 4),
+            "syncSeconds": round(sync_seconds, 4),
             "droppedStale": self.buffer.counters["dropped_stale"],
         })
 

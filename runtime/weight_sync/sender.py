@@ -63,6 +63,11 @@ class WeightSender:
             epoch=epoch or new_epoch(),
         )
         self.epoch = addr.epoch
+        import httpx
+
+        # One client for every control request: a fresh httpx client per request costs ~0.1 s
+        # (TLS context set-up), which was most of a small model's sync time.
+        self._http = httpx.Client(timeout=self.timeout)
         store = open_store(addr)  # listening before any server is told to join
         self._tell_servers_to_join()
         self.group = WeightSyncGroup(addr, store=store)
@@ -80,7 +85,7 @@ class WeightSender:
             last = ""
             while True:
                 try:
-                    r = httpx.post(f"{url.rstrip('/')}/weights/group", json=body, timeout=30)
+                    r = self._http.post(f"{url.rstrip('/')}/weights/group", json=body, timeout=30)
                     if r.status_code in (200, 202):
                         return
                     if r.status_code not in (502, 503, 504):
@@ -99,15 +104,13 @@ class WeightSender:
     def close(self) -> None:
         """Release the group and its store (the servers leave it when told to join the next)."""
         self.group.close()
+        self._http.close()
 
     def probe(self, nbytes: int) -> float:
         """Time one raw broadcast of a flat `nbytes` tensor to every rollout worker (the
         transport's limit, for benchmarks and link checks); returns seconds."""
-        import httpx
-
         for url in self.endpoints.rollout:
-            r = httpx.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes, "group_epoch": self.epoch},
-                           timeout=self.timeout)
+            r = self._http.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes, "group_epoch": self.epoch})
             if r.status_code != 200:
                 raise WeightSyncError(f"{url}/weights/probe: {r.status_code} {_error_text(r)}")
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
@@ -118,8 +121,6 @@ class WeightSender:
 
     def sync(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
              bucket_bytes: Optional[int] = None) -> TransferStats:
-        import httpx
-
         t0 = time.perf_counter()
         named = [(n, t.to(self.group.device)) for n, t in named_tensors]
         manifest = build_manifest(named, bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024)
@@ -128,7 +129,7 @@ class WeightSender:
         def begin(url: str) -> Optional[str]:
             """None: the server will load; a message: it refused the manifest (409) but still
             takes part in the broadcast, discarding it, so the group stays in step."""
-            r = httpx.post(f"{url.rstrip('/')}/weights/begin", json=body, timeout=self.timeout)
+            r = self._http.post(f"{url.rstrip('/')}/weights/begin", json=body)
             if r.status_code == 200:
                 return None
             if r.status_code == 409:
