@@ -17,10 +17,16 @@ from e2e_jobs import job_yaml, kubedistill_run
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 
 FULLY_ASYNC = {"stalenessThreshold": 0.5, "triggerParameterSyncStep": 2, "partialRollout": True}
+# Shaped so generations are still running at every sync: greedy responses of the random student
+# rarely end before maxTokens (64 tokens take longer than a train step) and weights sync after
+# every step, so each sync aborts generations that resume from their prefix under the new weights.
+RESUMING = {"stalenessThreshold": 1.0, "triggerParameterSyncStep": 1, "partialRollout": True,
+            "partialRolloutStrategy": "resume"}
 JOBS: dict[str, dict[str, Any]] = {
     "sync": dict(mode="sync", steps=3),
     "onestepoff": dict(mode="oneStepOff", steps=4),
-    "fullyasync": dict(mode="fullyAsync", steps=4, asyncspec=FULLY_ASYNC),
+    "fullyasync": dict(mode="fullyAsync", steps=4, max_tokens=64, max_model_len=128, temperature=0.0,
+                       asyncspec=RESUMING),
     "vllm": dict(mode="fullyAsync", steps=4, engine="vllm", max_tokens=6, asyncspec=FULLY_ASYNC),
 }
 
@@ -104,15 +110,22 @@ def _spec(r):
     return load_job(r["job"]).spec
 
 
-def test_fully_async_mode(runs) -> None:
+def test_fully_async_mode_resumes_partial_rollouts(runs) -> None:
     r = runs["fullyasync"]
     hist = _check_common(r, 4)
     policy = StalenessPolicy.from_spec(_spec(r))
     assert all(h["stalenessMax"] <= policy.max_lag for h in hist)
-    # triggerParameterSyncStep 2: one sync after step 2 (none after the last step)
-    assert [h["synced"] for h in hist] == [False, True, False, False]
-    assert hist[1]["rolloutVersions"] == [1]
-    assert hist[-1]["weightVersion"] == 1
+    # triggerParameterSyncStep 1: a sync after every step but the last
+    assert [h["synced"] for h in hist] == [True, True, True, False]
+    assert [h["rolloutVersions"] for h in hist] == [[1], [2], [3], None]
+    assert hist[-1]["weightVersion"] == 3
+    # Generations in flight at a sync were aborted and resumed (samples_total{state="resumed"}),
+    # and resumed samples were trained with tokens from more than one weight version.
+    assert hist[-1]["samplesTotal"]["resumed"] > 0, hist[-1]["samplesTotal"]
+    ranges = [rng for h in hist for rng in h["resumedVersionRanges"]]
+    assert sum(h["resumedSamples"] for h in hist) >= len(ranges) > 0
+    assert any(hi > lo for lo, hi in ranges), ranges
+    assert all(hi - lo <= policy.max_lag for lo, hi in ranges)
 
 
 def test_fully_async_partial_rollout_on_vllm(runs, tiny_models) -> None:
