@@ -14,9 +14,10 @@ latency is what a client of the API server would observe.
 KMock as shipped matches every request against its reactions by re-filtering its whole request
 log (kept for test assertions): the cost of one request grows with the number served so far,
 ~20-40 ms per request after a few hundred, so it, not the operator, is the bottleneck (py-spy:
-~90 % of the emulator's CPU in that scan). By default the emulator here keeps the same objects,
-watch streams and reactions but shows each reaction only the request being served (a real API
-server keeps no request log); --stock-kmock measures the shipped one. docs/operator.md has both.
+~90 % of the emulator's CPU in that scan). By default the emulator here is the tests'
+FastEmulator (tests/operator_fixtures.py): KMock's objects, watch streams and reactions, but each
+reaction's filter sees only the request being served (a real API server keeps no request log);
+--stock-kmock measures the shipped one. docs/operator.md has both.
 
 Reports p50/p95/max latency per N, jobs reconciled, reconcile errors, non-2xx API responses other
 than the 409s of idempotent creates, the operator's CPU and peak RSS. Last line: the N=1 p50 in ms.
@@ -44,20 +45,16 @@ Created = dict[tuple[str, str], float]
 
 
 def _emulator_class(stock: bool) -> Any:
-    """KubernetesEmulator recording when each object was created (and, unless `stock`, without
-    the request-log scan on every request)."""
-    import contextvars
-
+    """The emulator, recording when it stored each created object."""
     import kmock
 
-    serving: contextvars.ContextVar[Any] = contextvars.ContextVar("serving")
+    from operator_fixtures import FastEmulator
 
-    class RecordingEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+    class RecordingEmulator(kmock.KubernetesEmulator if stock else FastEmulator):  # type: ignore[misc]
         created: Created
         failures: int
 
         async def _handle(self, request: Any) -> Any:
-            serving.set(request)  # each aiohttp request is served in its own task (context)
             try:
                 response = await super()._handle(request)
             except Exception as exc:
@@ -70,15 +67,7 @@ def _emulator_class(stock: bool) -> Any:
                 self.created.setdefault((data["kind"], data["metadata"]["name"]), time.monotonic())
             return response
 
-    class LeanEmulator(RecordingEmulator):
-        def __iter__(self) -> Any:
-            # The reactions' filters see only the request being served: what matching needs,
-            # without re-filtering every request ever served.
-            request = serving.get(None)
-            if request is not None:
-                yield request
-
-    return RecordingEmulator if stock else LeanEmulator
+    return RecordingEmulator
 
 
 def _serve_emulator(stock: bool, port_queue: Any, commands: Any, replies: Any) -> None:
