@@ -151,7 +151,11 @@ class HFEngine(Engine):
         loop = asyncio.get_running_loop()
         if self._task is not None and not self._task.done() and self._loop is loop:
             return
-        # First use, or a new event loop (tests): whatever belonged to the old loop is gone.
+        # First use, a new event loop (tests), or a crashed scheduler: nothing left can finish.
+        error = RuntimeError("the hf engine's scheduler stopped")
+        for r in self._rows + self._queue:
+            if not r.finished.get_loop().is_closed():
+                r.fail(error)
         self._rows, self._queue, self._scores, self._batch = [], [], [], None
         self._loop, self._wake, self._parked = loop, asyncio.Event(), asyncio.Event()
         self._task = loop.create_task(self._run(), name="hf-engine-scheduler")
@@ -250,8 +254,8 @@ class HFEngine(Engine):
                 all_logits = torch.cat(logits).float()
                 tokens = sample_rows(all_logits, rows)
                 result.tokens = tokens.tolist()
-                result.logprobs = torch.log_softmax(all_logits, -1).gather(1, tokens[:, None])[:, 0].tolist()
                 tokens = tokens.to(all_logits.device)
+                result.logprobs = torch.log_softmax(all_logits, -1).gather(1, tokens[:, None])[:, 0].tolist()
                 if self._batch is not None:
                     self._batch.last = tokens[: self._batch.rows]
                 if joined is not None:
