@@ -34,7 +34,7 @@ def write_prompts(path: Path, count: int = 64, seed: int = 0) -> Path:
 def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engine: str = "hf",
              steps: int = 3, mini_batch: int = 4, n: int = 2, max_tokens: int = 4, every: int = 100,
              asyncspec: Optional[dict[str, Any]] = None, loss: str = "forwardKLTopK", lr: float = 1e-3,
-             max_model_len: int = 64, temperature: float = 1.0) -> Path:
+             max_model_len: int = 64, temperature: float = 1.0, trainer_replicas: int = 1) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
     inference = {"engine": engine, "kvCacheGiB": 1, "maxModelLen": max_model_len}
     if engine == "vllm":
@@ -48,7 +48,7 @@ def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engin
         "rollout": {"replicas": 1, "inference": dict(inference),
                     "sampling": {"n": n, "temperature": temperature, "maxTokens": max_tokens, "seed": 0},
                     "overrides": {"cpuThreads": 1}},
-        "trainer": {"replicas": 1, "optim": {"lr": lr}, "miniBatchSize": mini_batch, "totalSteps": steps,
+        "trainer": {"replicas": trainer_replicas, "optim": {"lr": lr}, "miniBatchSize": mini_batch, "totalSteps": steps,
                     "mixedPrecision": "float32", "overrides": {"cpuThreads": 1}},
         "algorithm": {"distillation": {"lossMode": loss, "topK": 4}},
         "data": {"train": [str(data)], "maxPromptLength": 32},

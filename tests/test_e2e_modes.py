@@ -6,6 +6,7 @@ each test then checks one job's report, history and exported student."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ JOBS: dict[str, dict[str, Any]] = {
     "fullyasync": dict(mode="fullyAsync", steps=4, max_tokens=64, max_model_len=128, temperature=0.0,
                        asyncspec=RESUMING),
     "vllm": dict(mode="fullyAsync", steps=4, engine="vllm", max_tokens=6, asyncspec=FULLY_ASYNC),
+    # trainer.replicas 2: two gloo CPU ranks (FSDP), rank 0 drives, syncs and checkpoints
+    "multirank": dict(mode="sync", steps=2, every=2, trainer_replicas=2),
 }
 
 
@@ -45,7 +48,7 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict[str, Any]]:
     # Ray nodes booting at the same instant time out on a busy 2-core machine.
     with cf.ThreadPoolExecutor(len(JOBS)) as pool:
         futures = {}
-        for name in ("vllm", "sync", "onestepoff", "fullyasync"):
+        for name in ("vllm", "sync", "onestepoff", "fullyasync", "multirank"):
             futures[name] = pool.submit(one, name)
             logs = base / name / "run" / "logs"
             deadline = time.monotonic() + 120
@@ -136,4 +139,32 @@ def test_fully_async_partial_rollout_on_vllm(runs, tiny_models) -> None:
     assert hist[-1]["weightVersion"] == 1
     assert hist[1]["rolloutVersions"] == [1]
     assert hist[-1]["trainerVersion"] == 1
+    _exported_differs(r, tiny_models)
+
+
+def test_two_trainer_ranks(runs, tiny_models) -> None:
+    r = runs["multirank"]
+    hist = _check_common(r, 2)
+    assert [h["synced"] for h in hist] == [True, False]
+    assert hist[0]["rolloutVersions"] == [1]  # rank 0 broadcast the gathered full weights
+    assert (r["dir"] / "run" / "logs" / "trainer-1.log").is_file()
+    step = r["dir"] / "ckpt" / "step-00000002"
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["weight_version"] == 1
+    # The checkpoint holds full (unsharded) state: a single-rank trainer resumes from it, with the
+    # weights the two ranks exported.
+    from transformers import AutoModelForCausalLM
+
+    from kubedistill.runtime.trainer import Trainer
+
+    spec = _spec(r)
+    spec.trainer.replicas = 1
+    trainer = Trainer(spec)
+    resumed = trainer.resume()
+    assert resumed is not None and (resumed.step, resumed.weight_version) == (2, 1)
+    exported = dict(AutoModelForCausalLM.from_pretrained(str(r["dir"] / "ckpt" / "student-hf")).named_parameters())
+    loaded = {n: t.detach().clone() for n, t in trainer.named_full_weights()}
+    assert loaded.keys() <= exported.keys()
+    for name, t in loaded.items():
+        assert torch.equal(t.cpu(), exported[name].detach()), name
     _exported_differs(r, tiny_models)

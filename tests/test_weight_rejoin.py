@@ -2,7 +2,9 @@
 `kubedistill run`'s trainer relaunch do): a trainer-side sender process syncs weights to a real
 hf rollout server, begins another sync and is SIGKILLed in the middle of it; a new sender process
 on the same address re-forms the group under a new epoch and syncs other weights, which the
-server must then hold bit for bit. Repeated re-joins must not leak the old groups' sockets."""
+server must then hold bit for bit. Repeated re-joins must not leak the old groups' sockets. And
+the reverse: a replaced rollout server (new process, same address) is brought into a new group by
+the living trainer's next sync."""
 
 from __future__ import annotations
 
@@ -104,15 +106,32 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
         # Many trainer restarts: each re-join releases the previous group's sockets.
         sender.close()
         sockets = []
-        for i in range(4):
+        for i in range(5):
             sender = WeightSender(cfg.spec, cfg.endpoints)
             sender.sync(4 + i, perturbed(tiny_models["student"], seed=20 + i))
             sender.close()
             sockets.append(_open_sockets(server.proc.pid))
-        assert max(sockets[1:]) <= sockets[0], f"open sockets of the rollout server grew: {sockets}"
+        # a leaked group would add its sockets at every restart (a spread of 4+ over 5 restarts)
+        assert max(sockets) - min(sockets) <= 2, f"open sockets of the rollout server grew: {sockets}"
+        sender = WeightSender(cfg.spec, cfg.endpoints)
+        sender.sync(9, perturbed(tiny_models["student"], seed=25))
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(
-            perturbed(tiny_models["student"], seed=23))
+            perturbed(tiny_models["student"], seed=25))
         assert httpx.get(url + "/health").json()["status"] == "ok"
+
+        # The other way round: the rollout server is replaced (a new pod behind the same Service)
+        # while the trainer lives on; its next sync re-forms the group instead of failing.
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(30)
+        server = Server("rollout", config, port, log_path=tmp_path / "rollout-replaced.log")
+        server.wait_healthy(120)
+        assert httpx.get(url + "/weights/group").json()["epoch"] is None
+        named = perturbed(tiny_models["student"], seed=30)
+        sender.sync(10, named)
+        assert sender.reforms == 1
+        assert httpx.get(url + "/weights/group").json() == {"epoch": sender.epoch, "state": "ready", "error": None}
+        assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(named)
+        sender.close()
     finally:
         if sender_proc is not None and sender_proc.poll() is None:
             sender_proc.kill()

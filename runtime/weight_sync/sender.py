@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
+from dataclasses import replace
 from typing import Iterable, Optional
 
 import torch
@@ -63,6 +64,9 @@ class WeightSender:
             epoch=epoch or new_epoch(),
         )
         self.epoch = addr.epoch
+        self._addr = addr
+        self.reforms = 0
+        """Times the group was re-formed because a rollout server had left it (e.g. replaced)."""
         import httpx
 
         # One client for every control request: a fresh httpx client per request costs ~0.1 s
@@ -106,9 +110,34 @@ class WeightSender:
         self.group.close()
         self._http.close()
 
+    def ensure_group(self) -> None:
+        """Re-form the group under a new epoch if a rollout server is not in it (a replaced
+        rollout pod starts outside any group): then every server switches, and the sync goes on
+        without a trainer restart. One GET /weights/group per server."""
+        import httpx
+
+        def member(url: str) -> bool:
+            try:
+                r = self._http.get(f"{url.rstrip('/')}/weights/group", timeout=30)
+            except httpx.TransportError:
+                return False
+            return r.status_code == 200 and r.json().get("epoch") == self.epoch and r.json().get("state") == "ready"
+
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
+            if all(pool.map(member, self.endpoints.rollout)):
+                return
+        self.group.close()
+        self._addr = replace(self._addr, epoch=new_epoch())
+        self.epoch = self._addr.epoch
+        store = open_store(self._addr)
+        self._tell_servers_to_join()
+        self.group = WeightSyncGroup(self._addr, store=store)
+        self.reforms += 1
+
     def probe(self, nbytes: int) -> float:
         """Time one raw broadcast of a flat `nbytes` tensor to every rollout worker (the
         transport's limit, for benchmarks and link checks); returns seconds."""
+        self.ensure_group()
         for url in self.endpoints.rollout:
             r = self._http.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes, "group_epoch": self.epoch})
             if r.status_code != 200:
@@ -122,6 +151,7 @@ class WeightSender:
     def sync(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
              bucket_bytes: Optional[int] = None) -> TransferStats:
         t0 = time.perf_counter()
+        self.ensure_group()
         named = [(n, t.to(self.group.device)) for n, t in named_tensors]
         manifest = build_manifest(named, bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024)
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch).model_dump(mode="json")
