@@ -63,8 +63,9 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
         yield
         if state["sync"] is not None and not state["sync"].done():
             state["sync"].cancel()
+        # Bounded: on vLLM a receive still blocked in a worker would hold the leave RPC.
         with contextlib.suppress(Exception):
-            await membership.close()
+            await asyncio.wait_for(membership.close(), timeout=5)
         await engine.shutdown()
 
     app = make_app("rollout", engine, metrics, lifespan=lifespan)
