@@ -146,3 +146,27 @@ def test_manifest_mismatch_gets_409_and_keeps_serving(vllm_servers, tiny_models)
     r = httpx.post(urls[0] + "/generate", json={"request_id": "after-409", "prompt_token_ids": PROMPT,
                    "sampling": {"max_tokens": 2}}, timeout=60)
     assert r.status_code == 200
+
+
+def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, tiny_models) -> None:
+    """A new trainer (new sender, new epoch, same address) after the old one is gone: the vLLM
+    workers leave the old group (kd_ws_leave) and join the new one, and its weights arrive bit
+    for bit on both engines."""
+    from kubedistill.runtime.weight_sync.sender import WeightSender
+
+    urls = vllm_servers.rollout_urls
+    old = vllm_servers.sender
+    old.close()
+    new = WeightSender(vllm_servers.config.spec, vllm_servers.config.endpoints)
+    vllm_servers.sender = new  # later tests sync through the new group
+    assert new.epoch != old.epoch
+    for url in urls:
+        assert httpx.get(url + "/weights/group").json() == {"epoch": new.epoch, "state": "ready", "error": None}
+    v = max(httpx.get(u + "/version").json()["version"] for u in urls) + 1
+    named = perturbed(tiny_models["student"], seed=13)
+    new.sync(v, named)
+    want = expected_checksums(named)
+    for url in urls:
+        assert httpx.get(url + "/version").json()["version"] == v
+        got = httpx.get(url + "/weights/checksums", timeout=120).json()
+        assert {n for n in want if got.get(n) != want[n]} == set(), url
