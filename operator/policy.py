@@ -89,8 +89,9 @@ class JobView:
 def parse_spec(job: JobView) -> tuple[Optional[DistillationJobSpec], str]:
     """The validated spec, or None and a one-line summary naming the bad fields.
 
-    Cached by content: a job's loop plans after every watch event about it or its children, and
-    validating the spec was the largest part of a pass. The result is shared: never mutate it."""
+    Cached by content: a job's loop plans after every watch event about it or its children while
+    the spec rarely changes, and validating it (problems_of, then the model) each time is wasted.
+    The result is shared: never mutate it."""
     return _parse_spec(job.name, json.dumps(job.spec, sort_keys=True))
 
 
