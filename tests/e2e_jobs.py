@@ -34,11 +34,12 @@ def write_prompts(path: Path, count: int = 64, seed: int = 0) -> Path:
 def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engine: str = "hf",
              steps: int = 3, mini_batch: int = 4, n: int = 2, max_tokens: int = 4, every: int = 100,
              asyncspec: Optional[dict[str, Any]] = None, loss: str = "forwardKLTopK", lr: float = 1e-3,
-             max_model_len: int = 64, temperature: float = 1.0, trainer_replicas: int = 1) -> Path:
+             max_model_len: int = 64, temperature: float = 1.0, trainer_replicas: int = 1,
+             max_num_seqs: Optional[int] = None) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
     inference = {"engine": engine, "kvCacheGiB": 1, "maxModelLen": max_model_len}
-    if engine == "vllm":
-        inference["maxNumSeqs"] = 16
+    if max_num_seqs is not None or engine == "vllm":
+        inference["maxNumSeqs"] = max_num_seqs or 16
     spec: dict[str, Any] = {
         "mode": mode,
         "device": "cpu",

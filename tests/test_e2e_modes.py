@@ -18,16 +18,18 @@ from e2e_jobs import job_yaml, kubedistill_run
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 
 FULLY_ASYNC = {"stalenessThreshold": 0.5, "triggerParameterSyncStep": 2, "partialRollout": True}
-# Shaped so generations are still running at every sync: greedy responses of the random student
-# rarely end before maxTokens (64 tokens take longer than a train step) and weights sync after
-# every step, so each sync aborts generations that resume from their prefix under the new weights.
+# Shaped so a generation is running at every sync, whatever the machine's speed: the rollout
+# engine takes one sequence at a time (maxNumSeqs 1), so generation is the bottleneck and always
+# busy (greedy responses of the random student rarely end before maxTokens), and weights sync after
+# every step, so each sync aborts a running generation that resumes from its prefix under the new
+# weights.
 RESUMING = {"stalenessThreshold": 1.0, "triggerParameterSyncStep": 1, "partialRollout": True,
             "partialRolloutStrategy": "resume"}
 JOBS: dict[str, dict[str, Any]] = {
     "sync": dict(mode="sync", steps=3),
     "onestepoff": dict(mode="oneStepOff", steps=4),
     "fullyasync": dict(mode="fullyAsync", steps=4, max_tokens=64, max_model_len=128, temperature=0.0,
-                       asyncspec=RESUMING),
+                       asyncspec=RESUMING, max_num_seqs=1),
     "vllm": dict(mode="fullyAsync", steps=4, engine="vllm", max_tokens=6, asyncspec=FULLY_ASYNC),
     # trainer.replicas 2: two gloo CPU ranks (FSDP), rank 0 drives, syncs and checkpoints
     "multirank": dict(mode="sync", steps=2, every=2, trainer_replicas=2),

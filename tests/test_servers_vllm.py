@@ -4,6 +4,7 @@ replica 0 on vLLM and replica 1 on hf in one weight-sync group, and a vLLM teach
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -161,7 +162,12 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
     vllm_servers.sender = new  # later tests sync through the new group
     assert new.epoch != old.epoch
     for url in urls:
-        assert httpx.get(url + "/weights/group").json() == {"epoch": new.epoch, "state": "ready", "error": None}
+        # The sender returns when the collective rendezvous completes; the server marks itself
+        # ready a moment later (its engine polls the workers' join state).
+        deadline = time.monotonic() + 10
+        while (group := httpx.get(url + "/weights/group").json())["state"] != "ready" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group == {"epoch": new.epoch, "state": "ready", "error": None}
     v = max(httpx.get(u + "/version").json()["version"] for u in urls) + 1
     named = perturbed(tiny_models["student"], seed=13)
     new.sync(v, named)
