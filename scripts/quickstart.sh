@@ -5,7 +5,7 @@
 # last line shows how much closer to the teacher it got. See docs/quickstart.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+bash scripts/install.sh --quickstart  # the runtime only; scripts/test.sh adds the test tools
 .venv/bin/kubedistill validate examples/*.yaml
 .venv/bin/kubedistill crd > /dev/null
 echo "The CRD is crds/kubedistill.io_distillationjobs.yaml (kubectl apply -f crds/)."
