@@ -76,6 +76,15 @@ async def events(kmock: Any, reason: str) -> list[dict[str, Any]]:
     return await eventually(check, what=f"a {reason} event")
 
 
+async def running_job(cluster: Cluster, manifest: dict[str, Any]) -> None:
+    """Create the job, wait for its children, mark every pod Running and wait for phase Running."""
+    name = manifest["metadata"]["name"]
+    await cluster.create_job(manifest)
+    await all_children(cluster, name)
+    await cluster.run_all(name)
+    await phase_is(cluster, name, "Running")
+
+
 async def test_create_makes_owned_labelled_children_and_status(kmock: Any, cluster: Cluster) -> None:
     manifest = job_manifest("alpha")
     async with running_operator(str(kmock.url)):
@@ -151,10 +160,7 @@ async def test_pod_transitions_drive_phase_conditions_and_progress(kmock: Any, c
 
 async def test_trainer_failure_restarts_the_whole_gang(kmock: Any, cluster: Cluster) -> None:
     async with running_operator(str(kmock.url), resync_seconds=0.3):
-        await cluster.create_job(job_manifest("gamma"))
-        await all_children(cluster, "gamma")
-        await cluster.run_all("gamma")
-        await phase_is(cluster, "gamma", "Running")
+        await running_job(cluster, job_manifest("gamma"))
         await cluster.fail_pod("gamma-trainer-1")
 
         async def new_gang() -> Any:
@@ -178,10 +184,7 @@ async def test_trainer_failure_restarts_the_whole_gang(kmock: Any, cluster: Clus
 
 async def test_a_trainer_pod_deleted_by_hand_restarts_the_whole_gang(kmock: Any, cluster: Cluster) -> None:
     async with running_operator(str(kmock.url), resync_seconds=0.3):
-        await cluster.create_job(job_manifest("nu"))
-        await all_children(cluster, "nu")
-        await cluster.run_all("nu")
-        await phase_is(cluster, "nu", "Running")
+        await running_job(cluster, job_manifest("nu"))
         before = len(list(kmock))
         await cluster.delete_pod("nu-trainer-0")
 
@@ -203,10 +206,7 @@ async def test_a_trainer_pod_deleted_by_hand_restarts_the_whole_gang(kmock: Any,
 
 async def test_backoff_exhausted_fails_the_job(kmock: Any, cluster: Cluster) -> None:
     async with running_operator(str(kmock.url), resync_seconds=0.3):
-        await cluster.create_job(job_manifest("delta", backoffLimit=0))
-        await all_children(cluster, "delta")
-        await cluster.run_all("delta")
-        await phase_is(cluster, "delta", "Running")
+        await running_job(cluster, job_manifest("delta", backoffLimit=0))
         await cluster.fail_pod("delta-trainer-0", exit_code=3)
         st = await phase_is(cluster, "delta", "Failed")
         failed = cond(st, "Failed")
@@ -222,10 +222,7 @@ async def test_backoff_exhausted_fails_the_job(kmock: Any, cluster: Cluster) -> 
 
 async def test_server_failure_replaces_only_that_pod(kmock: Any, cluster: Cluster) -> None:
     async with running_operator(str(kmock.url), resync_seconds=0.3):
-        await cluster.create_job(job_manifest("eps"))
-        await all_children(cluster, "eps")
-        await cluster.run_all("eps")
-        await phase_is(cluster, "eps", "Running")
+        await running_job(cluster, job_manifest("eps"))
         before = len(list(kmock))
         await cluster.fail_pod("eps-teacher-math-0")
 
@@ -340,10 +337,7 @@ async def _has_all(cluster: Cluster, job: str) -> bool:
 
 async def test_operator_restart_picks_up_existing_jobs(kmock: Any, cluster: Cluster) -> None:
     async with running_operator(str(kmock.url), resync_seconds=0.3):
-        await cluster.create_job(job_manifest("lam"))
-        await all_children(cluster, "lam")
-        await cluster.run_all("lam")
-        await phase_is(cluster, "lam", "Running")
+        await running_job(cluster, job_manifest("lam"))
     # While no operator runs, a pod fails and another disappears.
     cluster.reconnect()
     await cluster.fail_pod("lam-rollout-0")
