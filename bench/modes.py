@@ -215,8 +215,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(table(headers, rows))
     sync = results.get("sync")
     if sync and sync["wait_s"] is not None and sync["train_s"] is not None:
-        print(f"sync split per step: generation+scoring {sync['wait_s']:.2f} s (the trainer waits), training "
-              f"{sync['train_s']:.2f} s → generation/training = {sync['wait_s'] / max(sync['train_s'], 1e-9):.2f}")
+        g, t, y = sync["wait_s"], sync["train_s"], sync["sync_s"] or 0.0
+        print(f"sync split per step: generation+scoring {g:.2f} s (the trainer waits), training {t:.2f} s, weight sync "
+              f"{y:.2f} s → generation/training = {g / max(t, 1e-9):.2f}; perfect overlap at these phase times would "
+              f"give oneStepOff/sync = (gen + train + sync) / (max(gen, train) + sync) = {(g + t + y) / (max(g, t) + y):.2f}")
 
     def ratio(a: str, b: str) -> Optional[float]:
         if a in results and b in results and results[b]["samples_per_s"] > 0:
