@@ -185,6 +185,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer steps and evaluation problems")
     ap.add_argument("--steps", type=int, help="train steps per run (default 100, quick 40)")
     ap.add_argument("--pg-steps", type=int, help="train steps of the k1+PG runs (default: --steps)")
+    ap.add_argument("--async-steps", type=int,
+                    help="train steps of the oneStepOff/fullyAsync runs (default: as sync), so a faster mode can "
+                         "run on until it reaches sync's final reverse KL")
     ap.add_argument("--every", type=int, help="checkpoint (evaluation point) every N steps (default 10, quick 5)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--losses", default=",".join(LOSSES))
@@ -232,6 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         loss_mode, pg, lr = LOSSES[loss]
         loss_steps = (args.pg_steps or steps) if pg else steps
         for mode in modes:
+            mode_steps = args.async_steps if (args.async_steps and mode != "sync") else loss_steps
             name = f"learn-{loss_mode.lower()}-{mode.lower()}"
             if args.render_only:
                 saved = work / f"{name}.result.json"
@@ -242,10 +246,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             shutil.rmtree(ckpt, ignore_errors=True)
             shape = JobShape(name=name, mode=mode, student=init_dir, teacher=teacher_dir,
                              train=cache / "data/train.jsonl", val=cache / "data/val.jsonl", checkpoint=ckpt,
-                             steps=loss_steps, lr=lr, loss=loss_mode, policy_gradient=pg, engine=args.engine,
+                             steps=mode_steps, lr=lr, loss=loss_mode, policy_gradient=pg, engine=args.engine,
                              checkpoint_every=every, n=SAMPLES_PER_PROMPT,
                              async_=ASYNC if mode == "fullyAsync" else {})
-            print(f"run {loss} / {mode}: {loss_steps} steps x 64 samples ...", flush=True)
+            print(f"run {loss} / {mode}: {mode_steps} steps x 64 samples ...", flush=True)
             load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             try:
                 report = run_job(shape, work)
@@ -317,6 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         head += [f"* {loss}: fullyAsync wall time to sync's final reverse KL / sync's = **{fmt(r, '.2f')}**"
                  for loss, r in ratios.items()]
         command = f".venv/bin/python bench/learning.py --steps {steps}" + (f" --pg-steps {args.pg_steps}" if args.pg_steps else "")
+        command += f" --async-steps {args.async_steps}" if args.async_steps else ""
         command += f" --docs {args.docs}"
         Path(args.docs).write_text(DOC_TEMPLATE.format(title=title, summary="\n".join(head), details="\n".join(md),
                                                        command=command))
