@@ -86,25 +86,6 @@ class JobFailed(RuntimeError):
     pass
 
 
-KEEPALIVE_DIR = Path(__file__).resolve().parent / "_keepalive"
-
-
-def keepalive_fix(enabled: bool) -> None:
-    """Load bench/_keepalive/sitecustomize.py into the role processes (they inherit this
-    environment through Ray): it works around an idle keep-alive race between the driver's httpx
-    client and the role servers that otherwise fails sync/oneStepOff runs with httpx.ReadError."""
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(KEEPALIVE_DIR)]
-    if enabled:
-        os.environ["KUBEDISTILL_BENCH_KEEPALIVE"] = "1"
-        parts.insert(0, str(KEEPALIVE_DIR))
-    else:
-        os.environ.pop("KUBEDISTILL_BENCH_KEEPALIVE", None)
-    if parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join(parts)
-    else:
-        os.environ.pop("PYTHONPATH", None)
-
-
 # Where the roles run when pinned (bench --pin): the trainer (with the driver) on one core, the
 # rollout and teacher servers on the other, like a trainer GPU pool next to an inference pool.
 # Without pinning, three busy processes share two cores and the train step slows by ~1.6x

@@ -47,7 +47,6 @@ from _common import (  # noqa: E402
     first_time_at_or_below,
     fmt,
     history_at,
-    keepalive_fix,
     load_checkpoint_student,
     mean,
     run_job,
@@ -197,8 +196,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/learning"))
     ap.add_argument("--plot", default=str(REPO / "docs/learning.png"))
     ap.add_argument("--docs", metavar="FILE.md", help="also write the tables as markdown here (e.g. docs/learning.md)")
-    ap.add_argument("--keepalive-fix", action=argparse.BooleanOptionalAction, default=True,
-                    help="work around the idle keep-alive race of the role HTTP clients (bench/_keepalive)")
     ap.add_argument("--render-only", action="store_true",
                     help="run nothing: tables, plot and markdown from the results saved in --workdir")
     args = ap.parse_args(argv)
@@ -215,9 +212,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--losses: unknown loss {l!r}; allowed: {', '.join(LOSSES)}")
 
     single_thread()
-    keepalive_fix(args.keepalive_fix)
-    if args.keepalive_fix:
-        print("note: role HTTP clients expire idle connections after 1 s (bench/_keepalive/sitecustomize.py)")
     from kubedistill.runtime import quickstart
 
     cache, work = Path(args.cache), Path(args.workdir)

@@ -44,7 +44,6 @@ from _common import (  # noqa: E402
     JobFailed,
     JobShape,
     fmt,
-    keepalive_fix,
     mean,
     run_job,
     single_thread,
@@ -137,8 +136,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/modes"))
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    ap.add_argument("--keepalive-fix", action=argparse.BooleanOptionalAction, default=True,
-                    help="work around the idle keep-alive race of the role HTTP clients (bench/_keepalive)")
     args = ap.parse_args(argv)
     steps = args.steps or (12 if args.quick else 30)
     skip = max(2, steps // 5)
@@ -148,9 +145,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--modes: unknown mode {m!r}; allowed: {', '.join(MODES)}")
 
     single_thread()
-    keepalive_fix(args.keepalive_fix)
-    if args.keepalive_fix:
-        print("note: role HTTP clients expire idle connections after 1 s (bench/_keepalive/sitecustomize.py)")
     work = Path(args.workdir)
     paths = prepare_models(work / "models", args.hidden, args.layers, args.teacher_layers)
     print(f"workload: random-weight student ({args.layers} layers, hidden {args.hidden}) and teacher "

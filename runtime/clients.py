@@ -1,15 +1,33 @@
-"""Async HTTP clients of the rollout and teacher servers (used by the driver)."""
+"""Async HTTP clients of the rollout and teacher servers (used by the driver).
+
+aiohttp, not httpx: with a step's ~100 concurrent /generate and /score requests in flight,
+httpx/httpcore spent most of the driver's CPU managing its connection pool (32 concurrent
+generates: 0.35-3.4 s with httpx against 0.12-0.6 s with aiohttp, same servers), and that CPU is
+taken from the train step beside it. Bodies are encoded and decoded by pydantic's own JSON code
+(no intermediate dicts), which matters for top-k teacher scores.
+"""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypeVar
 
-import httpx
+import aiohttp
+from pydantic import BaseModel
 
 from kubedistill.runtime.protocol import (
     AbortRequest, AbortResponse, GenerateRequest, GenerateResponse, HealthResponse, ScoreRequest,
     ScoreResponse, VersionResponse,
 )
+
+KEEPALIVE_SECONDS = 2.0
+"""Idle connections are dropped before the servers' keep-alive (uvicorn: 5 s) closes them, so a
+request rarely goes out on a connection the server is closing (the driver retries it if it does)."""
+
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+"""Failures of the connection rather than answers of the server: the request may be sent again."""
+
+M = TypeVar("M", bound=BaseModel)
+_JSON = {"Content-Type": "application/json"}
 
 
 class ServerError(RuntimeError):
@@ -19,34 +37,61 @@ class ServerError(RuntimeError):
         self.message = message
 
 
+def new_session(timeout: float = 600.0) -> aiohttp.ClientSession:
+    """One session for any number of servers and concurrent requests (no connection cap: every
+    request reaches its server at once, so the engine can batch them). Call inside a running loop."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
+    )
+
+
 class _Client:
-    def __init__(self, base_url: str, timeout: float = 600.0, client: Optional[httpx.AsyncClient] = None):
+    def __init__(self, base_url: str, timeout: float = 600.0, session: Optional[aiohttp.ClientSession] = None):
         self.base_url = base_url.rstrip("/")
-        self._own = client is None
-        self.http = client or httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._timeout = timeout
+        self._own = session is None
+        self._session = session
 
-    async def _post(self, path: str, body) -> dict:
-        r = await self.http.post(self.base_url + path, json=body.model_dump(mode="json", exclude_none=True))
-        return self._check(path, r)
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created lazily: aiohttp wants a running loop
+            self._session = new_session(self._timeout)
+        return self._session
 
-    async def _get(self, path: str) -> dict:
-        return self._check(path, await self.http.get(self.base_url + path))
+    async def _post(self, path: str, body: BaseModel, model: type[M]) -> M:
+        data = body.model_dump_json(exclude_none=True)
+        async with self.session.post(self.base_url + path, data=data, headers=_JSON) as r:
+            return model.model_validate_json(await self._read_ok(path, r))
 
-    def _check(self, path: str, r: httpx.Response) -> dict:
-        if r.status_code != 200:
+    async def _get(self, path: str, model: type[M]) -> M:
+        async with self.session.get(self.base_url + path) as r:
+            return model.model_validate_json(await self._read_ok(path, r))
+
+    async def _read_ok(self, path: str, r: aiohttp.ClientResponse) -> bytes:
+        raw = await r.read()
+        if r.status != 200:
+            text = raw.decode(errors="replace")
             try:
-                msg = r.json().get("error", r.text)
+                body = await r.json(content_type=None)
             except ValueError:
-                msg = r.text
-            raise ServerError(self.base_url + path, r.status_code, msg)
-        return r.json()
+                body = None
+            msg = str(body.get("error", text)) if isinstance(body, dict) else text
+            raise ServerError(self.base_url + path, r.status, msg)
+        return raw
 
     async def health(self) -> HealthResponse:
-        return HealthResponse.model_validate(await self._get("/health"))
+        return await self._get("/health", HealthResponse)
+
+    async def metrics_text(self) -> str:
+        """The server's Prometheus exposition."""
+        async with self.session.get(self.base_url + "/metrics") as r:
+            return (await self._read_ok("/metrics", r)).decode()
 
     async def aclose(self) -> None:
-        if self._own:
-            await self.http.aclose()
+        if self._own and self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def __aenter__(self):
         return self
@@ -57,16 +102,16 @@ class _Client:
 
 class RolloutClient(_Client):
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        return GenerateResponse.model_validate(await self._post("/generate", req))
+        return await self._post("/generate", req, GenerateResponse)
 
     async def abort(self, request_ids: Optional[Sequence[str]] = None) -> AbortResponse:
         body = AbortRequest(request_ids=list(request_ids) if request_ids is not None else None)
-        return AbortResponse.model_validate(await self._post("/abort", body))
+        return await self._post("/abort", body, AbortResponse)
 
     async def version(self) -> int:
-        return VersionResponse.model_validate(await self._get("/version")).version
+        return (await self._get("/version", VersionResponse)).version
 
 
 class TeacherClient(_Client):
     async def score(self, req: ScoreRequest) -> ScoreResponse:
-        return ScoreResponse.model_validate(await self._post("/score", req))
+        return await self._post("/score", req, ScoreResponse)

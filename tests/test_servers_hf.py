@@ -60,7 +60,7 @@ async def wait_in_flight(c: RolloutClient, then: float = 0.15) -> None:
     """Return shortly after a /generate is in flight on the server (the metrics request itself
     counts as one more request in flight)."""
     for _ in range(1000):
-        text = (await c.http.get(c.base_url + "/metrics")).text
+        text = await c.metrics_text()
         line = next(ln for ln in text.splitlines() if ln.startswith("kubedistill_requests_in_flight{"))
         if float(line.rsplit(" ", 1)[1]) >= 2:
             await asyncio.sleep(then)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol
 
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
+from kubedistill.runtime.clients import TRANSPORT_ERRORS, RolloutClient, TeacherClient, new_session
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.data import PromptSource
@@ -39,23 +40,9 @@ from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
 
 log = logging.getLogger("kubedistill.driver")
 
-try:
-    import httpx
-
-    TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError,)
-except ImportError:  # pragma: no cover - httpx is a runtime dependency
-    TRANSPORT_ERRORS = ()
-
 DRIVER_STATE_FORMAT = 1
 MAX_TRANSPORT_RETRIES = 5
 EXPORT_DIR = "student-hf"
-CLIENT_SHARDS = 8
-"""httpx clients per server. httpcore's connection pool rescans all its connections (for every
-idle one, all of them again) whenever a request starts or ends, so a single client holding the
-~100 connections of one step's concurrent /generate and /score requests spent over half of the
-driver's CPU in that scan (py-spy, 64 samples per step); requests are spread over this many
-small pools instead. Each pool still opens as many connections as requests, so the servers see
-every request at once and batch them."""
 
 
 class TrainerLike(Protocol):
@@ -116,7 +103,6 @@ class Driver:
         self._tasks: set[asyncio.Task] = set()
         self._error: Optional[BaseException] = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
-        self._shard_turn = 0
         self._started = clock()
         self._wait_seconds = 0.0
         self._consumed = 0
@@ -170,26 +156,13 @@ class Driver:
     # ---- the run ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Train until totalSteps, then the final checkpoint and the HF export."""
-        import contextlib
-
-        import httpx
-
-        from kubedistill.runtime.clients import RolloutClient, TeacherClient
-
         total = self.spec.trainer.total_steps
         self._started = self.clock()
         self.status.set_phase("running")
-        async with contextlib.AsyncExitStack() as stack:
-            # Idle connections expire before the servers' keep-alive (uvicorn: 5 s) closes them, so
-            # a request rarely races a closing connection (and is retried when it does).
-            https = [await stack.enter_async_context(httpx.AsyncClient(
-                timeout=float(self.spec.weight_sync.timeout_seconds) + 600.0,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)))
-                for _ in range(CLIENT_SHARDS)]
-            self._rollout_shards = {u: [RolloutClient(u, client=h) for h in https] for u in self._rollout_urls}
-            self._teacher_shards = {u: [TeacherClient(u, client=h) for h in https] for u in self._teacher_urls}
-            self._rollout = {u: c[0] for u, c in self._rollout_shards.items()}
-            self._teacher = {u: c[0] for u, c in self._teacher_shards.items()}
+        # A generation may wait out a weight sync (and its timeout) before it is aborted.
+        async with new_session(timeout=float(self.spec.weight_sync.timeout_seconds) + 600.0) as http:
+            self._rollout = {u: RolloutClient(u, session=http) for u in self._rollout_urls}
+            self._teacher = {u: TeacherClient(u, session=http) for u in self._teacher_urls}
             await self._wait_healthy([*self._rollout.values(), *self._teacher.values()])
             self._started = self.clock()
             for g in self._resumed_groups:
@@ -357,7 +330,7 @@ class Driver:
             )
             url = self.pool.acquire()
             try:
-                out = await self._shard(self._rollout_shards[url]).generate(req)
+                out = await self._rollout[url].generate(req)
             except TRANSPORT_ERRORS as e:
                 # A connection the server closed as the request went out: the sample is
                 # unchanged, so send it again (under a new request id).
@@ -384,7 +357,7 @@ class Driver:
         while True:
             name, url = self.router.acquire(s.route_value)
             try:
-                out = await self._shard(self._teacher_shards[url]).score(req)
+                out = await self._teacher[url].score(req)
                 break
             except TRANSPORT_ERRORS as e:
                 self._transport_failure(f"score on {url}", e)
@@ -393,10 +366,6 @@ class Driver:
         self._transport_failures = 0
         s.set_scores(name, out)
         self._observe("score", self.clock() - t0)
-
-    def _shard(self, clients: list[Any]) -> Any:
-        self._shard_turn += 1
-        return clients[self._shard_turn % len(clients)]
 
     def _transport_failure(self, what: str, e: Exception) -> None:
         self._transport_failures += 1
