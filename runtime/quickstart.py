@@ -9,6 +9,7 @@ held-out accuracy and the exact per-token reverse KL(student || teacher) at stud
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -26,6 +27,13 @@ STUDENT_WARMUP_STEPS = 0
 MARKER = "prepared.json"
 
 
+def use_all_cores(torch: Any) -> None:
+    """Nothing else runs while the models are prepared or evaluated, so use every core the process
+    may run on, whatever OMP_NUM_THREADS says (the quickstart sets it to 1 for the job's roles):
+    on 2 cores the teacher trains 1.5x faster than on one thread."""
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
 def prepare(base: Path, *, teacher_steps: int = TEACHER_STEPS, student_steps: int = STUDENT_WARMUP_STEPS,
             log=print) -> dict[str, Any]:
     """Make `base`/{teacher,student,student-init,data}; reuse them when already complete."""
@@ -38,7 +46,7 @@ def prepare(base: Path, *, teacher_steps: int = TEACHER_STEPS, student_steps: in
     marker = base / MARKER
     if marker.is_file():
         return json.loads(marker.read_text())
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    use_all_cores(torch)
     tok = char_tokenizer(arith.ALPHABET)
     train, held_out = arith.split()
     info: dict[str, Any] = {}
@@ -66,6 +74,7 @@ def evaluate(student_dir: Path, teacher_dir: Path, n_problems: int = 500, sample
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    use_all_cores(torch)
     tok = AutoTokenizer.from_pretrained(str(student_dir))
     student = AutoModelForCausalLM.from_pretrained(str(student_dir)).eval()
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir)).eval()
