@@ -14,6 +14,8 @@ class MetricDef:
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
     prefix: str = "kubedistill_"
+    roles: tuple[str, ...] = ()
+    """The processes that export it (runtime roles); empty: every process that uses the table."""
 
     @property
     def full_name(self) -> str:

@@ -66,7 +66,7 @@ class FakeJob:
         t["learning_rate"].set(1e-6)
         t["tokens_per_second"].set(900.0)
         t["kl_student_teacher"].set(0.2)
-        for m in (t, self.rollout, self.teacher):
+        for m in (self.rollout, self.teacher):
             m["requests_in_flight"].set(2)
         self.operator["jobs"].labels(phase="Failed").set(1)  # KubedistillJobFailed
         self.operator["role_ready"].labels(namespace="default", job="demo", role="trainer").set(1)
@@ -88,7 +88,7 @@ class FakeJob:
         t["weight_sync_bytes"].inc(2**30)
         self.rollout["rollout_tokens"].inc(500)
         self.teacher["teacher_tokens"].labels(teacher="math").inc(500)
-        for m, endpoint in [(t, "/status"), (self.rollout, "/generate"), (self.teacher, "/score")]:
+        for m, endpoint in [(self.rollout, "/generate"), (self.teacher, "/score")]:
             m["requests"].labels(endpoint=endpoint, code="200").inc()
         op = self.operator
         op["reconcile_seconds"].observe(0.02)
@@ -147,8 +147,10 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             while True:
                 assert proc.poll() is None, (tmp / "prometheus.log").read_text()
                 try:
-                    # Ready once rates over RATE_WINDOW exist for every target.
-                    if len(query(base, f"rate(kubedistill_requests_total[{RATE_WINDOW}])")) == 3 and \
+                    # Ready once rates over RATE_WINDOW exist for every target (the trainer's
+                    # scrape shows in the samples counter, the servers' in their requests).
+                    if len(query(base, f"rate(kubedistill_requests_total[{RATE_WINDOW}])")) == 2 and \
+                            query(base, f"rate(kubedistill_samples_total[{RATE_WINDOW}])") and \
                             query(base, f"rate(kubedistill_operator_reconcile_errors_total[{RATE_WINDOW}])"):
                         break
                 except OSError:
@@ -174,7 +176,9 @@ def test_every_dashboard_query_returns_data(prometheus: str) -> None:
 
 
 def test_dashboard_series_carry_the_job_name(prometheus: str) -> None:
-    series = query(prometheus, 'kubedistill_step{namespace=~"default", job=~"demo"}')
+    # A metric of each role: the trainer's step, the servers' requests in flight.
+    series = query(prometheus, '{__name__=~"kubedistill_step|kubedistill_requests_in_flight", '
+                               'namespace=~"default", job=~"demo"}')
     assert sorted(s["metric"]["role"] for s in series) == ["rollout", "teacher", "trainer"]
     assert all(s["metric"]["job"] == "demo" and "exported_job" not in s["metric"] for s in series)
 

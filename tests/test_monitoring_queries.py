@@ -40,13 +40,17 @@ def _exposed(registry: CollectorRegistry) -> dict[str, set[str]]:
 
 
 def runtime_series() -> dict[str, set[str]]:
-    from kubedistill.runtime.metrics import METRICS, RoleMetrics
+    from kubedistill.runtime.metrics import METRICS, ROLES, RoleMetrics
 
-    m = RoleMetrics("demo", "trainer", 0)
-    for d in METRICS:  # a child per labelled metric, so every series appears in the exposition
-        if d.labels:
-            m[d.name].labels(**{label: "x" for label in d.labels})
-    return _exposed(m.registry)
+    out: dict[str, set[str]] = {}
+    for role in ROLES:
+        m = RoleMetrics("demo", role, 0)
+        for d in METRICS:  # a child per labelled metric, so every series appears in the exposition
+            if d.labels and role in d.roles:
+                m[d.name].labels(**{label: "x" for label in d.labels})
+        for name, labels in _exposed(m.registry).items():
+            out.setdefault(name, set()).update(labels)
+    return out
 
 
 def operator_series() -> dict[str, set[str]]:
