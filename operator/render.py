@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kubedistill.api.job import API_VERSION, KIND
-from kubedistill.api.roleconfig import CONFIG_PATH, Endpoints, JobConfig, Ports, Role, trainer_world_size
-from kubedistill.api.spec import Device, DistillationJobSpec, EnvVar, RoleOverrides
+from kubedistill.api.roleconfig import (
+    CONFIG_PATH, Endpoints, Identity, JobConfig, Ports, Role, role_env, role_overrides, user_env,
+)
+from kubedistill.api.spec import DistillationJobSpec, EnvVar, RoleOverrides
 
 LABEL_JOB = "kubedistill.io/job"
 LABEL_ROLE = "kubedistill.io/role"
@@ -206,11 +208,7 @@ def render_network_policy(job: str, namespace: str) -> dict[str, Any]:
 
 
 def _overrides(spec: DistillationJobSpec, slot: PodSlot) -> RoleOverrides:
-    if slot.role is Role.trainer:
-        return spec.trainer.overrides
-    if slot.role is Role.rollout:
-        return spec.rollout.overrides
-    return spec.teacher(slot.teacher or "").overrides
+    return role_overrides(spec, slot.role, slot.teacher)
 
 
 def _gpus(spec: DistillationJobSpec, slot: PodSlot) -> int:
@@ -221,31 +219,20 @@ def _gpus(spec: DistillationJobSpec, slot: PodSlot) -> int:
     return spec.gpus_of(spec.teacher(slot.teacher or "").gpus)
 
 
-def _kv_cache_gib(spec: DistillationJobSpec, slot: PodSlot) -> Optional[int]:
-    if slot.role is Role.rollout:
-        return spec.rollout.inference.kv_cache_gib
-    if slot.role is Role.teacher:
-        return spec.teacher(slot.teacher or "").inference.kv_cache_gib
-    return None
-
-
 def _env_entry(e: EnvVar) -> dict[str, Any]:
     return e.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
 def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> list[dict[str, Any]]:
+    """role_env (what a local process gets too), what only a pod has, then the user's variables."""
     trainer0 = PodSlot(Role.trainer, 0)
-    env: dict[str, dict[str, Any]] = {}
+    identity = Identity(role=slot.role, replica=slot.replica, teacher=slot.teacher)
+    shared = role_env(spec, job, namespace, identity, pod_dns(job, namespace, trainer0), Ports.DIST)
+    env: dict[str, dict[str, Any]] = {k: {"name": k, "value": v} for k, v in shared.items()}
 
     def put(name: str, value: str) -> None:
         env[name] = {"name": name, "value": value}
 
-    put("KUBEDISTILL_JOB", job)
-    put("KUBEDISTILL_NAMESPACE", namespace)
-    put("KUBEDISTILL_ROLE", slot.role.value)
-    put("KUBEDISTILL_REPLICA", str(slot.replica))
-    if slot.teacher is not None:
-        put("KUBEDISTILL_TEACHER", slot.teacher)
     put("KUBEDISTILL_CONFIG", CONFIG_PATH)
     put("KUBEDISTILL_TRAINER_SERVICE", f"{service_name(job, Role.trainer)}.{namespace}.svc")
     put("KUBEDISTILL_ROLLOUT_SERVICE", f"{service_name(job, Role.rollout)}.{namespace}.svc")
@@ -256,17 +243,9 @@ def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> 
         put("RANK", str(slot.replica * per_pod))
         put("NODE_RANK", str(slot.replica))
         put("LOCAL_WORLD_SIZE", str(per_pod))
-        put("WORLD_SIZE", str(trainer_world_size(spec)))
     put("MASTER_ADDR", pod_dns(job, namespace, trainer0))
     put("MASTER_PORT", str(Ports.DIST))
-    overrides = _overrides(spec, slot)
-    if overrides.cpu_threads is not None:
-        put("OMP_NUM_THREADS", str(overrides.cpu_threads))
-    kv = _kv_cache_gib(spec, slot)
-    if spec.device is Device.cpu and kv is not None:
-        put("VLLM_CPU_KVCACHE_SPACE", str(kv))
-    # The user's variables win over ours, the role's over the job's (one entry per name).
-    for e in [*spec.env, *overrides.env]:
+    for e in user_env(spec, slot.role, slot.teacher):
         env[e.name] = _env_entry(e)
     return list(env.values())
 

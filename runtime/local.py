@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kubedistill.api.job import DistillationJob
-from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size
+from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
 from kubedistill.api.spec import DistillationJobSpec
 
 HOST = "127.0.0.1"
@@ -106,6 +106,11 @@ def plan(job: DistillationJob, config_path: Path) -> tuple[JobConfig, list[Proce
         if identity.teacher is not None:
             argv += ["--teacher", identity.teacher]
         env = role_env(spec, name, ns, identity, HOST, master_port)
+        for e in user_env(spec, identity.role, identity.teacher):
+            if e.value_from is not None:
+                raise ValueError(f"spec.env {e.name}: valueFrom (a Kubernetes reference) cannot be resolved by "
+                                 "`kubedistill run`; give it a value for local runs")
+            env[e.name] = e.value or ""
         processes.append(ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv))
 
     for t in spec.teachers:
@@ -207,7 +212,11 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
     run_dir = Path(workdir or Path(".kubedistill/runs") / job.metadata.name).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
-    config, processes = plan(job, config_path)
+    try:
+        config, processes = plan(job, config_path)
+    except ValueError as exc:
+        log(f"{job_path}: {exc}")
+        return 1
     config.dump(config_path)
     history_path = run_dir / "history.jsonl"
     history_path.unlink(missing_ok=True)

@@ -54,3 +54,25 @@ def test_run_refuses_an_invalid_job_with_its_problem_lines(tmp_path: Path) -> No
     bad = ROOT / "tests/manifests/broken/mini-batch-not-multiple-of-n.yaml"
     assert run(bad, workdir=tmp_path, log=lines.append) == 1
     assert lines == [f"{bad}: spec.trainer.miniBatchSize: must be a multiple of spec.rollout.sampling.n (whole prompt groups per step)"]
+
+
+def test_user_env_reaches_the_processes_role_over_job(tmp_path: Path) -> None:
+    job = _job("quickstart-cpu.yaml")
+    raw = job.model_dump(by_alias=True, exclude_none=True, mode="json")
+    raw["spec"]["env"] = [{"name": "FOO", "value": "job"}, {"name": "BAR", "value": "job"}]
+    raw["spec"]["rollout"].setdefault("overrides", {})["env"] = [{"name": "FOO", "value": "rollout"}]
+    _, procs = plan(DistillationJob.model_validate(raw), tmp_path / "config.json")
+    by_name = {p.name: p for p in procs}
+    assert by_name["rollout-0"].env["FOO"] == "rollout" and by_name["rollout-0"].env["BAR"] == "job"
+    assert by_name["trainer-0"].env["FOO"] == "job"
+
+
+def test_run_refuses_a_value_from_it_cannot_resolve(tmp_path: Path) -> None:
+    raw = yaml.safe_load((ROOT / "examples" / "quickstart-cpu.yaml").read_text())
+    raw["spec"]["env"] = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    lines: list[str] = []
+    assert run(path, workdir=tmp_path / "run", log=lines.append) == 1
+    assert lines == [f"{path}: spec.env TOKEN: valueFrom (a Kubernetes reference) cannot be resolved by "
+                     "`kubedistill run`; give it a value for local runs"]

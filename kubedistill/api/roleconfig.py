@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 from pydantic import Field
 
 from kubedistill.api.base import ApiModel
-from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import DistillationJobSpec, EnvVar, RoleOverrides
 
 CONFIG_PATH = "/etc/kubedistill/config.json"
 
@@ -106,9 +106,24 @@ def trainer_world_size(spec: DistillationJobSpec) -> int:
     return spec.trainer.replicas * max(spec.gpus_of(spec.trainer.gpus_per_replica), 1)
 
 
+def role_overrides(spec: DistillationJobSpec, role: Role, teacher: Optional[str] = None) -> RoleOverrides:
+    """The spec's per-role settings for one role (a teacher's by name)."""
+    if role is Role.trainer:
+        return spec.trainer.overrides
+    if role is Role.rollout:
+        return spec.rollout.overrides
+    return spec.teacher(teacher or "").overrides
+
+
+def user_env(spec: DistillationJobSpec, role: Role, teacher: Optional[str] = None) -> list[EnvVar]:
+    """The user's variables for one role: the job's, then the role's (a later one wins)."""
+    return [*spec.env, *role_overrides(spec, role, teacher).env]
+
+
 def role_env(spec: DistillationJobSpec, job: str, namespace: str, identity: Identity,
              master_addr: str, master_port: int = Ports.DIST) -> dict[str, str]:
-    """Environment of one role process: the same for a pod and for a local (Ray) process."""
+    """Environment of one role process, the same for a pod and for a local (Ray) process (the
+    operator adds what only a pod has; the user's variables go on top of both)."""
     env = {
         "KUBEDISTILL_JOB": job,
         "KUBEDISTILL_NAMESPACE": namespace,
@@ -122,15 +137,14 @@ def role_env(spec: DistillationJobSpec, job: str, namespace: str, identity: Iden
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )
-        overrides = spec.trainer.overrides
         inference = None
     elif identity.role is Role.rollout:
-        overrides, inference = spec.rollout.overrides, spec.rollout.inference
+        inference = spec.rollout.inference
     else:
         assert identity.teacher is not None, "a teacher process needs its teacher name"
         env["KUBEDISTILL_TEACHER"] = identity.teacher
-        teacher = spec.teacher(identity.teacher)
-        overrides, inference = teacher.overrides, teacher.inference
+        inference = spec.teacher(identity.teacher).inference
+    overrides = role_overrides(spec, identity.role, identity.teacher)
     if overrides.cpu_threads is not None:
         env["OMP_NUM_THREADS"] = str(overrides.cpu_threads)
     if inference is not None and spec.device.value == "cpu" and inference.kv_cache_gib is not None:
