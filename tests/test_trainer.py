@@ -12,7 +12,8 @@ from kubedistill.api.spec import OptimSpec
 from kubedistill.runtime.batch import TrainBatch
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.trainer import Trainer
-from kubedistill.runtime.trainer.plan import collate, micro_batches, shard_samples
+from kubedistill.runtime.trainer.plan import collate, micro_batches, pack_rows, shard_samples
+from kubedistill.runtime.trainer.trainer import packing_is_exact
 from kubedistill.runtime.trainer.schedule import lr_factor
 from trainer_cases import make_batch, make_spec
 
@@ -26,15 +27,20 @@ def trainer(tiny_models: dict[str, Path], tmp_path: Path):
     t.close()
 
 
-def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("rows", [[[0], [1], [2], [3], [4]], [[0, 3], [2], [1, 4]], [[4, 0, 2, 1, 3]]],
+                         ids=["padded", "packed", "one-row"])
+def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[str, Path], rows) -> None:
+    """Each sample alone through the HF model gives the log-probs the trainer computes, whether
+    samples are padded to rows of their own or packed end to end (no sample sees another)."""
     from transformers import AutoModelForCausalLM
 
     batch = make_batch()
-    idx = list(range(len(batch)))
-    resp = [batch.response_len(i) for i in idx]
-    mb = collate(batch, idx, [torch.ones(r) for r in resp], None, trainer.pad_id)
+    idx = [i for row in rows for i in row]  # the order collate emits tokens in
+    resp = [batch.response_len(i) for i in range(len(batch))]
+    mb = collate(batch, rows, [torch.ones(r) for r in resp], None, trainer.pad_id)
+    assert (mb.position_ids is not None) == any(len(r) > 1 for r in rows)
     with torch.no_grad():
-        got, got_topk = trainer.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids)
+        got, got_topk = trainer.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids, mb.position_ids)
     ref = AutoModelForCausalLM.from_pretrained(str(tiny_models["student"]), dtype=torch.float32)
     want, want_topk = [], []
     with torch.no_grad():
@@ -49,11 +55,15 @@ def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[
     assert torch.allclose(got_topk, torch.cat(want_topk), atol=1e-5)
 
 
-def test_micro_batch_split_does_not_change_the_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_micro_batch_split_does_not_change_the_step(tiny_models: dict[str, Path], tmp_path: Path, pack: bool) -> None:
+    """Tiny micro-batches vs one micro-batch, padded or packed: the same loss, gradient and weights."""
     results = []
-    for tokens in (16, 100000):
+    for tokens, packed in ((16, False), (100000, pack)):
         t = Trainer(make_spec(tiny_models["student"], tmp_path / "c", **{"trainer.microBatchTokens": tokens,
+                                                                         "trainer.packSequences": packed,
                                                                          "algorithm.lossAggregation": "seqMeanTokenMean"}))
+        assert t.pack == packed
         try:
             stats = t.step(make_batch())
             results.append((stats, {n: w.clone() for n, w in t.named_full_weights()}))
@@ -154,9 +164,38 @@ def test_plan_balances_ranks_and_bounds_micro_batches() -> None:
     loads = [sum(lengths[i] for i in s) for s in shards]
     assert abs(loads[0] - loads[1]) <= 2
     mbs = micro_batches(list(range(6)), lengths, 16)
-    assert sorted(i for m in mbs for i in m) == list(range(6))
-    assert all(len(m) * max(lengths[i] for i in m) <= 16 or len(m) == 1 for m in mbs)
-    assert micro_batches([0], [50], 16) == [[0]]  # too long alone still runs
+    assert all(len(row) == 1 for m in mbs for row in m)  # not packing: a row per sample
+    assert sorted(i for m in mbs for row in m for i in row) == list(range(6))
+    assert all(len(m) * max(lengths[row[0]] for row in m) <= 16 or len(m) == 1 for m in mbs)
+    assert micro_batches([0], [50], 16) == [[[0]]]  # too long alone still runs
+
+
+def test_packing_fills_rows_no_wider_than_the_longest_sample() -> None:
+    lengths = [10, 3, 7, 7, 2, 9, 1]
+    rows = pack_rows(list(range(7)), lengths, 10)
+    assert sorted(i for r in rows for i in r) == list(range(7))
+    assert all(sum(lengths[i] for i in r) <= 10 for r in rows)
+    assert len(rows) == 4  # 39 tokens: 10 | 9+1 | 7+3 | 7+2 (first fit, longest first)
+    assert pack_rows([0, 1], [12, 3], 10) == [[0], [1]]  # longer than a row: a row of its own
+    mbs = micro_batches(list(range(7)), lengths, 20, pack=True)
+    assert sorted(i for m in mbs for row in m for i in row) == list(range(7))
+    assert all(len(m) * max(sum(lengths[i] for i in row) for row in m) <= 20 for m in mbs)
+    # Packing never costs more padded tokens than one row per sample.
+    padded = sum(len(m) * max(lengths[row[0]] for row in m) for m in micro_batches(list(range(7)), lengths, 20))
+    packed = sum(len(m) * max(sum(lengths[i] for i in row) for row in m) for m in mbs)
+    assert packed == 40 < padded == 43  # rows 10,10 | 10,9 against 10,9 | 7,7 | 3,2,1
+
+
+def test_packing_check_catches_a_model_that_lets_packed_samples_mix(trainer: Trainer) -> None:
+    """A decoder that ignores position ids (so no block-causal mask) fails the start-up check."""
+    assert packing_is_exact(trainer.model, trainer.device)
+    decoder = trainer.model.lm.get_decoder()
+    forward = decoder.forward
+    decoder.forward = lambda *a, position_ids=None, **kw: forward(*a, **kw)
+    try:
+        assert not packing_is_exact(trainer.model, trainer.device)
+    finally:
+        decoder.forward = forward
 
 
 def test_lr_schedule() -> None:
@@ -175,7 +214,7 @@ def test_short_top_k_rows_are_masked() -> None:
         teacher_topk_ids=[[[5, 6], [7]]], teacher_topk_logprobs=[[[-0.1, -2.0], [-0.01]]],
     )
     batch.validate()
-    mb = collate(batch, [0], [torch.ones(2)], None, 0)
+    mb = collate(batch, [[0]], [torch.ones(2)], None, 0)
     assert mb.topk_ids.tolist() == [[5, 6], [7, 0]]
     assert mb.topk_valid.tolist() == [[True, True], [True, False]]
     assert mb.gather_index.tolist() == [1, 2] and mb.targets.tolist() == [6, 7]

@@ -251,6 +251,8 @@ class TrainerSpec(ApiModel):
     """Samples per train step (a multiple of rollout.sampling.n, so GRPO groups stay whole)."""
     micro_batch_tokens: Annotated[int, Field(ge=1)] = 16384
     """Token budget of one forward/backward micro-batch per rank (gradient accumulation beyond)."""
+    pack_sequences: bool = True
+    """Lay several samples end to end in one row (position ids restart per sample), so a step computes on real tokens, not padding. Falls back to padded rows, with a warning, for a model whose attention ignores packing (checked at start)."""
     total_steps: Annotated[int, Field(ge=1)] = 100
     """Train steps to run before the job succeeds."""
     gradient_checkpointing: bool = False

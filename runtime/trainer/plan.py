@@ -1,5 +1,5 @@
-"""Pure batch planning: split a TrainBatch over ranks and token-bounded micro-batches, and turn a
-micro-batch into tensors. No torch.distributed here, so it is unit-testable.
+"""Pure batch planning: split a TrainBatch over ranks and token-bounded micro-batches (optionally
+packing several samples into one row, padding-free), and turn a micro-batch into tensors. No torch.distributed here, so it is unit-testable.
 
 Every rank holds the whole batch (rank 0 broadcasts it), computes the same plan and works on its
 own share. Loss weights are computed over the whole batch (losses.token_weights), so the sum over
@@ -27,21 +27,52 @@ def shard_samples(lengths: list[int], world: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def micro_batches(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group samples so each micro-batch's padded size (count x longest) stays within max_tokens.
+Row = list[int]
+"""Sample indices laid end to end in one row of a micro-batch (one index when not packing)."""
 
-    Samples are taken longest first so similar lengths share a micro-batch (little padding); a
-    sample longer than max_tokens gets a micro-batch of its own.
+
+def pack_rows(indices: list[int], lengths: list[int], capacity: int) -> list[Row]:
+    """First-fit decreasing: put each sample (longest first) into the first row with room for it,
+    rows holding at most `capacity` tokens; a sample longer than `capacity` gets a row alone."""
+    rows: list[Row] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows
+
+
+def micro_batches(indices: list[int], lengths: list[int], max_tokens: int, pack: bool = False) -> list[list[Row]]:
+    """Rows grouped so each micro-batch's padded size (rows x widest row) stays within max_tokens.
+
+    Not packing, every sample is a row of its own, and samples are taken longest first so
+    similar lengths share a micro-batch (little padding). Packing, samples are first laid end to
+    end into rows no wider than the longest sample (`pack_rows`): a packed micro-batch never has
+    more rows or wider rows than the padded one, so it never costs more, and with long-tailed
+    lengths it drops most of the padding. A row wider than max_tokens gets a micro-batch alone.
     """
-    order = sorted(indices, key=lambda i: (-lengths[i], i))
-    out: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > max_tokens:
+    if not indices:
+        return []
+    if pack:
+        rows = pack_rows(indices, lengths, max(lengths[i] for i in indices))
+    else:
+        rows = [[i] for i in sorted(indices, key=lambda i: (-lengths[i], i))]
+    width = {id(r): sum(lengths[i] for i in r) for r in rows}
+    rows.sort(key=lambda r: -width[id(r)])
+    out: list[list[Row]] = []
+    current: list[Row] = []
+    for row in rows:
+        widest = width[id(current[0])] if current else width[id(row)]
+        if current and (len(current) + 1) * widest > max_tokens:
             out.append(current)
             current = []
-        current.append(i)
+        current.append(row)
     if current:
         out.append(current)
     return out
@@ -51,8 +82,8 @@ def micro_batches(indices: list[int], lengths: list[int], max_tokens: int) -> li
 class MicroBatch:
     """Tensors of one micro-batch. N = response tokens in it, k = top-k width."""
 
-    input_ids: torch.Tensor  # [b, L] right-padded
-    gather_index: torch.Tensor  # [N] index into the flattened [b*L] positions predicting each response token
+    input_ids: torch.Tensor  # [rows, L] right-padded
+    gather_index: torch.Tensor  # [N] index into the flattened [rows*L] positions predicting each response token
     targets: torch.Tensor  # [N] response token ids
     behaviour_logprobs: torch.Tensor  # [N]
     weights: torch.Tensor  # [N] loss weight of each token (0 for a filler micro-batch)
@@ -62,6 +93,7 @@ class MicroBatch:
     topk_valid: Optional[torch.Tensor] = None  # [N, k]
     task_advantages: Optional[torch.Tensor] = None  # [N]
     real_tokens: int = 0  # prompt + response tokens (no padding), 0 for a filler
+    position_ids: Optional[torch.Tensor] = None  # [rows, L] when rows hold packed samples
 
     def to(self, device: torch.device) -> "MicroBatch":
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -70,39 +102,55 @@ class MicroBatch:
 
 def collate(
     batch: TrainBatch,
-    indices: list[int],
+    rows: list[Row],
     token_weight: list[torch.Tensor],
     sample_advantages: Optional[torch.Tensor],
     pad_id: int,
     filler: bool = False,
 ) -> MicroBatch:
-    """Tensors for samples `indices` of `batch`. `token_weight[i]` holds sample i's per-token
-    weights; a `filler` micro-batch (a rank with less work) gets zero weights."""
-    longest = max(len(batch.token_ids[i]) for i in indices)
-    ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
+    """Tensors for the samples in `rows` of `batch` (each row's samples laid end to end, rows
+    right-padded to the widest). `token_weight[i]` holds sample i's per-token weights; a `filler`
+    micro-batch (a rank with less work) gets zero weights. When a row holds more than one sample,
+    `position_ids` restart at 0 for each, which is how transformers recognises packed sequences
+    (block-causal attention: no sample sees another)."""
+    width = max(sum(len(batch.token_ids[i]) for i in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    packed = any(len(row) > 1 for row in rows)
+    positions = torch.zeros((len(rows), width), dtype=torch.long) if packed else None
     gather, targets, mu, w, teacher, adv = [], [], [], [], [], []
     topk_rows: list[list[int]] = []
     topk_lp_rows: list[list[float]] = []
     real = 0
-    for row, i in enumerate(indices):
-        tokens, p = batch.token_ids[i], batch.prompt_lens[i]
-        n = len(tokens)
-        real += n
-        ids[row, :n] = torch.tensor(tokens, dtype=torch.long)
-        # Logits at position t predict token t + 1.
-        gather.append(torch.arange(p - 1, n - 1) + row * longest)
-        targets.extend(tokens[p:])
-        mu.extend(batch.rollout_logprobs[i])
-        w.append(torch.zeros(n - p) if filler else token_weight[i])
-        if batch.teacher_logprobs is not None:
-            teacher.extend(batch.teacher_logprobs[i])
-        if sample_advantages is not None:
-            adv.append(sample_advantages[i].expand(n - p))
-        if batch.teacher_topk_ids is not None:
-            topk_rows.extend(batch.teacher_topk_ids[i])
-            topk_lp_rows.extend(batch.teacher_topk_logprobs[i])
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            tokens, p = batch.token_ids[i], batch.prompt_lens[i]
+            n = len(tokens)
+            real += n
+            ids[r, offset:offset + n] = torch.tensor(tokens, dtype=torch.long)
+            if positions is not None:
+                positions[r, offset:offset + n] = torch.arange(n)
+            # Logits at position t predict token t + 1.
+            gather.append(torch.arange(p - 1, n - 1) + r * width + offset)
+            targets.extend(tokens[p:])
+            mu.extend(batch.rollout_logprobs[i])
+            w.append(torch.zeros(n - p) if filler else token_weight[i])
+            if batch.teacher_logprobs is not None:
+                teacher.extend(batch.teacher_logprobs[i])
+            if sample_advantages is not None:
+                adv.append(sample_advantages[i].expand(n - p))
+            if batch.teacher_topk_ids is not None:
+                topk_rows.extend(batch.teacher_topk_ids[i])
+                topk_lp_rows.extend(batch.teacher_topk_logprobs[i])
+            offset += n
+        if positions is not None and offset < width:
+            # The padded tail continues the last sample's positions: causal attention keeps it
+            # from reaching any real token, and it starts no extra packed sequence.
+            start = int(positions[r, offset - 1]) + 1
+            positions[r, offset:] = torch.arange(start, start + width - offset)
     mb = MicroBatch(
         input_ids=ids,
+        position_ids=positions,
         gather_index=torch.cat(gather),
         targets=torch.tensor(targets, dtype=torch.long),
         behaviour_logprobs=torch.tensor(mu, dtype=torch.float32),

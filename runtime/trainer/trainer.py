@@ -27,7 +27,12 @@ fewer micro-batches run zero-weight fillers so FSDP's collectives stay matched. 
 weights are computed over the whole batch and multiplied by the world size (FSDP averages
 gradients over ranks), so the gradient equals the 1-rank gradient of the same global batch.
 
-Log-probs: the decoder runs on the padded micro-batch, the LM head only at the positions that
+Packing (``trainer.packSequences``, on by default): samples are laid end to end in rows no wider
+than the batch's longest sample, with position ids restarting per sample, so a step computes on
+real tokens rather than padding (long-tailed response lengths waste most of a padded batch); a
+start-up check falls back to padded rows for a model whose attention ignores such packing.
+
+Log-probs: the decoder runs on the micro-batch's rows, the LM head only at the positions that
 predict response tokens; log pi(y) = logit(y) - logsumexp(logits), and the same for the teacher's
 top-k ids (forwardKLTopK). One optimiser step per ``step(batch)``: the driver calls it once per
 mini-batch.
@@ -35,6 +40,7 @@ mini-batch.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -53,6 +59,8 @@ from kubedistill.runtime.checkpoint import CheckpointStore, read_pickle, write_p
 from kubedistill.runtime.models.loading import load_causal_lm
 from kubedistill.runtime.trainer.plan import collate, micro_batches, shard_samples
 from kubedistill.runtime.trainer.schedule import lr_factor
+
+log = logging.getLogger("kubedistill.trainer")
 
 _PREFIX = "lm."
 _TRAINER_FILE = "trainer.pt"
@@ -102,15 +110,40 @@ class _LogProbModel(nn.Module):
         self.lm = lm
 
     def forward(
-        self, input_ids: torch.Tensor, gather_index: torch.Tensor, targets: torch.Tensor, topk_ids: Optional[torch.Tensor]
+        self, input_ids: torch.Tensor, gather_index: torch.Tensor, targets: torch.Tensor, topk_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_index)
         logits = self.lm.get_output_embeddings()(h).float()
         lse = torch.logsumexp(logits, dim=-1)
         token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
         topk_lp = logits.gather(-1, topk_ids) - lse.unsqueeze(-1) if topk_ids is not None else None
         return token_lp, topk_lp
+
+
+@torch.no_grad()
+def packing_is_exact(model: _LogProbModel, device: torch.device, atol: float = 1e-4) -> bool:
+    """Whether two sequences packed into one row (position ids restarting at the second) give the
+    same log-probs as each alone. transformers' own attention code turns restarting position ids
+    into a block-causal mask (varlen on flash-attention); a model with its own attention code may
+    not, and would silently let packed samples attend to each other. Runs before sharding."""
+    vocab = model.lm.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, vocab, (n,), generator=g) for n in (7, 5))
+    targets = torch.cat([a[1:], b[1:]]).to(device)
+    alone = torch.cat([
+        model(seq[None].to(device), torch.arange(len(seq) - 1, device=device), seq[1:].to(device), None)[0]
+        for seq in (a, b)
+    ])
+    ids = torch.cat([a, b])[None].to(device)
+    positions = torch.cat([torch.arange(len(a)), torch.arange(len(b))])[None].to(device)
+    index = torch.cat([torch.arange(len(a) - 1), torch.arange(len(b) - 1) + len(a)]).to(device)
+    try:
+        packed = model(ids, index, targets, None, positions)[0]
+    except Exception:  # a model that refuses position ids of this shape cannot pack either
+        return False
+    return bool(torch.allclose(packed.float(), alone.float(), atol=atol))
 
 
 def _compute_dtype(spec: DistillationJobSpec) -> torch.dtype:
@@ -148,6 +181,10 @@ class Trainer:
         lm.config.use_cache = False
         self.pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
         self.model = _LogProbModel(lm).to(self.device)
+        self.pack = spec.trainer.pack_sequences and packing_is_exact(self.model, self.device)
+        if spec.trainer.pack_sequences and not self.pack:
+            log.warning("trainer.packSequences: %s does not keep packed samples apart (its attention ignores "
+                        "position-id packing); training on padded rows instead", type(lm).__name__)
         self._shard()
 
         o = spec.trainer.optim
@@ -258,7 +295,7 @@ class Trainer:
             advantages = L.grpo_advantages(torch.tensor(batch.rewards, dtype=torch.float32), batch.group_ids)
 
         shards = shard_samples(lengths, self.world)
-        plans = [micro_batches(s, lengths, spec.trainer.micro_batch_tokens) for s in shards]
+        plans = [micro_batches(s, lengths, spec.trainer.micro_batch_tokens, pack=self.pack) for s in shards]
         n_micro = max(len(p) for p in plans)
         mine = plans[self.rank]
         # sums: total, distill, pg, kl numerator, kl tokens, tokens, response tokens
@@ -266,10 +303,10 @@ class Trainer:
         self.model.train()
         for j in range(n_micro):
             filler = j >= len(mine)
-            idx = mine[j] if not filler else (mine[-1] if mine else [0])
-            mb = collate(batch, idx, per_sample_w, advantages, self.pad_id, filler=filler).to(self.device)
+            rows = mine[j] if not filler else (mine[-1] if mine else [[0]])
+            mb = collate(batch, rows, per_sample_w, advantages, self.pad_id, filler=filler).to(self.device)
             self.model.set_requires_gradient_sync(j == n_micro - 1)
-            logprobs, topk_lp = self.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids)
+            logprobs, topk_lp = self.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids, mb.position_ids)
             parts = L.per_token_losses(
                 algo,
                 logprobs=logprobs,
