@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -53,9 +54,40 @@ class ProcessPlan:
     argv: list[str] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+RAY_WORKER_PORTS = range(10002, 20000)
+"""Ray's default worker port range (`ray start --min/max-worker-port`): its workers bind there."""
+
+
+def ephemeral_ports() -> range:
+    """The kernel's ephemeral range (outgoing connections and bind-to-0 draw from it)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(lo, hi + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
+def free_port(taken: set[int], rng: Optional[random.Random] = None) -> int:
+    """A port that binds now and that nothing else on the machine is likely to take before the
+    role process binds it: between Ray's worker ports and the ephemeral range. (A port from
+    bind-to-0 lies in the ephemeral range, where every outgoing connection of the driver and
+    every Ray process may grab it first: a server then fails with 'address already in use'.)"""
+    rng = rng or random.SystemRandom()
+    lo, hi = RAY_WORKER_PORTS.stop, ephemeral_ports().start
+    for _ in range(200 if hi > lo else 0):
+        port = rng.randrange(lo, hi)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    with socket.socket() as s:  # no room between the ranges on this machine
         s.bind((HOST, 0))
+        taken.add(s.getsockname()[1])
         return s.getsockname()[1]
 
 
@@ -81,17 +113,18 @@ def plan(job: DistillationJob, config_path: Path) -> tuple[JobConfig, list[Proce
     free ports."""
     spec = job.spec
     name, ns = job.metadata.name, job.metadata.namespace or "default"
+    taken: set[int] = set()
     ports = {
-        "trainer": [_free_port() for _ in range(trainer_world_size(spec))],
-        "rollout": [_free_port() for _ in range(spec.rollout.replicas)],
-        **{f"teacher/{t.name}": [_free_port() for _ in range(t.replicas)] for t in spec.teachers},
+        "trainer": [free_port(taken) for _ in range(trainer_world_size(spec))],
+        "rollout": [free_port(taken) for _ in range(spec.rollout.replicas)],
+        **{f"teacher/{t.name}": [free_port(taken) for _ in range(t.replicas)] for t in spec.teachers},
     }
-    master_port = _free_port()
+    master_port = free_port(taken)
     endpoints = Endpoints(
         trainer=f"http://{HOST}:{ports['trainer'][0]}",
         master_addr=HOST,
         master_port=master_port,
-        weight_sync_port=_free_port(),
+        weight_sync_port=free_port(taken),
         rollout=[f"http://{HOST}:{p}" for p in ports["rollout"]],
         teachers={t.name: [f"http://{HOST}:{p}" for p in ports[f"teacher/{t.name}"]] for t in spec.teachers},
     )

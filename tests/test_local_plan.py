@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from kubedistill.api import DistillationJob
-from kubedistill.runtime.local import absolute_paths, plan, run
+from kubedistill.runtime.local import RAY_WORKER_PORTS, absolute_paths, ephemeral_ports, free_port, plan, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,6 +32,26 @@ def test_plan_multi_teacher(tmp_path: Path) -> None:
     assert trainer1.argv[-6:] == ["--replica", "1", "--host", "127.0.0.1", "--port", str(trainer1.port)]
     assert next(p for p in procs if p.name == "teacher-vision-0").env["KUBEDISTILL_TEACHER"] == "vision"
     assert all(p.gpus == 1 for p in procs)
+
+
+def test_ports_avoid_the_ephemeral_and_ray_worker_ranges(tmp_path: Path) -> None:
+    """Role ports come from where neither outgoing connections nor Ray's workers take ports, and
+    a port already bound (or already handed out) is skipped."""
+    import random
+    import socket
+
+    _, procs = plan(_job("multi-teacher-6gpu.yaml"), tmp_path / "config.json")
+    for p in procs:
+        assert p.port not in ephemeral_ports() and p.port not in RAY_WORKER_PORTS, p
+    rng = random.Random(7)
+    first = free_port(set(), random.Random(7))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", first))
+        busy.listen()
+        taken: set[int] = set()
+        again = free_port(taken, rng)  # the same draw as `first`, which is now in use
+        assert again != first and taken == {again}
+        assert free_port(taken, random.Random(7)) not in (first, again)
 
 
 def test_plan_cpu_threads_and_kv_cache(tmp_path: Path) -> None:
