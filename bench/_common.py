@@ -48,6 +48,8 @@ class JobShape:
     max_model_len: int = 64
     async_: dict[str, Any] = field(default_factory=dict)
     loss_max_clamp: Optional[float] = None
+    seed: Optional[int] = 0
+    """rollout.sampling.seed (None: unseeded, which the engines sample in one batched draw)."""
 
 
 def job_manifest(s: JobShape) -> dict[str, Any]:
@@ -65,7 +67,8 @@ def job_manifest(s: JobShape) -> dict[str, Any]:
         "teachers": [{"name": "teacher", "model": str(s.teacher), "inference": dict(inference),
                       "overrides": {"cpuThreads": 1}}],
         "rollout": {"replicas": 1, "inference": dict(inference),
-                    "sampling": {"n": s.n, "temperature": 1.0, "maxTokens": s.max_tokens, "seed": 0},
+                    "sampling": {"n": s.n, "temperature": 1.0, "maxTokens": s.max_tokens,
+                                 **({"seed": s.seed} if s.seed is not None else {})},
                     "overrides": {"cpuThreads": 1}},
         "trainer": {"replicas": 1, "miniBatchSize": s.mini_batch, "totalSteps": s.steps,
                     "mixedPrecision": "float32",

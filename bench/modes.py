@@ -55,14 +55,24 @@ from _common import (  # noqa: E402
 )
 
 
-def prepare_models(base: Path, hidden: int, layers: int, teacher_layers: int) -> dict[str, Path]:
-    """Random-weight student and teacher over the arithmetic task's vocabulary, and its prompts."""
-    from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
+FILLER = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!?#$%&*()[]{}<>@^~|;:,._-/"
+"""Characters that never occur in a prompt; added to the vocabulary only to lengthen responses."""
+
+
+def prepare_models(base: Path, hidden: int, layers: int, teacher_layers: int, vocab: int = 16) -> dict[str, Path]:
+    """Random-weight student and teacher over the arithmetic task's characters (padded with unused
+    ones up to `vocab` tokens: a random model emits <eos> with probability about 1/vocab per token,
+    so the vocabulary sets the mean response length), and the task's prompts."""
+    from kubedistill.runtime.models.tiny import SPECIALS, build_tiny_model, char_tokenizer
     from kubedistill.runtime.tasks import arith
 
-    shape = f"h{hidden}-l{layers}-t{teacher_layers}"
+    extra = vocab - len(SPECIALS) - len(arith.ALPHABET)
+    if not 0 <= extra <= len(FILLER):
+        raise ValueError(f"vocab {vocab}: must be {len(SPECIALS) + len(arith.ALPHABET)}.."
+                         f"{len(SPECIALS) + len(arith.ALPHABET) + len(FILLER)}")
+    shape = f"v{vocab}-h{hidden}-l{layers}-t{teacher_layers}"
     out = {"student": base / f"student-{shape}", "teacher": base / f"teacher-{shape}", "train": base / "train.jsonl"}
-    tok = char_tokenizer(arith.ALPHABET)
+    tok = char_tokenizer(arith.ALPHABET + FILLER[:extra])
     heads = max(1, hidden // 64)  # head_dim 64: vLLM's CPU attention rejects smaller heads
     if not (out["student"] / "config.json").is_file():
         build_tiny_model(out["student"], tok, seed=1, hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -132,6 +142,7 @@ class Workload:
     max_tokens: int
     mini_batch: int
     modes: tuple[str, ...]
+    vocab: int = 16
 
 
 WORKLOADS = {
@@ -146,16 +157,16 @@ WORKLOADS = {
     # few longest responses (the engine decodes a nearly empty batch), the condition under which
     # fullyAsync's continuous generation should beat oneStepOff.
     "longtail": Workload("longtail", "generation-bound, long-tailed lengths", hidden=128, layers=2, teacher_layers=4,
-                         max_tokens=128, mini_batch=32, modes=("oneStepOff", "fullyAsync")),
+                         max_tokens=256, mini_batch=16, modes=("oneStepOff", "fullyAsync"), vocab=48),
 }
 
 
 def run_workload(w: Workload, args: argparse.Namespace, steps: int, skip: int, work: Path) -> dict[str, dict[str, Any]]:
     """Run the workload's modes one after the other; print and return each mode's results."""
-    paths = prepare_models(work / "models", w.hidden, w.layers, w.teacher_layers)
+    paths = prepare_models(work / "models", w.hidden, w.layers, w.teacher_layers, w.vocab)
     print(f"\n=== workload {w.name} ({w.condition}): random-weight student ({w.layers} layers, hidden {w.hidden}) "
-          f"and teacher ({w.teacher_layers} layers), 16-token vocabulary → geometric response lengths "
-          f"(p(eos) ≈ 1/16) capped at maxTokens {w.max_tokens}; {steps} steps x {w.mini_batch} samples per mode; "
+          f"and teacher ({w.teacher_layers} layers), {w.vocab}-token vocabulary → geometric response lengths "
+          f"(p(eos) ≈ 1/{w.vocab}) capped at maxTokens {w.max_tokens}; {steps} steps x {w.mini_batch} samples per mode; "
           f"engine {args.engine}; throughput after the first {skip} steps")
     prof = length_profile(paths["student"], paths["train"], w.max_tokens)
     print(f"response lengths of the student (256 samples, measured before the runs): median {prof['median']:.0f}, "
@@ -172,7 +183,8 @@ def run_workload(w: Workload, args: argparse.Namespace, steps: int, skip: int, w
         shape = JobShape(name=name, mode=mode, student=paths["student"], teacher=paths["teacher"], train=paths["train"],
                          val=None, checkpoint=work / name / "ckpt", steps=steps, lr=1e-6, loss="k3",
                          engine=args.engine, n=4, max_tokens=w.max_tokens, mini_batch=w.mini_batch, top_k=args.top_k,
-                         checkpoint_every=10**6, warmup=0, max_model_len=w.max_tokens + 64, async_=async_)
+                         checkpoint_every=10**6, warmup=0, max_model_len=w.max_tokens + 64, async_=async_,
+                         seed=args.seed)
         shutil.rmtree(shape.checkpoint, ignore_errors=True)
         print(f"run {w.name} {mode} ...", flush=True)
         t0, load0 = time.time(), os.getloadavg()[0]
@@ -237,6 +249,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--top-k", type=int, default=1,
                     help="teacher top-k per token (the k3 loss reads only the sampled token's log-prob; a large k "
                          "only adds JSON to every /score response)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="rollout.sampling.seed (default unseeded: a seeded request samples from its own generator, "
+                         "row by row, which costs the engine more per token than one batched draw)")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="pin the trainer to CPU 0 and the rollout and teacher servers to CPU 1 (bench/_common.PINNED)")
     ap.add_argument("--modes", default=",".join(MODES), help="run only these modes of each workload")

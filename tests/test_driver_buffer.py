@@ -62,6 +62,40 @@ async def test_generation_pauses_at_the_bound_and_resumes_after_a_sync() -> None
     assert buf.counters == {"generated": 4, "consumed": 4, "dropped_stale": 0, "resumed": 0}
 
 
+def finish(s, version: int = 0) -> None:
+    s.continuation()
+    s.extend(Out([5, 6], version))
+
+
+@pytest.mark.parametrize("mode", ["fullyAsync", "oneStepOff"])
+async def test_in_flight_cap_counts_generating_samples_in_fully_async_only(mode: str) -> None:
+    """fullyAsync: a group's finished samples waiting for a long sibling free their places in the
+    cap, so generation stays continuous; oneStepOff keeps whole groups (lock-step batches)."""
+    p = policy(mode=mode, group_size=4, mini_batch_size=8, staleness_threshold=3.0, oversample=1.0)
+    assert p.in_flight_cap == 8 and p.max_required >= 16
+    buf = SampleBuffer(p)
+    a, b = group(0, 4), group(1, 4)
+    assert buf.try_reserve(a) and buf.try_reserve(b)
+    waiter = asyncio.create_task(buf.reserve(group(2, 4)))
+    for s in a.samples[:3]:
+        finish(s)
+        await buf.sample_finished()
+    await asyncio.sleep(0)
+    assert not waiter.done()  # 5 samples still generating (or counted): no room for 4 more
+    finish(b.samples[0])
+    await buf.sample_finished()
+    await asyncio.sleep(0)
+    if mode == "fullyAsync":  # 4 generating + 4 = the cap: admitted before either group is put
+        await asyncio.wait_for(waiter, 1)
+        assert buf.generating == 8 and buf.in_flight == 12
+    else:
+        assert not waiter.done()
+        finish(a.samples[3])
+        await buf.put(a)  # a whole group leaves: now it fits
+        await asyncio.wait_for(waiter, 1)
+        assert buf.in_flight == 8
+
+
 async def test_take_waits_for_a_full_step_and_close_wakes_it() -> None:
     buf = SampleBuffer(policy())
     buf.try_reserve(group(0))

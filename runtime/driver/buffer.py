@@ -3,7 +3,8 @@ rule of kubedistill.runtime.driver.staleness.
 
 The generation side calls `await reserve(group)` before starting a group (it waits while the
 staleness bound or the in-flight cap would be exceeded), mutates the group's samples as results
-come back, and calls `await put(group)` once the group is generated and scored (or `abandon`).
+come back (telling `sample_finished()` when one is generated), and calls `await put(group)` once
+the group is generated and scored (or `abandon`).
 The trainer side calls `await take()` for the next step's samples. The weight-sync code calls
 `await synced(version)` after every sync: the bound's count restarts at what is buffered or in
 flight, and buffered groups now too stale are dropped. No network, no clock: asyncio only.
@@ -57,9 +58,19 @@ class SampleBuffer:
         return sum(len(g) for g in self._in_flight.values())
 
     @property
+    def generating(self) -> int:
+        """Samples of in-flight groups not yet finished (generating, or aborted to be resumed)."""
+        return sum(1 for g in self._in_flight.values() for s in g.samples if not s.finished)
+
+    @property
+    def capped(self) -> int:
+        """What the in-flight cap counts: generating samples (fullyAsync) or every in-flight one."""
+        return self.generating if self.policy.cap_counts_generating else self.in_flight
+
+    @property
     def paused(self) -> bool:
         """Whether a new group would have to wait (generation is paused by the staleness rule)."""
-        return not self.policy.may_submit(self.stale_count, self.in_flight)
+        return not self.policy.may_submit(self.stale_count, self.capped)
 
     def in_flight_groups(self) -> list[SampleGroup]:
         return list(self._in_flight.values())
@@ -73,7 +84,7 @@ class SampleBuffer:
         self._check_open()
         if group.group_id in self._in_flight:
             raise ValueError(f"group {group.group_id} is already in flight")
-        if not self.policy.may_submit(self.stale_count, self.in_flight, len(group)):
+        if not self.policy.may_submit(self.stale_count, self.capped, len(group)):
             return False
         self._in_flight[group.group_id] = group
         self.stale_count += len(group)
@@ -83,8 +94,15 @@ class SampleBuffer:
         """Wait until the staleness rule lets `group` start, then register it as in flight."""
         async with self._cond:
             await self._cond.wait_for(lambda: self._closed or self.policy.may_submit(
-                self.stale_count, self.in_flight, len(group)))
+                self.stale_count, self.capped, len(group)))
             self.try_reserve(group)
+
+    async def sample_finished(self) -> None:
+        """A sample of an in-flight group finished generating: under fullyAsync's cap that frees a
+        place for new work before its group is complete."""
+        if self.policy.cap_counts_generating:
+            async with self._cond:
+                self._cond.notify_all()
 
     async def abandon(self, group_id: int) -> SampleGroup:
         """Forget an in-flight group that will not be generated (an error); frees its place."""

@@ -340,6 +340,7 @@ class Driver:
                 self.pool.release(url)
             self._transport_failures = 0
             s.extend(out)
+        await self.buffer.sample_finished()
         self._observe("gen", self.clock() - t0)
         if self.req.teacher_scores and not s.scored:
             await self._score(group, s)

@@ -89,7 +89,8 @@ def may_submit(stale_count: int, in_flight: int, group_size: int, max_required: 
     """Whether one more group of `group_size` samples may start generating now.
 
     `stale_count` is the count of the staleness rule (samples buffered or in flight at the last
-    sync plus every sample submitted since); `in_flight` the samples generating right now.
+    sync plus every sample submitted since); `in_flight` the samples the cap counts right now
+    (see StalenessPolicy.cap_counts_generating).
     """
     return stale_count + group_size <= max_required and in_flight + group_size <= in_flight_cap
 
@@ -112,6 +113,10 @@ class StalenessPolicy:
     """Largest version lag a trained sample may have; older samples are dropped."""
     in_flight_cap: int
     """Samples generating at once."""
+    cap_counts_generating: bool
+    """fullyAsync: the in-flight cap counts only samples still generating, so a group's finished
+    samples waiting for a long sibling leave room for new work (generation stays continuous).
+    sync/oneStepOff: it counts every sample of an unfinished group (lock-step batches)."""
     partial_rollout: bool
     """Interrupt in-flight generations at a sync and continue them under the new weights."""
 
@@ -153,6 +158,7 @@ class StalenessPolicy:
             max_required=bound,
             max_lag=max_version_lag(bound, required, trigger_parameter_sync_step),
             in_flight_cap=in_flight_limit(required, oversample, group_size, bound),
+            cap_counts_generating=mode == "fullyAsync",
             partial_rollout=partial_rollout,
         )
 

@@ -19,6 +19,7 @@ the scheduler is parked.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import logging
 import threading
 import time
@@ -97,6 +98,10 @@ class HFEngine(Engine):
         self._scores: list[_Score] = []
         self._pause: Optional[PauseMode] = None
         self._task: Optional[asyncio.Task] = None
+        # Every forward runs on this one thread. asyncio.to_thread would spread the iterations over
+        # the default executor's threads, and hopping between them made a decode iteration ~1.5x
+        # slower (tiny model, 24 requests: 4.1k -> 6.3k tokens/s on one dedicated thread).
+        self._forwards = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._wake: Optional[asyncio.Event] = None
         self._parked: Optional[asyncio.Event] = None
@@ -104,6 +109,7 @@ class HFEngine(Engine):
         self.decoded_rows = 0  # rows over all decode forwards (/ forwards["decode"] = mean batch)
 
     async def start(self) -> None:
+        self._forwards = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         await asyncio.to_thread(self._load)
         self._ensure_scheduler()
 
@@ -130,6 +136,7 @@ class HFEngine(Engine):
             if not s.done.done():
                 s.done.set_exception(error)
         self._rows, self._queue, self._scores, self._batch, self._task = [], [], [], None, None
+        self._forwards.shutdown(wait=False)
         self.model = None
 
     @property
@@ -179,7 +186,8 @@ class HFEngine(Engine):
             keep = [i for i, r in enumerate(self._rows) if r.reason is None]
             version = self.version
             try:
-                result = await asyncio.to_thread(self._iteration, keep, active + joiners, len(joiners), scores)
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._forwards, self._iteration, keep, active + joiners, len(joiners), scores)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # the batch is unusable: fail its requests, keep serving
