@@ -37,6 +37,8 @@ from kubedistill.runtime.weight_sync.transfer import receive
 log = logging.getLogger("kubedistill.engines.hf")
 
 DEFAULT_MAX_NUM_SEQS = 256
+JOIN_WAIT_ITERATIONS = 4
+"""Decode iterations a new request may wait for others to join a running batch with it."""
 SCORE_LOGIT_BUDGET = 64 * 2**20
 """Logit elements (rows x padded length x vocabulary) one scoring forward may produce (256 MiB
 fp32): bounds the memory of a batch of concurrent /score requests."""
@@ -95,6 +97,7 @@ class HFEngine(Engine):
         self._rows: list[_Request] = []  # aligned with the batch's rows (finished ones until compacted)
         self._batch: Optional[PaddedKVBatch] = None
         self._queue: list[_Request] = []  # waiting to join
+        self._join_wait = 0  # iterations the queue has waited to join a running batch
         self._scores: list[_Score] = []
         self._pause: Optional[PauseMode] = None
         self._task: Optional[asyncio.Task] = None
@@ -234,9 +237,17 @@ class HFEngine(Engine):
         self._queue = still
 
     def _admit(self, running: int) -> list[_Request]:
-        if self._pause is not None:
+        """Requests that join the batch at this iteration. Each join costs a prefill forward of its
+        own beside the decode step (plus a copy of the cache to add the rows), so while a batch
+        is running, arrivals are let in together: once they make up a quarter of it, or after
+        JOIN_WAIT_ITERATIONS iterations of waiting."""
+        if self._pause is not None or not self._queue:
             return []
         room = max(self.max_num_seqs - running, 0)
+        if running and len(self._queue) < min(room, max(1, running // 4)) and self._join_wait < JOIN_WAIT_ITERATIONS:
+            self._join_wait += 1
+            return []
+        self._join_wait = 0
         joiners, self._queue = self._queue[:room], self._queue[room:]
         return joiners
 
