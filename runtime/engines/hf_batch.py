@@ -30,48 +30,6 @@ import torch
 PAD_ID = 0  # any valid id: padded positions are masked out, their embeddings never reach a real row
 
 
-def growing_layer_class():
-    """A transformers cache layer that appends a decode step's keys and values in place.
-
-    transformers' DynamicLayer concatenates the whole cache with every new token, so each decode
-    step copies every row's keys and values (measured: about half of a decode step at ~20 rows
-    and ~250 columns). This layer keeps them in a buffer with spare columns (doubling when full)
-    and exposes the used part as a view, so a step writes one column. Row surgery (`select`,
-    `extend`) replaces `keys`/`values` with new tensors; the next update then re-buffers them."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        _kbuf: Optional[torch.Tensor] = None
-        _vbuf: Optional[torch.Tensor] = None
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            used = self.keys.shape[-2] if self.keys.numel() else 0
-            need = used + key_states.shape[-2]
-            if not (_views_into(self.keys, self._kbuf) and _views_into(self.values, self._vbuf)
-                    and need <= self._kbuf.shape[-2]):
-                rows, heads, _, dim = key_states.shape
-                cap = max(16, 2 * need)
-                self._kbuf = key_states.new_empty((rows, heads, cap, dim))
-                self._vbuf = value_states.new_empty((rows, heads, cap, value_states.shape[-1]))
-                if used:
-                    self._kbuf[:, :, :used] = self.keys
-                    self._vbuf[:, :, :used] = self.values
-            self._kbuf[:, :, used:need] = key_states
-            self._vbuf[:, :, used:need] = value_states
-            self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
-            return self.keys, self.values
-
-    return GrowingLayer
-
-
-def _views_into(t: torch.Tensor, buf: Optional[torch.Tensor]) -> bool:
-    """Whether `t` is the leading-columns view of `buf` that GrowingLayer.update left there."""
-    return (buf is not None and t.numel() > 0 and t.data_ptr() == buf.data_ptr()
-            and t.shape[:2] == buf.shape[:2] and t.stride() == buf.stride())
-
-
 @dataclass
 class PaddedKVBatch:
     cache: object  # transformers DynamicCache, [rows, heads, columns, head_dim] per layer
@@ -105,7 +63,6 @@ class PaddedKVBatch:
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
-        cache.layer_class_to_replicate = _GROWING_LAYER()
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         batch = cls(cache=out.past_key_values, mask=mask, last=torch.zeros(len(contexts), dtype=torch.long, device=device))
@@ -149,12 +106,6 @@ class PaddedKVBatch:
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(other.mask, width)], 0)
         self.last = torch.cat([self.last, other.last])
         return self
-
-
-def _GROWING_LAYER(_cls: list = []) -> type:  # noqa: B006 - one class per process, built lazily
-    if not _cls:
-        _cls.append(growing_layer_class())
-    return _cls[0]
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
