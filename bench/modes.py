@@ -6,8 +6,8 @@ other, like a trainer GPU pool beside an inference pool).
 
 Long-tailed response lengths: the student is a random-weight model over the character vocabulary
 of the arithmetic task (padded with unused characters to `Workload.vocab` tokens), so it emits
-<eos> with probability ≈ 1/vocab at every token: response lengths are roughly geometric and capped by `maxTokens`; a few responses per batch are
-several times longer than the median (the run measures and prints the distribution first). A
+<eos> with probability ≈ 1/vocab at every token: response lengths are roughly geometric and
+capped by `maxTokens`; a few responses per batch are several times longer than the median (the run measures and prints the distribution first). A
 synchronous batch waits for its longest response; fullyAsync keeps generating and trains on
 whatever is finished. A tiny learning rate keeps the length distribution the same throughout, so
 the runs see the same workload (this benchmark measures speed, not learning).

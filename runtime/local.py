@@ -14,6 +14,7 @@ weight-sync group with them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -58,6 +59,7 @@ RAY_WORKER_PORTS = range(10002, 20000)
 """Ray's default worker port range (`ray start --min/max-worker-port`): its workers bind there."""
 
 
+@functools.lru_cache(maxsize=1)
 def ephemeral_ports() -> range:
     """The kernel's ephemeral range (outgoing connections and bind-to-0 draw from it)."""
     try:

@@ -101,10 +101,7 @@ class HFEngine(Engine):
         self._scores: list[_Score] = []
         self._pause: Optional[PauseMode] = None
         self._task: Optional[asyncio.Task] = None
-        # Every forward runs on this one thread. asyncio.to_thread would spread the iterations over
-        # the default executor's threads, and hopping between them made a decode iteration ~1.5x
-        # slower (tiny model, 24 requests: 4.1k -> 6.3k tokens/s on one dedicated thread).
-        self._forwards = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._forwards: Optional[cf.ThreadPoolExecutor] = None  # made by start()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._wake: Optional[asyncio.Event] = None
         self._parked: Optional[asyncio.Event] = None
@@ -112,6 +109,9 @@ class HFEngine(Engine):
         self.decoded_rows = 0  # rows over all decode forwards (/ forwards["decode"] = mean batch)
 
     async def start(self) -> None:
+        # Every forward runs on this one thread. asyncio.to_thread would spread the iterations over
+        # the default executor's threads, and hopping between them made a decode iteration ~1.5x
+        # slower (tiny model, 24 requests: 4.1k -> 6.3k tokens/s on one dedicated thread).
         self._forwards = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         await asyncio.to_thread(self._load)
         self._ensure_scheduler()
@@ -139,7 +139,9 @@ class HFEngine(Engine):
             if not s.done.done():
                 s.done.set_exception(error)
         self._rows, self._queue, self._scores, self._batch, self._task = [], [], [], None, None
-        self._forwards.shutdown(wait=False)
+        if self._forwards is not None:
+            self._forwards.shutdown(wait=False)
+            self._forwards = None
         self.model = None
 
     @property

@@ -1,5 +1,6 @@
 """Pure batch planning: split a TrainBatch over ranks and token-bounded micro-batches (optionally
-packing several samples into one row, padding-free), and turn a micro-batch into tensors. No torch.distributed here, so it is unit-testable.
+packing several samples into one row, padding-free), and turn a micro-batch into tensors. No
+torch.distributed here, so it is unit-testable.
 
 Every rank holds the whole batch (rank 0 broadcasts it), computes the same plan and works on its
 own share. Loss weights are computed over the whole batch (losses.token_weights), so the sum over
@@ -33,7 +34,8 @@ Row = list[int]
 
 def pack_rows(indices: list[int], lengths: list[int], capacity: int) -> list[Row]:
     """First-fit decreasing: put each sample (longest first) into the first row with room for it,
-    rows holding at most `capacity` tokens; a sample longer than `capacity` gets a row alone."""
+    rows holding at most `capacity` tokens; a sample longer than `capacity` gets a row alone (so
+    capacity 0 gives one row per sample, longest first)."""
     rows: list[Row] = []
     room: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
@@ -59,19 +61,17 @@ def micro_batches(indices: list[int], lengths: list[int], max_tokens: int, pack:
     """
     if not indices:
         return []
-    if pack:
-        rows = pack_rows(indices, lengths, max(lengths[i] for i in indices))
-    else:
-        rows = [[i] for i in sorted(indices, key=lambda i: (-lengths[i], i))]
-    width = {id(r): sum(lengths[i] for i in r) for r in rows}
-    rows.sort(key=lambda r: -width[id(r)])
+    rows = pack_rows(indices, lengths, max(lengths[i] for i in indices) if pack else 0)
+    sized = sorted(((sum(lengths[i] for i in row), row) for row in rows), key=lambda x: -x[0])
     out: list[list[Row]] = []
     current: list[Row] = []
-    for row in rows:
-        widest = width[id(current[0])] if current else width[id(row)]
+    widest = 0
+    for width, row in sized:
         if current and (len(current) + 1) * widest > max_tokens:
             out.append(current)
             current = []
+        if not current:
+            widest = width
         current.append(row)
     if current:
         out.append(current)
