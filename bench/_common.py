@@ -67,7 +67,7 @@ def job_manifest(s: JobShape) -> dict[str, Any]:
         "teachers": [{"name": "teacher", "model": str(s.teacher), "inference": dict(inference),
                       "overrides": {"cpuThreads": 1}}],
         "rollout": {"replicas": 1, "inference": dict(inference),
-                    "sampling": {"n": s.n, "temperature": 1.0, "maxTokens": s.max_tokens,
+                    "sampling": {"samplesPerPrompt": s.n, "temperature": 1.0, "maxTokens": s.max_tokens,
                                  **({"seed": s.seed} if s.seed is not None else {})},
                     "overrides": {"cpuThreads": 1}},
         "trainer": {"replicas": 1, "miniBatchSize": s.mini_batch, "totalSteps": s.steps,

@@ -7,7 +7,7 @@ run`: rollout, teacher and trainer as separate local processes).
   accuracy; both cached under .kubedistill/bench/arith). Not annealed on purpose: a student taken
   at the end of a decayed schedule loses its annealing gain as soon as any optimiser (SFT or
   OPD) moves it again, which shows up as a large dip unrelated to distillation;
-* one sample per prompt (rollout.sampling.n 1): 64 distinct prompts per step teach this student
+* one sample per prompt (rollout.sampling.samplesPerPrompt 1): 64 distinct prompts per step teach this student
   far more per step than 16 prompts x 4 samples (measured: 50 % vs 16 % accuracy after 60 steps);
 * losses: forwardKLTopK (top-16 = the whole 16-token vocabulary) and k1 + policy gradient (the
   per-token reverse-KL estimate as advantage in the PPO surrogate);
@@ -349,7 +349,7 @@ Set-up, and why (each choice measured, see bench/learning.py):
   30 % accuracy. A student taken at the end of a decayed schedule loses its "annealing" gain as
   soon as any optimiser moves it again (plain SFT on ground truth at lr 3e-4 took a 78 % student
   to 59 % in 10 steps), which showed up as a large early dip unrelated to distillation;
-* one sample per prompt (`rollout.sampling.n: 1`), 64 prompts per step: distillation needs no
+* one sample per prompt (`rollout.sampling.samplesPerPrompt: 1`), 64 prompts per step: distillation needs no
   groups, and 64 distinct prompts per step teach this student far more than 16 prompts x 4
   samples (after 60 steps: 50 % vs 16 % accuracy, same lr);
 * forwardKLTopK (top-16 = the whole vocabulary) at lr 1e-3, 5 warm-up steps, cosine decay to 0;

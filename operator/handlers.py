@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping, Optional
 
 import aiohttp
@@ -22,7 +22,9 @@ import kopf
 from kubedistill.api.job import GROUP, PLURAL, VERSION
 from kubedistill.operator.kube import Kube, KubeConfig, KubeError, fetch_json
 from kubedistill.operator.metrics import OperatorMetrics
-from kubedistill.operator.policy import JobView, Plan, Progress, current_status, plan
+from kubedistill.operator.policy import (
+    JobView, Plan, Progress, Refusal, RefusalKey, create_backoff, current_status, is_refusal, plan, refusal_reason,
+)
 from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB
 from kubedistill.operator.status import ChildRef, Observed, PodView, status_patch
 
@@ -43,6 +45,10 @@ class OperatorOptions:
     """Timeout of one GET /status to trainer pod 0."""
     server: Optional[str] = None
     """Plain-HTTP API server to use instead of the in-cluster/kubeconfig login (tests, bench)."""
+    create_backoff_seconds: float = 2.0
+    """First wait before creating a child the API server refused again (doubles per refusal)."""
+    create_backoff_max_seconds: float = 120.0
+    """Longest wait between two attempts to create a refused child."""
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
 
@@ -66,6 +72,9 @@ class Reconciler:
         # them again. With hundreds of jobs the watch can lag seconds behind; a time window alone
         # then expired first and every later pass re-created children (409s: more load, more lag).
         self._recent: dict[Key, dict[tuple[str, str], tuple[float, dict[str, Any]]]] = {}
+        # Children the API server refused to create, per job: the plan holds them back until
+        # their backoff ends and shows the job Blocked meanwhile.
+        self._refused: dict[Key, dict[RefusalKey, Refusal]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
     def kube(self) -> Kube:
@@ -148,8 +157,9 @@ class Reconciler:
         )
         started = time.perf_counter()
         try:
-            p = plan(job, observed, datetime.now(timezone.utc), self._progress.get(key))
-            await self._apply(body, job, p)
+            now = datetime.now(timezone.utc)
+            p = plan(job, observed, now, self._progress.get(key), self._refused.get(key))
+            newly_refused = await self._apply(body, job, p, now)
             self._last_error.pop(key, None)
         except (KubeError, asyncio.TimeoutError) as exc:
             self._error(body, key, str(exc), logger)
@@ -172,6 +182,8 @@ class Reconciler:
         delay = self.options.resync_seconds
         if p.wake_after is not None:
             delay = min(delay, max(p.wake_after, 0.05))
+        if newly_refused:
+            delay = 0.05  # plan again at once: the status must say Blocked, and why
         return delay
 
     def _error(self, body: kopf.Body, key: Key, message: str, logger: logging.Logger) -> None:
@@ -181,19 +193,35 @@ class Reconciler:
             self._last_error[key] = message
             kopf.event(body, type="Warning", reason="ReconcileError", message=message[:1000])
 
-    async def _apply(self, body: kopf.Body, job: JobView, p: Plan) -> None:
+    async def _apply(self, body: kopf.Body, job: JobView, p: Plan, now: datetime) -> bool:
+        """Carry out the plan; True when the API server refused a child it had not refused before."""
         kube = self.kube()
+        newly_refused = False
         if p.create:
             kopf.adopt(p.create, owner=body)
             for obj in p.create:
                 # kopf.adopt copies the job's labels; ours must win on the children.
                 obj["metadata"]["labels"].update(_own_labels(obj))
-            created = await asyncio.gather(*(kube.create(o) for o in p.create))
+            created = await asyncio.gather(*(kube.create(o) for o in p.create), return_exceptions=True)
             recent = self._recent.setdefault((job.namespace, job.name), {})
+            refused = self._refused.setdefault((job.namespace, job.name), {})
+            failure: Optional[BaseException] = None
             for obj, made in zip(p.create, created):
-                recent[(obj["kind"], obj["metadata"]["name"])] = (time.monotonic(), obj)
+                child = (obj["kind"], obj["metadata"]["name"])
+                if isinstance(made, KubeError) and is_refusal(made.status):
+                    newly_refused |= child not in refused
+                    refused[child] = self._refusal(refused.get(child), made, now)
+                    self.metrics["children_refused"].labels(kind=obj["kind"]).inc()
+                    continue
+                if isinstance(made, BaseException):
+                    failure = failure or made
+                    continue
+                refused.pop(child, None)
+                recent[child] = (time.monotonic(), obj)
                 if made:
                     self.metrics["children_created"].labels(kind=obj["kind"]).inc()
+            if failure is not None:
+                raise failure
         if p.delete:
             recent = self._recent.get((job.namespace, job.name), {})
             for c in p.delete:
@@ -210,6 +238,17 @@ class Reconciler:
             kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
         if p.delete_job:
             await kube.delete("DistillationJob", job.namespace, job.name)
+        return newly_refused
+
+    def _refusal(self, last: Optional[Refusal], exc: KubeError, now: datetime) -> Refusal:
+        attempts = (last.attempts if last else 0) + 1
+        wait = create_backoff(attempts, self.options.create_backoff_seconds, self.options.create_backoff_max_seconds)
+        return Refusal(
+            reason=refusal_reason(exc.status, exc.detail),
+            message=exc.detail,
+            attempts=attempts,
+            retry_at=now + timedelta(seconds=wait),
+        )
 
     # -- the daemon loop -----------------------------------------------------------------
     async def run(self, body: kopf.Body, stopped: Any, pods_index: Any, others_index: Any, logger: logging.Logger) -> None:
@@ -233,6 +272,7 @@ class Reconciler:
             self._progress.pop(key, None)
             self._written.pop(key, None)
             self._recent.pop(key, None)
+            self._refused.pop(key, None)
             task = self._polling.pop(key, None)
             if task is not None:
                 task.cancel()

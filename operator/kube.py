@@ -29,11 +29,13 @@ RESOURCES: dict[str, tuple[str, str]] = {
 
 
 class KubeError(Exception):
-    """An API call failed; `status` is the HTTP status (0 when the server was unreachable)."""
+    """An API call failed; `status` is the HTTP status (0 when the server was unreachable),
+    `detail` the API server's own message (a Status object's `message`)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, detail: str = ""):
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+        self.detail = detail or message
 
 
 @dataclass
@@ -106,10 +108,10 @@ class Kube:
                 text = await resp.text()
                 if resp.status >= 400:
                     try:
-                        message = json.loads(text).get("message", text)
-                    except ValueError:
+                        message = str(json.loads(text).get("message", text))
+                    except (ValueError, AttributeError):
                         message = text
-                    raise KubeError(resp.status, f"{method} {path}: {str(message)[:300]}")
+                    raise KubeError(resp.status, f"{method} {path}: {message[:300]}", message[:1000])
                 return json.loads(text) if text else None
         except aiohttp.ClientError as exc:
             raise KubeError(0, f"{method} {path}: {exc}") from exc

@@ -27,6 +27,8 @@ METRICS: list[MetricDef] = [
     _op("reconcile_errors", Counter, "Reconcile passes that failed (API errors, unexpected exceptions)."),
     _op("children_created", Counter, "Child objects created, by kind.", ("kind",)),
     _op("children_deleted", Counter, "Child objects deleted, by kind.", ("kind",)),
+    _op("children_refused", Counter,
+        "Child creations the API server refused (PodSecurity, quota, webhooks), by kind.", ("kind",)),
     _op("role_ready", Gauge, "Ready pods of each role of a job (trainer, rollout, teacher/<name>).",
               ("namespace", "job", "role")),
     _op("job_restarts", Gauge, "Trainer gang restarts of a job so far.", ("namespace", "job")),

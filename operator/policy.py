@@ -11,7 +11,10 @@ Failure policy (docs/operator.md):
   * activeDeadlineSeconds after startTime the job is Failed;
   * trainer pod 0 Succeeded -> the job is Succeeded and the pods still running are deleted;
   * spec.suspend deletes the pods (phase Suspended) and clearing it recreates them;
-  * ttlSecondsAfterFinished after completionTime the job itself is deleted.
+  * ttlSecondsAfterFinished after completionTime the job itself is deleted;
+  * a child the API server refuses to create (PodSecurity, quota, an admission webhook) makes
+    the job Blocked, with the server's reason and message in the Created condition and
+    status.message; it is retried with exponential backoff, and the job goes on once it is made.
 """
 
 from __future__ import annotations
@@ -65,6 +68,46 @@ class Progress:
         return cls(int(doc.get("step", 0)), int(doc.get("weightVersion", 0)), str(ckpt) if ckpt else None)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """The API server refused to create a child: why, how often in a row, when to try again."""
+
+    reason: str
+    """CamelCase cause (refusal_reason)."""
+    message: str
+    """The API server's message."""
+    attempts: int
+    retry_at: datetime
+
+
+RefusalKey = tuple[str, str]
+"""(kind, name) of a refused child."""
+
+
+def is_refusal(http_status: int) -> bool:
+    """A create the API server answered with a decision about this object (PodSecurity, quota,
+    webhook, validation): retried with backoff. Conflicts mean it exists; 429, 5xx and network
+    errors are the server's own trouble and are retried at the next pass."""
+    return 400 <= http_status < 500 and http_status not in (409, 429)
+
+
+def refusal_reason(http_status: int, message: str) -> str:
+    """The condition reason for a refused create, from the server's status and message."""
+    text = message.lower()
+    if "podsecurity" in text:
+        return "PodSecurity"
+    if "exceeded quota" in text:
+        return "QuotaExceeded"
+    if "admission webhook" in text and "denied" in text:
+        return "AdmissionWebhookDenied"
+    return {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 422: "Invalid"}.get(http_status, "Refused")
+
+
+def create_backoff(attempts: int, base_seconds: float, max_seconds: float) -> float:
+    """Seconds before creating a refused child again: base, 2 x base, 4 x base ... up to max."""
+    return min(max_seconds, base_seconds * 2 ** max(attempts - 1, 0))
+
+
 @dataclass
 class Plan:
     status: DistillationJobStatus
@@ -116,7 +159,13 @@ def current_status(raw: Mapping[str, Any]) -> DistillationJobStatus:
 _STATUS_KEYS = {f.alias or n for n, f in DistillationJobStatus.model_fields.items()}
 
 
-def plan(job: JobView, observed: Observed, now: datetime, progress: Optional[Progress] = None) -> Plan:
+def plan(
+    job: JobView,
+    observed: Observed,
+    now: datetime,
+    progress: Optional[Progress] = None,
+    refusals: Optional[Mapping[RefusalKey, Refusal]] = None,
+) -> Plan:
     status = current_status(job.status)
     previous = status.phase
     status.observed_generation = job.generation
@@ -146,9 +195,39 @@ def plan(job: JobView, observed: Observed, now: datetime, progress: Optional[Pro
         if status.phase in TERMINAL:
             p.wake_after = None
             _ttl(p, spec, now)
+    if status.phase not in TERMINAL:
+        status.message = ""
+        _hold_refused(p, refusals or {}, now)
     _conditions(p, spec, observed, now)
     _phase_event(p, previous)
     return p
+
+
+def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime) -> None:
+    """Children the API server refused are not created again before their backoff ends; while
+    any is still missing, the job is Blocked and says why."""
+    blocking: list[tuple[dict[str, Any], Refusal]] = []
+    due: list[dict[str, Any]] = []
+    for obj in p.create:
+        refusal = refusals.get((obj["kind"], obj["metadata"]["name"]))
+        if refusal is None:
+            due.append(obj)
+            continue
+        blocking.append((obj, refusal))
+        wait = (refusal.retry_at - now).total_seconds()
+        if wait > 0:
+            p.wake_after = wait if p.wake_after is None else min(p.wake_after, wait)
+        else:
+            due.append(obj)
+    p.create = due
+    if not blocking:
+        return
+    obj, first = blocking[0]
+    more = f" (and {len(blocking) - 1} more refused)" if len(blocking) > 1 else ""
+    message = f"creating {obj['kind']} {obj['metadata']['name']} was refused: {first.message}{more}"
+    p.status.phase = Phase.blocked
+    p.status.message = message[:4096]
+    set_condition(p.status, ConditionType.created, False, first.reason, message, now)
 
 
 def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, now: datetime) -> None:
@@ -267,6 +346,7 @@ def _finish(p: Plan, observed: Observed, phase: Phase, reason: str, message: str
     if st.phase is not phase:  # one event per transition, not one per pass
         p.events.append(Event("Normal" if phase is Phase.succeeded else "Warning", reason, message))
     st.phase = phase
+    st.message = "" if phase is Phase.succeeded else message[:4096]
     if st.completion_time is None:
         st.completion_time = rfc3339(now)
     _finish_condition(p, phase, reason, message, now)
@@ -305,7 +385,9 @@ def _conditions(p: Plan, spec: Optional[DistillationJobSpec], observed: Observed
     all_ready = bool(st.roles) and all(r.ready == r.desired for r in st.roles.values())
     created = condition(st, ConditionType.created)
     everything = spec is not None and not p.create and all(r.desired <= _present(pods, g) for g, r in st.roles.items())
-    if created is None or created.status.value != "True":
+    if st.phase is Phase.blocked:
+        pass  # _hold_refused set it to the refusal
+    elif created is None or created.status.value != "True":
         if everything and st.phase not in TERMINAL:
             set_condition(st, ConditionType.created, True, "ChildrenCreated", "every child of the job exists", now)
         else:
@@ -338,5 +420,6 @@ def _phase_event(p: Plan, previous: Phase) -> None:
         return
     if now_phase in TERMINAL:
         return  # _finish already emitted the terminal event with its reason
-    kind = "Warning" if now_phase is Phase.restarting else "Normal"
-    p.events.append(Event(kind, now_phase.value, f"phase {previous.value} -> {now_phase.value}"))
+    kind = "Warning" if now_phase in (Phase.restarting, Phase.blocked) else "Normal"
+    detail = f": {p.status.message}" if now_phase is Phase.blocked else ""
+    p.events.append(Event(kind, now_phase.value, f"phase {previous.value} -> {now_phase.value}{detail}"))

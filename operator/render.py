@@ -49,6 +49,28 @@ CONTAINER = "kubedistill"
 GPU_RESOURCE = "nvidia.com/gpu"
 SERVER_ROLES = (Role.rollout, Role.teacher)
 
+RUNTIME_UID = 1000
+"""The runtime image's user (images/runtime/Dockerfile)."""
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": RUNTIME_UID,
+    "runAsGroup": RUNTIME_UID,
+    # Mounted volumes (checkpoint PVCs) become writable by the runtime's group.
+    "fsGroup": RUNTIME_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Pod Security Standards "restricted", merged under spec.securityContext."""
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+"""Pod Security Standards "restricted" plus a read-only root, merged under
+spec.containerSecurityContext."""
+SCRATCH_DIR = "/tmp"
+"""The writable emptyDir of every pod; HOME points here, so every cache (HF, vLLM, torch,
+triton) lands in it while the root filesystem stays read-only."""
+
 
 @dataclass(frozen=True)
 class PodSlot:
@@ -233,6 +255,7 @@ def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> 
     def put(name: str, value: str) -> None:
         env[name] = {"name": name, "value": value}
 
+    put("HOME", SCRATCH_DIR)
     put("KUBEDISTILL_CONFIG", CONFIG_PATH)
     put("KUBEDISTILL_TRAINER_SERVICE", f"{service_name(job, Role.trainer)}.{namespace}.svc")
     put("KUBEDISTILL_ROLLOUT_SERVICE", f"{service_name(job, Role.rollout)}.{namespace}.svc")
@@ -266,10 +289,48 @@ def _resources(spec: DistillationJobSpec, slot: PodSlot) -> dict[str, Any]:
     return out
 
 
+def merged(base: dict[str, Any], over: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """`over` deep-merged into `base`: nested objects merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in (over or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _covered(path: str, mounts: list[dict[str, Any]]) -> bool:
+    """Whether a user volumeMount holds `path`."""
+    for m in mounts:
+        root = str(m.get("mountPath", "")).rstrip("/")
+        if root and (path == root or path.startswith(root + "/")):
+            return True
+    return False
+
+
+def _scratch_volumes(spec: DistillationJobSpec, slot: PodSlot) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(volume, mount) pairs for what the runtime writes under a read-only root: the scratch
+    directory, and on trainer pods the checkpoint path when no user volume holds it (the
+    checkpoints then live as long as the pod, as they would on the container's own disk)."""
+    out = [({"name": "scratch", "emptyDir": {}}, {"name": "scratch", "mountPath": SCRATCH_DIR})]
+    ckpt = spec.checkpoint.path.rstrip("/") or "/"
+    if (
+        slot.role is Role.trainer
+        and ckpt.startswith("/")
+        and ckpt != SCRATCH_DIR
+        and not ckpt.startswith(SCRATCH_DIR + "/")
+        and not _covered(ckpt, spec.volume_mounts)
+    ):
+        out.append(({"name": "checkpoint", "emptyDir": {}}, {"name": "checkpoint", "mountPath": ckpt}))
+    return out
+
+
 def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot, attempt: int = 0) -> dict[str, Any]:
     lbl = labels(job, slot.role, slot.replica, slot.teacher)
     if slot.role is Role.trainer:
         lbl[LABEL_ATTEMPT] = str(attempt)
+    scratch = _scratch_volumes(spec, slot)
     ports = [{"name": "http", "containerPort": Ports.HTTP, "protocol": "TCP"}]
     if slot.role is Role.trainer:
         ports += [
@@ -286,9 +347,11 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
         "volumeMounts": [
             {"name": "kubedistill-config", "mountPath": "/etc/kubedistill", "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *(mount for _, mount in scratch),
             *spec.volume_mounts,
         ],
         "resources": _resources(spec, slot),
+        "securityContext": merged(CONTAINER_SECURITY_CONTEXT, spec.container_security_context),
     }
     if slot.role in SERVER_ROLES:
         # Servers load a model before they answer; the trainer is ready once it runs.
@@ -303,10 +366,12 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
         "hostname": slot.hostname(job),
         "subdomain": slot.subdomain(job),
         "enableServiceLinks": False,
+        "securityContext": merged(POD_SECURITY_CONTEXT, spec.security_context),
         "containers": [container],
         "volumes": [
             {"name": "kubedistill-config", "configMap": {"name": config_map_name(job)}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *(volume for volume, _ in scratch),
             *spec.volumes,
         ],
     }
@@ -360,15 +425,14 @@ def render_children(job: str, namespace: str, spec: DistillationJobSpec, attempt
 
 def render_job_yaml(job_doc: dict[str, Any], namespace: str = "default") -> str:
     """`kubedistill render`: the children of a validated DistillationJob manifest as YAML."""
-    import yaml
-
+    from kubedistill.api import kubeyaml
     from kubedistill.api.job import DistillationJob
 
     job = DistillationJob.model_validate(job_doc)
     ns = job.metadata.namespace or namespace
     docs = render_children(job.metadata.name, ns, job.spec)
     # Round-trip through JSON so YAML gets plain types only.
-    return yaml.safe_dump_all([json.loads(json.dumps(d)) for d in docs], sort_keys=False)
+    return kubeyaml.dump_all([json.loads(json.dumps(d)) for d in docs], sort_keys=False)
 
 
 __all__ = [

@@ -47,7 +47,7 @@ def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engin
         "teachers": [{"name": "arith", "model": str(models["teacher"]), "inference": dict(inference),
                       "overrides": {"cpuThreads": 1}}],
         "rollout": {"replicas": 1, "inference": dict(inference),
-                    "sampling": {"n": n, "temperature": temperature, "maxTokens": max_tokens, "seed": 0},
+                    "sampling": {"samplesPerPrompt": n, "temperature": temperature, "maxTokens": max_tokens, "seed": 0},
                     "overrides": {"cpuThreads": 1}},
         "trainer": {"replicas": trainer_replicas, "optim": {"lr": lr}, "miniBatchSize": mini_batch, "totalSteps": steps,
                     "mixedPrecision": "float32", "overrides": {"cpuThreads": 1}},

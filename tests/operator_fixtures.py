@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
+import aiohttp.web
 import kmock
 import kopf
 import kubernetes
@@ -71,8 +72,17 @@ class FastEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     else, e.g. a test's `list(kmock)`, they see the whole log as before. Objects, watch streams
     and responses are KMock's own."""
 
+    refuse: Optional[Callable[[Any], Optional[tuple[int, str]]]] = None
+    """Tests set it to play an admission controller: (HTTP status, message) refuses a request,
+    answered with a Kubernetes Status object as the API server answers; None lets it through."""
+
     async def _handle(self, request: Any) -> Any:
         _serving.set(request)  # aiohttp serves each connection in its own task (own context)
+        refusal = self.refuse(request) if self.refuse is not None else None
+        if refusal is not None:
+            code, message = refusal
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
+            return aiohttp.web.json_response(status, status=code)
         return await super()._handle(request)
 
     def __iter__(self) -> Any:
@@ -190,12 +200,16 @@ async def eventually(
 
 @contextlib.asynccontextmanager
 async def running_operator(
-    url: str, resync_seconds: float = 0.5, metrics: Optional[OperatorMetrics] = None, post_events: bool = True
+    url: str,
+    resync_seconds: float = 0.5,
+    metrics: Optional[OperatorMetrics] = None,
+    post_events: bool = True,
+    **options: Any,
 ) -> AsyncIterator[Reconciler]:
     """The real operator (kopf + our handlers), cluster-wide (KMock cannot list namespaces), in
-    this event loop."""
-    options = OperatorOptions(resync_seconds=resync_seconds, server=url, metrics=metrics or OperatorMetrics())
-    reconciler = Reconciler(options)
+    this event loop; `options` go to OperatorOptions."""
+    settings_ = OperatorOptions(resync_seconds=resync_seconds, server=url, metrics=metrics or OperatorMetrics(), **options)
+    reconciler = Reconciler(settings_)
     registry = build_registry(reconciler)
     settings = kopf.OperatorSettings()
     configure(settings)

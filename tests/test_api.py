@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from k8s_offline import apply_defaults, cel_violations, schema_errors
+from k8s_offline import apply_defaults, cel_violations, crd_schema, read_manifest, schema_errors
 from kubedistill.api import DistillationJob
 from kubedistill.api.crd import crd, crd_yaml
 from kubedistill.api.rules import NAME_RULES
@@ -18,7 +17,8 @@ from kubedistill.api.validate import validate_file
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 BROKEN = sorted((ROOT / "tests/manifests/broken").glob("*.yaml"))
-SCHEMA = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+# The committed CRD as the API server reads it (Go's YAML), not the Python dict it came from.
+SCHEMA = crd_schema()
 
 
 def _expected(path: Path) -> list[str]:
@@ -26,7 +26,7 @@ def _expected(path: Path) -> list[str]:
 
 
 def _load(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
+    return read_manifest(path)
 
 
 def test_committed_crd_is_generated() -> None:
@@ -61,6 +61,8 @@ def test_crd_schema_is_structural() -> None:
         ".spec.volumeMounts[]",
         ".spec.tolerations[]",
         ".spec.affinity",
+        ".spec.securityContext",
+        ".spec.containerSecurityContext",
         ".spec.env[].valueFrom",
         ".spec.teachers[].overrides.env[].valueFrom",
         ".spec.rollout.overrides.env[].valueFrom",
@@ -75,8 +77,12 @@ def test_crd_identity_and_columns() -> None:
     version = c["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     assert [col["name"] for col in version["additionalPrinterColumns"]] == [
-        "Mode", "Phase", "Step", "Trainer", "Rollout", "Teachers", "Age"
+        "Mode", "Phase", "Step", "Trainer", "Rollout", "Teachers", "Age", "Message"
     ]
+    # The message is long: only `kubectl get -o wide` shows it.
+    assert version["additionalPrinterColumns"][-1] == {
+        "name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1
+    }
 
 
 def test_docstrings_reach_the_crd() -> None:

@@ -58,7 +58,7 @@ def test_what_the_loss_needs_is_checked() -> None:
     no_reward.samples[0].reward = None
     with pytest.raises(ValueError, match="no task reward"):
         to_train_batch(no_reward.samples, REQ)
-    with pytest.raises(ValueError, match="3 samples, rollout.sampling.n is 2"):
+    with pytest.raises(ValueError, match="3 samples, rollout.sampling.samplesPerPrompt is 2"):
         assemble([scored_group(6, n=3)], REQ, 0)
     wide = scored_group(7)
     wide.samples[0].teacher_topk_ids = [[1, 2, 3]]

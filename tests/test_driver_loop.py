@@ -22,7 +22,7 @@ def _spec(tmp_path: Path, tiny_models, mode: str = "oneStepOff", partial: bool =
         "mode": mode, "device": "cpu",
         "student": {"model": str(tiny_models["student"])},
         "teachers": [{"name": "arith", "model": str(tiny_models["teacher"])}],
-        "rollout": {"sampling": {"n": 2, "maxTokens": 4, "seed": 3}},
+        "rollout": {"sampling": {"samplesPerPrompt": 2, "maxTokens": 4, "seed": 3}},
         "trainer": {"miniBatchSize": 4, "totalSteps": 5},
         "data": {"train": [str(write_prompts(tmp_path / "train.jsonl", 16))]},
         "checkpoint": {"path": str(tmp_path / "ckpt")},

@@ -71,7 +71,7 @@ def test_policies_of_the_three_modes() -> None:
     # required 32; bound 32 x 2 x 2 = 128; lag ceil(128 / 64) - 1 = 1; in flight ceil(48) -> 48
     assert (full.required, full.max_required, full.max_lag, full.in_flight_cap) == (32, 128, 1, 48)
     assert full.partial_rollout
-    with pytest.raises(ValueError, match="multiple of rollout.sampling.n"):
+    with pytest.raises(ValueError, match="multiple of rollout.sampling.samplesPerPrompt"):
         StalenessPolicy.build(mode="sync", group_size=3, mini_batch_size=16)
     with pytest.raises(ValueError, match="spec.mode"):
         StalenessPolicy.build(mode="async", group_size=1, mini_batch_size=16)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
+from k8s_offline import tool
+from pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kubedistill"
@@ -28,15 +30,8 @@ MONITORING_APIS = ["monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos
 KUBE_VERSIONS = ["1.28.0", "1.33.0"]
 
 
-def helm_binary() -> str:
-    local = ROOT / ".venv" / "tools" / "helm"
-    found = str(local) if local.exists() else shutil.which("helm")
-    assert found, "helm not found: run `bash scripts/install-helm.sh` (scripts/install.sh does)"
-    return found
-
-
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=60)
     if check:
         assert r.returncode == 0, f"helm {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
     return r
@@ -237,6 +232,7 @@ def test_operator_deployment_runs_one_locked_down_replica(docs_fixture: str, req
     assert deploy["spec"]["replicas"] == 1
     assert deploy["spec"]["strategy"] == {"type": "Recreate"}
     pod = deploy["spec"]["template"]["spec"]
+    assert restricted_violations({"spec": pod}) == []
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     c = _container(docs)

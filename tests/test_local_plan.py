@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from k8s_offline import read_manifest
 from kubedistill.api import DistillationJob
 from kubedistill.runtime.local import RAY_WORKER_PORTS, absolute_paths, ephemeral_ports, free_port, plan, run
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _job(name: str) -> DistillationJob:
-    return DistillationJob.model_validate(yaml.safe_load((ROOT / "examples" / name).read_text()))
+    return DistillationJob.model_validate(read_manifest(ROOT / "examples" / name))
 
 
 def test_plan_multi_teacher(tmp_path: Path) -> None:
@@ -73,7 +74,7 @@ def test_run_refuses_an_invalid_job_with_its_problem_lines(tmp_path: Path) -> No
     lines: list[str] = []
     bad = ROOT / "tests/manifests/broken/mini-batch-not-multiple-of-n.yaml"
     assert run(bad, workdir=tmp_path, log=lines.append) == 1
-    assert lines == [f"{bad}: spec.trainer.miniBatchSize: must be a multiple of spec.rollout.sampling.n (whole prompt groups per step)"]
+    assert lines == [f"{bad}: spec.trainer.miniBatchSize: must be a multiple of spec.rollout.sampling.samplesPerPrompt (whole prompt groups per step)"]
 
 
 def test_user_env_reaches_the_processes_role_over_job(tmp_path: Path) -> None:
@@ -88,7 +89,7 @@ def test_user_env_reaches_the_processes_role_over_job(tmp_path: Path) -> None:
 
 
 def test_run_refuses_a_value_from_it_cannot_resolve(tmp_path: Path) -> None:
-    raw = yaml.safe_load((ROOT / "examples" / "quickstart-cpu.yaml").read_text())
+    raw = read_manifest(ROOT / "examples" / "quickstart-cpu.yaml")
     raw["spec"]["env"] = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(raw))

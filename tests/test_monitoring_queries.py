@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from k8s_offline import helm
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -97,14 +98,8 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def render_alert_groups(*extra: str) -> list[dict[str, Any]]:
-    local = ROOT / ".venv" / "tools" / "helm"
-    helm = str(local) if local.exists() else shutil.which("helm")
-    assert helm, "helm not found: run `bash scripts/install-helm.sh`"
-    out = subprocess.run(
-        [helm, "template", "kd", str(CHART), "--set", "metrics.prometheusRule.enabled=true",
-         "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", *extra],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout
+    out = helm("template", "kd", str(CHART), "--set", "metrics.prometheusRule.enabled=true",
+               "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", *extra)
     (rule,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule"]
     return rule["spec"]["groups"]
 

@@ -355,7 +355,7 @@ async def test_operator_restart_picks_up_existing_jobs(kmock: Any, cluster: Clus
 
 
 async def test_spec_that_slipped_past_the_crd_fails_without_crash_loop(kmock: Any, cluster: Cluster) -> None:
-    bad = job_manifest("mu", trainer={"replicas": 1, "miniBatchSize": 3}, rollout={"sampling": {"n": 2}})
+    bad = job_manifest("mu", trainer={"replicas": 1, "miniBatchSize": 3}, rollout={"sampling": {"samplesPerPrompt": 2}})
     metrics = OperatorMetrics()
     async with running_operator(str(kmock.url), resync_seconds=0.1, metrics=metrics):
         await cluster.create_job(bad)
@@ -366,3 +366,46 @@ async def test_spec_that_slipped_past_the_crd_fails_without_crash_loop(kmock: An
         assert not await cluster.children("mu")
         assert metrics.registry.get_sample_value("kubedistill_operator_reconcile_errors_total") == 0
         assert len(await events(kmock, "InvalidSpec")) == 1
+
+
+async def test_a_refused_pod_blocks_the_job_until_the_cause_is_removed(kmock: Any, cluster: Cluster) -> None:
+    """A namespace enforcing Pod Security refuses the trainer pods: the job says so in its phase
+    and Created condition, retries with backoff, and runs once the refusal stops."""
+    tries: list[str] = []
+    refusing = {"on": True}
+
+    def pod_security(request: Any) -> Any:
+        if request.method.value != "POST" or not request.url.path.endswith("/pods"):
+            return None
+        name = request.data["metadata"]["name"]
+        if refusing["on"] and "-trainer-" in name:
+            tries.append(name)
+            return 403, f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false'
+        return None
+
+    kmock.refuse = pod_security
+    async with running_operator(str(kmock.url), resync_seconds=0.3, create_backoff_seconds=0.2,
+                                create_backoff_max_seconds=0.4) as reconciler:
+        await cluster.create_job(job_manifest("psa"))
+        st = await phase_is(cluster, "psa", "Blocked")
+        created = cond(st, "Created")
+        assert created["status"] == "False" and created["reason"] == "PodSecurity"
+        assert st["message"] == created["message"] and "violates PodSecurity" in st["message"]
+        assert "creating Pod psa-trainer-" in st["message"] and "(and 1 more refused)" in st["message"]
+        assert any("violates PodSecurity" in e["message"] for e in await events(kmock, "Blocked"))
+        # Everything else was created meanwhile; the trainer pods are tried again, with backoff.
+        assert await eventually(lambda: _count_ge(tries, 6), timeout=5)
+        children = await cluster.children("psa")
+        assert ("Pod", "psa-rollout-0") in children and not any("trainer" in n for k, n in children if k == "Pod")
+        assert reconciler.metrics.registry.get_sample_value(
+            "kubedistill_operator_children_refused_total", {"kind": "Pod"}) >= 6
+
+        refusing["on"] = False
+        await all_children(cluster, "psa")
+        await cluster.run_all("psa")
+        st = await phase_is(cluster, "psa", "Running")
+        assert st["message"] == "" and cond(st, "Created")["status"] == "True"
+
+
+async def _count_ge(items: list[str], n: int) -> bool:
+    return len(items) >= n

@@ -9,7 +9,9 @@ from typing import Any, Optional
 from operator_fixtures import BASE_SPEC
 
 from kubedistill.api.status import ConditionType, Phase
-from kubedistill.operator.policy import JobView, Plan, Progress, plan
+from kubedistill.operator.policy import (
+    JobView, Plan, Progress, Refusal, create_backoff, is_refusal, plan, refusal_reason,
+)
 from kubedistill.operator.render import render_static, slots
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.operator.status import ChildRef, Observed, PodView, condition
@@ -237,7 +239,7 @@ def test_active_deadline_fails_the_job() -> None:
 
 
 def test_a_spec_that_slipped_past_the_crd_fails_with_the_field_named() -> None:
-    job = _job({}, trainer={"replicas": 1, "miniBatchSize": 3}, rollout={"sampling": {"n": 2}})
+    job = _job({}, trainer={"replicas": 1, "miniBatchSize": 3}, rollout={"sampling": {"samplesPerPrompt": 2}})
     p = plan(job, Observed(), T0)
     assert p.create == []
     assert p.status.phase is Phase.failed
@@ -275,3 +277,43 @@ def test_per_job_gauges_follow_status_and_vanish_with_the_job() -> None:
     m.job_phase("ns", "j", None)
     assert get("kubedistill_operator_role_ready", {"namespace": "ns", "job": "j", "role": "trainer"}) is None
     assert get("kubedistill_operator_job_restarts", {"namespace": "ns", "job": "j"}) is None
+
+
+PSA = (
+    'pods "j-trainer-0" is forbidden: violates PodSecurity "restricted:latest": '
+    "allowPrivilegeEscalation != false"
+)
+
+
+def test_a_refused_child_blocks_the_job_waits_for_its_backoff_and_then_is_created_again() -> None:
+    job = _job()
+    world = _world(job)
+    world = Observed(pods={n: q for n, q in world.pods.items() if n != "j-trainer-0"}, others=world.others)
+    refused = {("Pod", "j-trainer-0"): Refusal("PodSecurity", PSA, attempts=2, retry_at=T0 + timedelta(seconds=4))}
+
+    p = plan(job, world, T0, refusals=refused)
+    assert p.create == [] and p.wake_after == 4.0  # held back until its backoff ends
+    assert p.status.phase is Phase.blocked
+    assert p.status.message == f"creating Pod j-trainer-0 was refused: {PSA}"
+    created = condition(p.status, ConditionType.created)
+    assert (created.status.value, created.reason, created.message) == ("False", "PodSecurity", p.status.message)
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "Blocked")] and PSA in p.events[0].message
+
+    later = plan(_next(job, p), world, T0 + timedelta(seconds=4), refusals=refused)
+    assert [o["metadata"]["name"] for o in later.create] == ["j-trainer-0"]  # due: try again
+    assert later.status.phase is Phase.blocked and later.events == []  # still Blocked until it is made
+
+    # Made at last: the job goes on and says nothing of the refusal any more.
+    recovered = plan(_next(job, later), _world(job, phase="Pending", ready=False), T0 + timedelta(seconds=5))
+    assert recovered.status.phase is Phase.pending and recovered.status.message == ""
+    assert condition(recovered.status, ConditionType.created).status.value == "True"
+
+
+def test_refusal_reasons_and_backoff() -> None:
+    assert refusal_reason(403, PSA) == "PodSecurity"
+    assert refusal_reason(403, 'pods "x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1') == "QuotaExceeded"
+    assert refusal_reason(400, 'admission webhook "v.kyverno.io" denied the request: no') == "AdmissionWebhookDenied"
+    assert refusal_reason(422, "Pod is invalid: spec.affinity") == "Invalid"
+    assert refusal_reason(403, "forbidden: User cannot create") == "Forbidden"
+    assert [is_refusal(s) for s in (400, 403, 404, 409, 422, 429, 500, 0)] == [True, True, True, False, True, False, False, False]
+    assert [create_backoff(n, 2.0, 30.0) for n in (1, 2, 3, 4, 5, 6)] == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0]

@@ -9,8 +9,9 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
+from k8s_offline import read_manifest
+from kubedistill.api import kubeyaml
 from kubedistill.api.job import DistillationJob
 from kubedistill.api.roleconfig import CONFIG_PATH, JobConfig, Ports
 from kubedistill.api.validate import load_job
@@ -18,7 +19,8 @@ from kubedistill.operator import main as operator_main
 from kubedistill.operator.kube import RESOURCES
 from kubedistill.operator.metrics import METRICS, OperatorMetrics
 from kubedistill.operator.rbac import CLUSTER, NAMESPACED, rules
-from kubedistill.operator.render import render_children, render_static, static_refs
+from kubedistill.operator.render import SCRATCH_DIR, render_children, render_static, static_refs
+from pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -49,6 +51,66 @@ def test_every_rendered_object_validates_strictly(example: Path) -> None:
     for obj in children:
         # Raises ValidationError on any schema violation or unknown field.
         kubernetes_validate.validate(json.loads(json.dumps(obj)), K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_pod_passes_pod_security_restricted(example: Path) -> None:
+    pods = _by(_children(example), "Pod")
+    assert pods
+    for name, pod in pods.items():
+        assert restricted_violations(pod) == [], name
+        c = pod["spec"]["containers"][0]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        # Under a read-only root the runtime writes only to emptyDirs: HOME (every cache) is one.
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert _env(pod)["HOME"] == SCRATCH_DIR and "emptyDir" in volumes[mounts[SCRATCH_DIR]]
+
+
+def test_restricted_check_catches_what_pod_security_refuses() -> None:
+    pod = _by(_children(EXAMPLES[0]), "Pod")
+    good = next(iter(pod.values()))
+    bad = json.loads(json.dumps(good))
+    del bad["spec"]["securityContext"]
+    bad["spec"]["containers"][0]["securityContext"] = {}
+    bad["spec"]["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    problems = " | ".join(restricted_violations(bad))
+    for rule in ("allowPrivilegeEscalation", "capabilities", "runAsNonRoot", "seccompProfile", "hostPath"):
+        assert rule in problems
+
+
+def test_security_context_overrides_merge_over_the_restricted_default(tmp_path: Path) -> None:
+    doc = read_manifest(ROOT / "examples" / "one-gpu.yaml")
+    doc["spec"]["securityContext"] = {"runAsUser": 2000, "seccompProfile": {"type": "Localhost", "localhostProfile": "p"}}
+    doc["spec"]["containerSecurityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}, "readOnlyRootFilesystem": False}
+    job = DistillationJob.model_validate(doc)
+    pod = next(iter(_by(render_children(job.metadata.name, "ml", job.spec), "Pod").values()))
+    psc, csc = pod["spec"]["securityContext"], pod["spec"]["containers"][0]["securityContext"]
+    assert psc["runAsUser"] == 2000 and psc["runAsNonRoot"] is True and psc["fsGroup"] == 1000
+    assert psc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "p"}
+    assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False,
+                   "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+    # A capability beyond the restricted set is the user's explicit choice: PodSecurity would say so.
+    assert restricted_violations(pod) == [
+        "non-default capabilities ['IPC_LOCK'] in 'kubedistill'",
+        "unrestricted capabilities (container 'kubedistill' must drop ALL, add at most NET_BIND_SERVICE)",
+    ]
+
+
+def test_checkpoint_path_gets_an_empty_dir_on_trainer_pods_unless_a_volume_holds_it() -> None:
+    doc = read_manifest(ROOT / "examples" / "one-gpu.yaml")
+    doc["spec"]["checkpoint"] = {"path": "/ckpt/run1"}
+    doc["spec"].pop("volumeMounts", None)
+    doc["spec"].pop("volumes", None)
+    job = DistillationJob.model_validate(doc)
+    pods = _by(render_children(job.metadata.name, "ml", job.spec), "Pod")
+    mounts = {n: {m["mountPath"] for m in p["spec"]["containers"][0]["volumeMounts"]} for n, p in pods.items()}
+    assert all(("/ckpt/run1" in m) == ("trainer" in n) for n, m in mounts.items())
+    doc["spec"]["volumes"] = [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}]
+    doc["spec"]["volumeMounts"] = [{"name": "ckpt", "mountPath": "/ckpt"}]
+    job = DistillationJob.model_validate(doc)
+    trainer = _by(render_children(job.metadata.name, "ml", job.spec), "Pod")[f"{job.metadata.name}-trainer-0"]
+    assert [v["name"] for v in trainer["spec"]["volumes"] if "emptyDir" in v] == ["dshm", "scratch"]
 
 
 def test_multi_teacher_layout() -> None:
@@ -157,7 +219,7 @@ def test_network_policy_admits_job_pods_and_labelled_scrapers_only() -> None:
 
 
 def test_cpu_job_threads_kv_cache_and_role_overrides() -> None:
-    doc = yaml.safe_load((ROOT / "examples" / "quickstart-cpu.yaml").read_text())
+    doc = read_manifest(ROOT / "examples" / "quickstart-cpu.yaml")
     doc["spec"]["env"] = [{"name": "SHARED", "value": "job"}, {"name": "OMP_NUM_THREADS", "value": "7"}]
     doc["spec"]["nodeSelector"] = {"pool": "cpu"}
     doc["spec"]["schedulerName"] = "volcano"
@@ -203,7 +265,7 @@ def _run_cli(argv: list[str]) -> int:
 def test_render_command_prints_the_children(capsys: pytest.CaptureFixture[str]) -> None:
     path = ROOT / "examples" / "multi-teacher-6gpu.yaml"
     assert _run_cli(["render", str(path), "--namespace", "ml"]) == 0
-    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    docs = kubeyaml.load_all(capsys.readouterr().out)
     assert docs == json.loads(json.dumps(_children(path, "ml")))
 
 
@@ -222,6 +284,7 @@ def test_metrics_table_names() -> None:
         "kubedistill_operator_reconcile_errors",
         "kubedistill_operator_children_created",
         "kubedistill_operator_children_deleted",
+        "kubedistill_operator_children_refused",
         "kubedistill_operator_role_ready",
         "kubedistill_operator_job_restarts",
     }

@@ -2,8 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from k8s_offline import read_manifest
 from kubedistill.api import DistillationJob
 from kubedistill.api.roleconfig import (
     Endpoints,
@@ -17,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_job_config_round_trip(tmp_path: Path) -> None:
-    job = DistillationJob.model_validate(yaml.safe_load((ROOT / "examples/multi-teacher-6gpu.yaml").read_text()))
+    job = DistillationJob.model_validate(read_manifest(ROOT / "examples/multi-teacher-6gpu.yaml"))
     cfg = JobConfig(
         job=job.metadata.name,
         spec=job.spec,

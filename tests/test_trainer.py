@@ -123,7 +123,7 @@ def test_full_weights_have_hf_names_and_export_round_trips(trainer: Trainer, tin
 def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     spec = make_spec(tiny_models["student"], tmp_path / "c", **{
         "algorithm.distillation": {"lossMode": "k1", "usePolicyGradient": True, "useTaskRewards": True, "coef": 0.5},
-        "rollout.sampling.n": 2, "trainer.miniBatchSize": 4,
+        "rollout.sampling.samplesPerPrompt": 2, "trainer.miniBatchSize": 4,
     })
     t = Trainer(spec)
     try:

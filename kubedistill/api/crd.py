@@ -14,12 +14,12 @@ import typing
 from typing import Any, Union
 
 import annotated_types as at
-import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kubedistill.api import job as api
+from kubedistill.api import kubeyaml
 from kubedistill.api.base import FREE_FORM
 from kubedistill.api.rules import IMMUTABLE_MESSAGE, IMMUTABLE_SPEC_FIELDS, NAME_RULES, SPEC_RULES, Rule
 from kubedistill.api.spec import DistillationJobSpec
@@ -218,6 +218,7 @@ def crd() -> dict[str, Any]:
                         {"name": "Rollout", "type": "string", "jsonPath": ".status.ready.rollout"},
                         {"name": "Teachers", "type": "string", "jsonPath": ".status.ready.teachers"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
                     ],
                     "schema": {"openAPIV3Schema": openapi_schema()},
                 }
@@ -227,4 +228,4 @@ def crd() -> dict[str, Any]:
 
 
 def crd_yaml() -> str:
-    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=120)
+    return HEADER + kubeyaml.dump(crd(), sort_keys=False, width=120)

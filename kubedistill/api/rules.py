@@ -136,19 +136,19 @@ SPEC_RULES: list[Rule] = [
     Rule(
         "spec",
         "!self.algorithm.distillation.useTaskRewards || self.algorithm.advantage != 'grpo'"
-        " || self.rollout.sampling.n >= 2",
+        " || self.rollout.sampling.samplesPerPrompt >= 2",
         "must be at least 2 for GRPO task-reward advantages (normalised within each prompt's group)",
-        ".rollout.sampling.n",
+        ".rollout.sampling.samplesPerPrompt",
         lambda s: not s.algorithm.distillation.use_task_rewards
         or s.algorithm.advantage.value != "grpo"
-        or s.rollout.sampling.n >= 2,
+        or s.rollout.sampling.samples_per_prompt >= 2,
     ),
     Rule(
         "spec",
-        "self.trainer.miniBatchSize % self.rollout.sampling.n == 0",
-        "must be a multiple of spec.rollout.sampling.n (whole prompt groups per step)",
+        "self.trainer.miniBatchSize % self.rollout.sampling.samplesPerPrompt == 0",
+        "must be a multiple of spec.rollout.sampling.samplesPerPrompt (whole prompt groups per step)",
         ".trainer.miniBatchSize",
-        lambda s: s.trainer.mini_batch_size % s.rollout.sampling.n == 0,
+        lambda s: s.trainer.mini_batch_size % s.rollout.sampling.samples_per_prompt == 0,
     ),
     Rule(
         "spec",

@@ -188,15 +188,15 @@ class RoutingSpec(ApiModel):
 class SamplingSpec(ApiModel):
     """Sampling parameters of the student's rollouts."""
 
-    n: Annotated[int, Field(ge=1, le=1024)] = 1
-    """Responses sampled per prompt (the GRPO group size)."""
+    samples_per_prompt: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Responses sampled per prompt (the GRPO group size; verl's rollout.n)."""
     temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
     """Sampling temperature; 1.0 keeps the samples on-policy."""
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """Nucleus sampling mass."""
     max_tokens: Annotated[int, Field(ge=1, le=1048576)] = 1024
     """Maximum response tokens per sample."""
-    seed: Optional[Annotated[int, Field(ge=0)]] = None
+    seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
     """Base sampling seed (per request seeds derive from it). Unset: nondeterministic."""
 
 
@@ -248,7 +248,7 @@ class TrainerSpec(ApiModel):
     optim: OptimSpec = Field(default_factory=OptimSpec)
     """Optimiser settings."""
     mini_batch_size: Annotated[int, Field(ge=1, le=1048576)] = 16
-    """Samples per train step (a multiple of rollout.sampling.n, so GRPO groups stay whole)."""
+    """Samples per train step (a multiple of rollout.sampling.samplesPerPrompt, so GRPO groups stay whole)."""
     micro_batch_tokens: Annotated[int, Field(ge=1)] = 16384
     """Token budget of one forward/backward micro-batch per rank (gradient accumulation beyond)."""
     pack_sequences: bool = True
@@ -331,7 +331,7 @@ class DataSpec(ApiModel):
     """Prompts longer than this many tokens are dropped (and counted)."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
-    seed: Annotated[int, Field(ge=0)] = 0
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
     """Shuffle seed."""
 
 
@@ -414,6 +414,10 @@ class DistillationJobSpec(ApiModel):
     """ServiceAccount the pods run as."""
     image_pull_secrets: list[Name] = Field(default_factory=list, max_length=16)
     """Names of Secrets used to pull the image."""
+    security_context: Optional[FreeForm] = None
+    """Pod securityContext, deep-merged over a default that Pod Security "restricted" admits (runAsNonRoot, runAsUser, runAsGroup and fsGroup 1000, seccompProfile RuntimeDefault). Set a field here to relax it where a cluster needs that."""
+    container_security_context: Optional[FreeForm] = None
+    """Container securityContext, deep-merged over the restricted default (allowPrivilegeEscalation false, capabilities drop ALL, readOnlyRootFilesystem true: the runtime writes only to emptyDirs), e.g. {capabilities: {add: [IPC_LOCK]}} for RDMA."""
 
     # Lifecycle.
     suspend: bool = False

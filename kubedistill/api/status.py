@@ -18,6 +18,9 @@ class Phase(str, Enum):
     succeeded = "Succeeded"
     failed = "Failed"
     suspended = "Suspended"
+    blocked = "Blocked"
+    """The API server refuses to create a child (PodSecurity, quota, an admission webhook):
+    retried with backoff, and the phase the job would have once the cause is removed."""
 
 
 class ConditionType(str, Enum):
@@ -76,7 +79,9 @@ class DistillationJobStatus(ApiModel):
     """Observed state of the job."""
 
     phase: Phase = Phase.pending
-    """Pending, Initializing, Running, Restarting, Succeeded, Failed or Suspended."""
+    """Pending, Initializing, Running, Restarting, Succeeded, Failed, Suspended or Blocked."""
+    message: Annotated[str, Field(max_length=4096)] = ""
+    """Why the job is Blocked or Failed, in one line (empty otherwise)."""
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
     """Created, Ready, Running, Succeeded, Failed, Suspended."""
     roles: dict[str, RoleStatus] = Field(default_factory=dict, max_length=64)

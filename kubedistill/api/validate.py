@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
+from kubedistill.api import kubeyaml
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
+from kubedistill.api.spec import SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,39 @@ def _scalar(value: Any) -> bool:
     return isinstance(value, (str, int, float, bool)) or value is None
 
 
+# Keys users bring from other tools, by the model they are written in: the field they mean here.
+FAMILIAR_KEYS: dict[tuple[type[BaseModel], str], tuple[str, str]] = {
+    (SamplingSpec, "n"): ("samplesPerPrompt", "verl's rollout.n"),
+}
+BOOLEAN_KEYS: dict[str, tuple[str, ...]] = {
+    "false": ("n", "N", "no", "off", "false"),
+    "true": ("y", "Y", "yes", "on", "true"),
+}
+"""How a key that reached us as a boolean may have been written (YAML 1.1, as kubectl reads)."""
+
+
+def _unknown_field(parent: type[BaseModel] | None, key: str) -> str:
+    allowed = sorted((f.alias or n) for n, f in parent.model_fields.items()) if parent else []
+    spellings = BOOLEAN_KEYS.get(key, ())
+    meant = next((FAMILIAR_KEYS[(parent, k)] for k in (key, *spellings) if (parent, k) in FAMILIAR_KEYS), None)
+    if spellings:
+        hint = (
+            f": kubectl and the API server read YAML 1.1, where a bare key {', '.join(spellings[:-1])} or"
+            f" {spellings[-1]} is the boolean {key}"
+        )
+    else:
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close and not meant else ":" if meant else ""
+    if meant:
+        field, elsewhere = meant
+        hint += f"{';' if spellings else ''} did you mean {field} ({elsewhere})?"
+    return f"unknown field{hint}; allowed: {', '.join(allowed)}"
+
+
 def _message(err: dict[str, Any]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        parent = _model_at(tuple(err["loc"][:-1]))
-        allowed = sorted((f.alias or n) for n, f in parent.model_fields.items()) if parent else []
-        close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        return f"unknown field{hint}; allowed: {', '.join(allowed)}"
+        return _unknown_field(_model_at(tuple(err["loc"][:-1])), str(err["loc"][-1]))
     if kind == "missing":
         return "required field is missing"
     msg = err["msg"]
@@ -102,19 +128,18 @@ def problems_of(doc: Any, where: str) -> list[Problem]:
 
 
 def load_documents(path: Path) -> tuple[list[Any], list[Problem]]:
-    """The YAML documents of a file, or the problem that kept it from loading."""
+    """The YAML documents of a file as the API server would read them, or the problem that kept
+    it from loading (unreadable, too large, not UTF-8, not YAML, too deep, too many aliases)."""
     where = str(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            data = f.read(kubeyaml.MAX_BYTES + 1)
     except OSError as exc:
         return [], [Problem(where, "", f"cannot read file: {exc.strerror or exc}")]
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        return [], [Problem(where, "", f"invalid YAML: {line}{problem}")]
+        docs = kubeyaml.load_all(kubeyaml.decode(data))
+    except kubeyaml.ManifestError as exc:
+        return [], [Problem(where, "", str(exc))]
     if not docs:
         return [], [Problem(where, "", "no YAML document found")]
     return docs, []

@@ -1,5 +1,5 @@
 """The batcher: turns the groups one train step takes from the SampleBuffer into that step's
-mini-batches. GRPO groups stay whole (miniBatchSize is a multiple of rollout.sampling.n), and a
+mini-batches. GRPO groups stay whole (miniBatchSize is a multiple of rollout.sampling.samplesPerPrompt), and a
 sample the loss cannot use (no teacher scores when distilling, no reward when task rewards are
 on, token arrays of unequal length) is refused with a message naming it.
 
@@ -35,7 +35,7 @@ class BatchRequirements:
         d = spec.algorithm.distillation
         a = spec.async_
         return cls(
-            group_size=spec.rollout.sampling.n,
+            group_size=spec.rollout.sampling.samples_per_prompt,
             mini_batch_size=spec.trainer.mini_batch_size,
             require_batches=a.require_batches if a is not None else 1,
             teacher_scores=d.enabled,
@@ -105,7 +105,7 @@ def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_vers
     """One step's mini-batches from whole groups (as SampleBuffer.take returns them)."""
     for g in groups:
         if len(g) != req.group_size:
-            raise ValueError(f"group {g.group_id} has {len(g)} samples, rollout.sampling.n is {req.group_size}")
+            raise ValueError(f"group {g.group_id} has {len(g)} samples, rollout.sampling.samplesPerPrompt is {req.group_size}")
         for s in g.samples:
             check_sample(s, req)
     flat = [s for g in groups for s in g.samples]

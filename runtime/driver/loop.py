@@ -287,7 +287,7 @@ class Driver:
 
     # ---- generation ------------------------------------------------------------------------
     async def _produce(self) -> None:
-        n, max_tokens = self.spec.rollout.sampling.n, self.spec.rollout.sampling.max_tokens
+        n, max_tokens = self.spec.rollout.sampling.samples_per_prompt, self.spec.rollout.sampling.max_tokens
         while True:
             self._pending_cursor = self.src.state_dict()
             group = SampleGroup.from_prompt(self.src.next(), n, max_tokens)

@@ -102,7 +102,7 @@ class StalenessPolicy:
     mode: str
     """sync, oneStepOff or fullyAsync."""
     group_size: int
-    """rollout.sampling.n: samples per prompt, generated and trained as one group."""
+    """rollout.sampling.samplesPerPrompt: samples per prompt, generated and trained as one group."""
     required: int
     """Samples per train step (requireBatches x miniBatchSize)."""
     trigger_parameter_sync_step: int
@@ -137,10 +137,10 @@ class StalenessPolicy:
         threshold 1 with a sync after every step (the next step's batch is generated while this
         one trains, so every sample is one version old); fullyAsync takes the spec's numbers."""
         if group_size < 1:
-            raise ValueError(f"rollout.sampling.n must be >= 1, got {group_size}")
+            raise ValueError(f"rollout.sampling.samplesPerPrompt must be >= 1, got {group_size}")
         if mini_batch_size % group_size:
             raise ValueError(
-                f"trainer.miniBatchSize ({mini_batch_size}) must be a multiple of rollout.sampling.n ({group_size})"
+                f"trainer.miniBatchSize ({mini_batch_size}) must be a multiple of rollout.sampling.samplesPerPrompt ({group_size})"
             )
         if mode == "sync":
             staleness_threshold, trigger_parameter_sync_step, oversample, partial_rollout = 0.0, 1, 1.0, False
@@ -167,7 +167,7 @@ class StalenessPolicy:
         a = spec.async_
         return cls.build(
             mode=spec.mode.value,
-            group_size=spec.rollout.sampling.n,
+            group_size=spec.rollout.sampling.samples_per_prompt,
             mini_batch_size=spec.trainer.mini_batch_size,
             require_batches=a.require_batches if a is not None else 1,
             staleness_threshold=a.staleness_threshold if a is not None else 0.0,
