@@ -15,18 +15,26 @@ class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Sampling(Wire):
+class WireRequest(Wire):
+    """What a client sends a server: strict, so a token id of true or a max_tokens of "10" is
+    refused with a 422 instead of coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Sampling(WireRequest):
     max_tokens: Annotated[int, Field(ge=1)] = 256
     temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     n: Literal[1] = 1
     """One sample per request: the driver sends n requests so each can be aborted and resumed alone."""
-    seed: Optional[Annotated[int, Field(ge=0)]] = None
+    seed: Optional[Annotated[int, Field(ge=0, le=2**64 - 1)]] = None
+    """Per-request seed; torch's generators take at most 64 bits."""
     ignore_eos: bool = False
     """Keep generating past EOS until max_tokens (benchmarks with fixed response lengths)."""
 
 
-class GenerateRequest(Wire):
+class GenerateRequest(WireRequest):
     request_id: Annotated[str, Field(min_length=1, max_length=256)]
     prompt_token_ids: list[TokenId]
     sampling: Sampling = Field(default_factory=Sampling)
@@ -48,7 +56,7 @@ class GenerateResponse(Wire):
     finish_reason: FinishReason
 
 
-class AbortRequest(Wire):
+class AbortRequest(WireRequest):
     request_ids: Optional[list[str]] = None
     """Requests to abort; null aborts every request in flight."""
 
@@ -71,27 +79,27 @@ class HealthResponse(Wire):
     weight_sync: Literal["none", "joining", "ready", "failed"] = "none"
 
 
-class TensorMeta(Wire):
+class TensorMeta(WireRequest):
     name: str
     dtype: str
     """torch dtype name without the 'torch.' prefix, e.g. float32, bfloat16."""
     shape: list[Annotated[int, Field(ge=0)]]
 
 
-class BucketEntry(Wire):
+class BucketEntry(WireRequest):
     index: Annotated[int, Field(ge=0)]
     """Position of the tensor in Manifest.tensors."""
     offset: Annotated[int, Field(ge=0)]
     """Element offset of the tensor inside its bucket's flat buffer."""
 
 
-class Bucket(Wire):
+class Bucket(WireRequest):
     dtype: str
     numel: Annotated[int, Field(ge=1)]
     entries: list[BucketEntry]
 
 
-class Manifest(Wire):
+class Manifest(WireRequest):
     """The ordered tensors of one sync and the bucket layout both sides use (no pickling)."""
 
     bucket_bytes: Annotated[int, Field(ge=1)]
@@ -105,7 +113,7 @@ class Manifest(Wire):
         return sum(b.numel * dtype_size(b.dtype) for b in self.buckets)
 
 
-class WeightsBeginRequest(Wire):
+class WeightsBeginRequest(WireRequest):
     version: Annotated[int, Field(ge=0)]
     manifest: Manifest
     group_epoch: Optional[str] = None
@@ -113,7 +121,7 @@ class WeightsBeginRequest(Wire):
     of entering a collective nobody else is in."""
 
 
-class WeightsGroupRequest(Wire):
+class WeightsGroupRequest(WireRequest):
     """Leave the current weight-sync group (if any) and join the trainer's group `epoch`."""
 
     epoch: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
@@ -131,7 +139,7 @@ class WeightsBeginResponse(Wire):
     version: int
 
 
-class ScoreRequest(Wire):
+class ScoreRequest(WireRequest):
     token_ids: list[TokenId]
     """Prompt followed by the response."""
     prompt_len: Annotated[int, Field(ge=1)]

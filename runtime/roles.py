@@ -8,11 +8,22 @@ import sys
 ROLES = ("trainer", "rollout", "teacher")
 
 
+def _index(text: str) -> int:
+    """argparse type of --replica: a replica index is a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative (replica indices start at 0)")
+    return value
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("role", help="run one role of a job (trainer, rollout or teacher server)")
     p.add_argument("role", choices=ROLES, help="which role this process plays")
     p.add_argument("--config", default=None, help="job config (default /etc/kubedistill/config.json)")
-    p.add_argument("--replica", type=int, default=None, help="replica index (default: KUBEDISTILL_REPLICA)")
+    p.add_argument("--replica", type=_index, default=None, help="replica index (default: KUBEDISTILL_REPLICA)")
     p.add_argument("--teacher", default=None, help="teacher name (teacher role; default: KUBEDISTILL_TEACHER)")
     p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: Ports.HTTP)")
@@ -44,12 +55,22 @@ def _load(args: argparse.Namespace):
     path = Path(args.config or CONFIG_PATH)
     if not path.exists():
         raise FileNotFoundError(f"--config {path}: no such file")
+    if not path.is_file():
+        raise ValueError(f"--config {path}: not a file (the job's config.json, rendered by the operator)")
     try:
         config = JobConfig.load(path)
     except ValidationError as e:
         first = e.errors()[0]
-        raise ValueError(f"--config {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-    identity = Identity.from_env(Role(args.role), replica=args.replica, teacher=args.teacher)
+        where = ".".join(map(str, first["loc"]))
+        raise ValueError(f"--config {path}: {where + ': ' if where else ''}{first['msg']}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot read it ({e})") from None
+    try:
+        identity = Identity.from_env(Role(args.role), replica=args.replica, teacher=args.teacher)
+    except (ValidationError, ValueError):
+        raise ValueError(
+            "the replica index (--replica, else KUBEDISTILL_REPLICA or RANK) must be a whole number >= 0"
+        ) from None
     return config, identity, args.port or Ports.HTTP
 
 

@@ -104,6 +104,11 @@ async def test_prefix_continues_a_greedy_generation(hf_servers) -> None:
          400, "nothing left to generate"),
         ({"request_id": "e", "prompt_token_ids": [1], "sampling": {"n": 2}}, 422, "sampling.n"),
         ({"prompt_token_ids": [1]}, 422, "request_id"),
+        # Past what a generator's seed holds (was a 500 and a dropped connection).
+        ({"request_id": "e", "prompt_token_ids": [1], "sampling": {"seed": 2**64}}, 422, "sampling.seed"),
+        # Strict wire types: no coercion of booleans into token ids or strings into numbers.
+        ({"request_id": "e", "prompt_token_ids": [True, False]}, 422, "prompt_token_ids"),
+        ({"request_id": "e", "prompt_token_ids": [1], "sampling": {"max_tokens": "10"}}, 422, "sampling.max_tokens"),
     ],
 )
 def test_bad_generate_requests_get_4xx_and_server_keeps_serving(hf_servers, body, status, message) -> None:
