@@ -11,9 +11,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/x.py` from a checkout without the package installed
@@ -32,7 +33,7 @@ class JobShape:
     student: Path
     teacher: Path
     train: Path
-    val: Optional[Path]
+    val: Path | None
     checkpoint: Path
     steps: int
     lr: float
@@ -47,8 +48,8 @@ class JobShape:
     warmup: int = 5
     max_model_len: int = 64
     async_: dict[str, Any] = field(default_factory=dict)
-    loss_max_clamp: Optional[float] = None
-    seed: Optional[int] = 0
+    loss_max_clamp: float | None = None
+    seed: int | None = 0
     """rollout.sampling.seed (None: unseeded, which the engines sample in one batched draw)."""
 
 
@@ -64,20 +65,31 @@ def job_manifest(s: JobShape) -> dict[str, Any]:
         "mode": s.mode,
         "device": "cpu",
         "student": {"model": str(s.student)},
-        "teachers": [{"name": "teacher", "model": str(s.teacher), "inference": dict(inference),
-                      "overrides": {"cpuThreads": 1}}],
-        "rollout": {"replicas": 1, "inference": dict(inference),
-                    "sampling": {"samplesPerPrompt": s.n, "temperature": 1.0, "maxTokens": s.max_tokens,
-                                 **({"seed": s.seed} if s.seed is not None else {})},
-                    "overrides": {"cpuThreads": 1}},
-        "trainer": {"replicas": 1, "miniBatchSize": s.mini_batch, "totalSteps": s.steps,
-                    "mixedPrecision": "float32",
-                    "optim": {"lr": s.lr, "warmupSteps": s.warmup, "schedule": "cosine", "gradClip": 1.0},
-                    "overrides": {"cpuThreads": 1}},
+        "teachers": [
+            {"name": "teacher", "model": str(s.teacher), "inference": dict(inference), "overrides": {"cpuThreads": 1}}
+        ],
+        "rollout": {
+            "replicas": 1,
+            "inference": dict(inference),
+            "sampling": {
+                "samplesPerPrompt": s.n,
+                "temperature": 1.0,
+                "maxTokens": s.max_tokens,
+                **({"seed": s.seed} if s.seed is not None else {}),
+            },
+            "overrides": {"cpuThreads": 1},
+        },
+        "trainer": {
+            "replicas": 1,
+            "miniBatchSize": s.mini_batch,
+            "totalSteps": s.steps,
+            "mixedPrecision": "float32",
+            "optim": {"lr": s.lr, "warmupSteps": s.warmup, "schedule": "cosine", "gradClip": 1.0},
+            "overrides": {"cpuThreads": 1},
+        },
         "algorithm": {"distillation": distillation},
         "data": {"train": [str(s.train)], "val": [str(s.val)] if s.val else [], "maxPromptLength": 32, "seed": 0},
-        "checkpoint": {"path": str(s.checkpoint), "everySteps": s.checkpoint_every, "keep": 1000,
-                       "resume": "never"},
+        "checkpoint": {"path": str(s.checkpoint), "everySteps": s.checkpoint_every, "keep": 1000, "resume": "never"},
         "weightSync": {"bucketMB": 16},
     }
     if s.mode == "fullyAsync" or s.async_:
@@ -109,7 +121,7 @@ class RolePinner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> "RolePinner":
+    def __enter__(self) -> RolePinner:
         self._thread.start()
         return self
 
@@ -141,7 +153,7 @@ class RolePinner:
                     continue
 
 
-def run_job(shape: JobShape, workdir: Path, log=print, pin: Optional[dict[str, set[int]]] = None) -> dict[str, Any]:
+def run_job(shape: JobShape, workdir: Path, log=print, pin: dict[str, set[int]] | None = None) -> dict[str, Any]:
     """Write the job file, run it with `kubedistill run` machinery and return its report
     (``history``: one entry per train step from trainer rank 0). `pin`: role -> CPUs (see PINNED)."""
     import contextlib
@@ -158,17 +170,24 @@ def run_job(shape: JobShape, workdir: Path, log=print, pin: Optional[dict[str, s
     t0 = time.time()
     pinner = RolePinner(workdir / shape.name / "config.json", pin) if pin else contextlib.nullcontext()
     with pinner:
-        code = local.run(job_path, workdir=workdir / shape.name, report=report_path, progress=False,
-                         log=lambda line: log(f"  [{shape.name}] {line}"))
+        code = local.run(
+            job_path,
+            workdir=workdir / shape.name,
+            report=report_path,
+            progress=False,
+            log=lambda line: log(f"  [{shape.name}] {line}"),
+        )
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     report["launcherSeconds"] = round(time.time() - t0, 1)
     if code != 0 or not report.get("history"):
-        raise JobFailed(f"job {shape.name} failed ({report.get('result', f'exit {code}')}); logs in "
-                        f"{report.get('logs', workdir / shape.name / 'logs')}")
+        raise JobFailed(
+            f"job {shape.name} failed ({report.get('result', f'exit {code}')}); logs in "
+            f"{report.get('logs', workdir / shape.name / 'logs')}"
+        )
     return report
 
 
-def history_at(history: Sequence[dict[str, Any]], step: int) -> Optional[dict[str, Any]]:
+def history_at(history: Sequence[dict[str, Any]], step: int) -> dict[str, Any] | None:
     for h in history:
         if h.get("step") == step:
             return h
@@ -183,12 +202,14 @@ def load_checkpoint_student(init_dir: Path, checkpoint_dir: Path):
     model = AutoModelForCausalLM.from_pretrained(str(init_dir))
     state = torch.load(checkpoint_dir / "trainer.pt", map_location="cpu", weights_only=False)["model"]
     # The trainer wraps the HF model as `lm` (see runtime/trainer/trainer.py).
-    sd = {k[len("lm."):] if k.startswith("lm.") else k: v for k, v in state.items()}
+    sd = {k[len("lm.") :] if k.startswith("lm.") else k: v for k, v in state.items()}
     result = model.load_state_dict(sd, strict=False)
     missing = set(result.missing_keys) - {"lm_head.weight"}
     if missing or result.unexpected_keys:
-        raise RuntimeError(f"checkpoint {checkpoint_dir} does not match {init_dir}: missing {sorted(missing)[:3]}, "
-                           f"unexpected {sorted(result.unexpected_keys)[:3]}")
+        raise RuntimeError(
+            f"checkpoint {checkpoint_dir} does not match {init_dir}: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.eval()
@@ -206,10 +227,10 @@ def mean(xs: Iterable[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def first_time_at_or_below(points: Sequence[tuple[float, float]], target: float) -> Optional[float]:
+def first_time_at_or_below(points: Sequence[tuple[float, float]], target: float) -> float | None:
     """The first time a (time, value) curve reaches `target`, interpolated linearly between the
     two points around the crossing; None if it never does."""
-    prev: Optional[tuple[float, float]] = None
+    prev: tuple[float, float] | None = None
     for t, v in points:
         if v <= target:
             if prev is None or prev[1] == v:

@@ -23,18 +23,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_COMMIT = "f0c303becd6485f6d59ea8a89b3c54860c62dcca"
 
 
-def old_engine_class(work: Path) -> Optional[type]:
+def old_engine_class(work: Path) -> type | None:
     """HFEngine as it was before continuous batching, or None without git history."""
     try:
-        src = subprocess.run(["git", "show", f"{OLD_COMMIT}:runtime/engines/hf.py"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout
+        src = subprocess.run(
+            ["git", "show", f"{OLD_COMMIT}:runtime/engines/hf.py"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"# the old engine is unavailable ({e}); comparing with max_num_seqs=1 only", flush=True)
         return None
@@ -51,8 +52,12 @@ async def generate_rate(engine, prompts: list[list[int]], tokens: int) -> float:
 
     sampling = Sampling(max_tokens=tokens, temperature=1.0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = await asyncio.gather(*(engine.generate(GenerateRequest(
-        request_id=f"r{i}", prompt_token_ids=p, sampling=sampling)) for i, p in enumerate(prompts)))
+    outs = await asyncio.gather(
+        *(
+            engine.generate(GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=sampling))
+            for i, p in enumerate(prompts)
+        )
+    )
     seconds = time.perf_counter() - t0
     assert all(len(o.token_ids) == tokens for o in outs)
     return sum(len(o.token_ids) for o in outs) / seconds
@@ -62,8 +67,10 @@ async def score_rate(engine, prompts: list[list[int]], tokens: int) -> float:
     from kubedistill.runtime.protocol import ScoreRequest
 
     rng = random.Random(1)
-    reqs = [ScoreRequest(token_ids=p + [rng.randrange(4, 16) for _ in range(tokens)], prompt_len=len(p), top_k=4)
-            for p in prompts]
+    reqs = [
+        ScoreRequest(token_ids=p + [rng.randrange(4, 16) for _ in range(tokens)], prompt_len=len(p), top_k=4)
+        for p in prompts
+    ]
     t0 = time.perf_counter()
     await asyncio.gather(*(engine.score(r) for r in reqs))
     return len(reqs) / (time.perf_counter() - t0)
@@ -102,16 +109,21 @@ async def main() -> None:
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(4, 16) for _ in range(rng.randint(7, 23))] for _ in range(args.requests)]
     Old = old_engine_class(work)
-    print(f"# {args.requests} concurrent requests x {args.tokens} new tokens, prompts 8-24 tokens, "
-          f"{args.threads} torch thread(s), median of {args.repeats}", flush=True)
+    print(
+        f"# {args.requests} concurrent requests x {args.tokens} new tokens, prompts 8-24 tokens, "
+        f"{args.threads} torch thread(s), median of {args.repeats}",
+        flush=True,
+    )
 
     results: dict[tuple[str, str, str], float] = {}
     for name, path in models.items():
         for label, run, unit in (("generate", generate_rate, "tokens/s"), ("score", score_rate, "seqs/s")):
-            engines = {"batched": lambda: HFEngine(str(path), dtype="float32"),
-                       "seqs=1": lambda: HFEngine(str(path), dtype="float32", max_num_seqs=1)}
+            engines = {
+                "batched": lambda path=path: HFEngine(str(path), dtype="float32"),
+                "seqs=1": lambda path=path: HFEngine(str(path), dtype="float32", max_num_seqs=1),
+            }
             if Old is not None:
-                engines["old"] = lambda: Old(str(path), dtype="float32")
+                engines["old"] = lambda path=path: Old(str(path), dtype="float32")
             for kind, make in engines.items():
                 if label == "score" and kind == "seqs=1":
                     continue  # max_num_seqs bounds generation only
@@ -125,8 +137,10 @@ async def main() -> None:
                 ratio = results[(name, label, "batched")] / results[(name, label, base)]
                 print(f"{name:8s} {label:9s} batched/{base}: {ratio:.2f}x", flush=True)
     ratio = results[("student", "generate", "batched")] / results[("student", "generate", base)]
-    print(f"speed-up, {args.requests} concurrent rollouts of {args.tokens} tokens (student, tokens/s batched/{base}): "
-          f"{ratio:.1f}x")
+    print(
+        f"speed-up, {args.requests} concurrent rollouts of {args.tokens} tokens (student, tokens/s batched/{base}): "
+        f"{ratio:.1f}x"
+    )
 
 
 if __name__ == "__main__":

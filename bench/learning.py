@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -108,8 +108,14 @@ def warm_start(cache: Path, teacher_dir: Path, log=print) -> Path:
     return out
 
 
-def evaluate_run(ckpt_root: Path, history: list[dict[str, Any]], init_dir: Path, teacher_dir: Path,
-                 n_problems: int, init_point: dict[str, float]) -> list[dict[str, Any]]:
+def evaluate_run(
+    ckpt_root: Path,
+    history: list[dict[str, Any]],
+    init_dir: Path,
+    teacher_dir: Path,
+    n_problems: int,
+    init_point: dict[str, float],
+) -> list[dict[str, Any]]:
     """One point per checkpoint (plus step 0 = the warm start): step, time, reverse KL, accuracy."""
     from kubedistill.runtime import quickstart
 
@@ -126,8 +132,15 @@ def evaluate_run(ckpt_root: Path, history: list[dict[str, Any]], init_dir: Path,
                 if f.name.startswith(("tokenizer", "special_tokens")):
                     shutil.copy(f, out / f.name)
             r = quickstart.evaluate(out, teacher_dir, n_problems=n_problems)
-            points.append({"step": step, "time": float(h["time"]), "accuracy": r["accuracy"],
-                           "reverse_kl": r["reverse_kl"], "trainKL": h.get("klStudentTeacher")})
+            points.append(
+                {
+                    "step": step,
+                    "time": float(h["time"]),
+                    "accuracy": r["accuracy"],
+                    "reverse_kl": r["reverse_kl"],
+                    "trainKL": h.get("klStudentTeacher"),
+                }
+            )
     return points
 
 
@@ -137,14 +150,18 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], teacher_acc: float, path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    losses = [l for l in LOSSES if l in results]
+    losses = [loss for loss in LOSSES if loss in results]
     fig, axes = plt.subplots(len(losses), 4, figsize=(17, 3.6 * len(losses)), squeeze=False)
     colors = {"sync": "tab:blue", "oneStepOff": "tab:orange", "fullyAsync": "tab:green"}
     for row, loss in zip(axes, losses):
         for mode, r in results[loss].items():
             pts = r["points"]
-            for ax, x, y in ((row[0], "step", "reverse_kl"), (row[1], "time", "reverse_kl"),
-                             (row[2], "step", "accuracy"), (row[3], "time", "accuracy")):
+            for ax, x, y in (
+                (row[0], "step", "reverse_kl"),
+                (row[1], "time", "reverse_kl"),
+                (row[2], "step", "accuracy"),
+                (row[3], "time", "accuracy"),
+            ):
                 ax.plot([p[x] for p in pts], [p[y] for p in pts], marker="o", ms=3, color=colors[mode], label=mode)
         for ax in row[2:]:
             ax.axhline(teacher_acc, color="grey", ls="--", lw=1, label="teacher")
@@ -165,7 +182,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], teacher_acc: float, path
     plt.close(fig)
 
 
-def time_to_sync_final(results: dict[str, dict[str, Any]]) -> dict[str, Optional[float]]:
+def time_to_sync_final(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """For one loss: each mode's wall time to first reach sync's final reverse KL."""
     if "sync" not in results:
         return {}
@@ -180,40 +197,50 @@ def time_to_sync_final(results: dict[str, dict[str, Any]]) -> dict[str, Optional
     return {mode: first_time_at_or_below(after_peak(r["points"]), target) for mode, r in results.items()}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and evaluation problems")
     ap.add_argument("--steps", type=int, help="train steps per run (default 100, quick 40)")
     ap.add_argument("--pg-steps", type=int, help="train steps of the k1+PG runs (default: --steps)")
-    ap.add_argument("--async-steps", type=int,
-                    help="train steps of the oneStepOff/fullyAsync runs (default: as sync), so a faster mode can "
-                         "run on until it reaches sync's final reverse KL")
+    ap.add_argument(
+        "--async-steps",
+        type=int,
+        help="train steps of the oneStepOff/fullyAsync runs (default: as sync), so a faster mode can "
+        "run on until it reaches sync's final reverse KL",
+    )
     ap.add_argument("--every", type=int, help="checkpoint (evaluation point) every N steps (default 10, quick 5)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--losses", default=",".join(LOSSES))
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout/teacher engine")
-    ap.add_argument("--staleness", type=float, default=1.0,
-                    help="fullyAsync stalenessThreshold (default 1.0: the one-version allowance oneStepOff has; at "
-                         "0.5 with a sync every step, generation stops at the bound early in every step)")
+    ap.add_argument(
+        "--staleness",
+        type=float,
+        default=1.0,
+        help="fullyAsync stalenessThreshold (default 1.0: the one-version allowance oneStepOff has; at "
+        "0.5 with a sync every step, generation stops at the bound early in every step)",
+    )
     ap.add_argument("--problems", type=int, help="held-out problems per evaluation (default 500, quick 200)")
     ap.add_argument("--cache", default=str(REPO / ".kubedistill/bench/arith"), help="teacher/student/data cache")
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/learning"))
     ap.add_argument("--plot", default=str(REPO / "docs/learning.png"))
     ap.add_argument("--docs", metavar="FILE.md", help="also write the tables as markdown here (e.g. docs/learning.md)")
-    ap.add_argument("--render-only", action="store_true",
-                    help="run nothing: tables, plot and markdown from the results saved in --workdir")
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: tables, plot and markdown from the results saved in --workdir",
+    )
     args = ap.parse_args(argv)
     steps = args.steps or (40 if args.quick else 100)
     every = args.every or (5 if args.quick else 10)
     problems = args.problems or (200 if args.quick else 500)
     modes = [m for m in args.modes.split(",") if m]
-    losses = [l for l in args.losses.split(",") if l]
+    losses = [loss for loss in args.losses.split(",") if loss]
     for m in modes:
         if m not in MODES:
             ap.error(f"--modes: unknown mode {m!r}; allowed: {', '.join(MODES)}")
-    for l in losses:
-        if l not in LOSSES:
-            ap.error(f"--losses: unknown loss {l!r}; allowed: {', '.join(LOSSES)}")
+    for loss in losses:
+        if loss not in LOSSES:
+            ap.error(f"--losses: unknown loss {loss!r}; allowed: {', '.join(LOSSES)}")
 
     single_thread()
     from kubedistill.runtime import quickstart
@@ -224,8 +251,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     teacher_dir = cache / "teacher"
     init_dir = warm_start(cache, teacher_dir)
     init_point = quickstart.evaluate(init_dir, teacher_dir, n_problems=problems)
-    print(f"models: teacher {info['teacher']['accuracy']:.1%} held-out accuracy, warm-started student "
-          f"{init_point['accuracy']:.1%} (prepared in {time.time() - t0:.0f} s or cached)")
+    print(
+        f"models: teacher {info['teacher']['accuracy']:.1%} held-out accuracy, warm-started student "
+        f"{init_point['accuracy']:.1%} (prepared in {time.time() - t0:.0f} s or cached)"
+    )
 
     results: dict[str, dict[str, dict[str, Any]]] = {}
     failures: list[str] = []
@@ -242,11 +271,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                 continue
             ckpt = work / name / "ckpt"
             shutil.rmtree(ckpt, ignore_errors=True)
-            shape = JobShape(name=name, mode=mode, student=init_dir, teacher=teacher_dir,
-                             train=cache / "data/train.jsonl", val=cache / "data/val.jsonl", checkpoint=ckpt,
-                             steps=mode_steps, lr=lr, loss=loss_mode, policy_gradient=pg, engine=args.engine,
-                             checkpoint_every=every, n=SAMPLES_PER_PROMPT,
-                             async_={**ASYNC, "stalenessThreshold": args.staleness} if mode == "fullyAsync" else {})
+            shape = JobShape(
+                name=name,
+                mode=mode,
+                student=init_dir,
+                teacher=teacher_dir,
+                train=cache / "data/train.jsonl",
+                val=cache / "data/val.jsonl",
+                checkpoint=ckpt,
+                steps=mode_steps,
+                lr=lr,
+                loss=loss_mode,
+                policy_gradient=pg,
+                engine=args.engine,
+                checkpoint_every=every,
+                n=SAMPLES_PER_PROMPT,
+                async_={**ASYNC, "stalenessThreshold": args.staleness} if mode == "fullyAsync" else {},
+            )
             print(f"run {loss} / {mode}: {mode_steps} steps x 64 samples ...", flush=True)
             load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             try:
@@ -257,32 +298,56 @@ def main(argv: Optional[list[str]] = None) -> int:
                 continue
             hist = report["history"]
             r = results.setdefault(loss, {})[mode] = {
-                "history": hist, "seconds": hist[-1]["time"],
-                "samplesPerSecond": mean(h.get("samplesPerSecond") for h in hist[len(hist) // 4:]),
-                "started": started, "load": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-                "waitSeconds": mean(h.get("waitSeconds") for h in hist[len(hist) // 4:]),
-                "trainSeconds": mean(h.get("trainSeconds") for h in hist[len(hist) // 4:])}
+                "history": hist,
+                "seconds": hist[-1]["time"],
+                "samplesPerSecond": mean(h.get("samplesPerSecond") for h in hist[len(hist) // 4 :]),
+                "started": started,
+                "load": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+                "waitSeconds": mean(h.get("waitSeconds") for h in hist[len(hist) // 4 :]),
+                "trainSeconds": mean(h.get("trainSeconds") for h in hist[len(hist) // 4 :]),
+            }
             print(f"  done: {len(hist)} steps in {hist[-1]['time']:.0f} s; evaluating its checkpoints ...", flush=True)
             # Between runs, so evaluation never competes with a run for the CPU.
             r["points"] = evaluate_run(ckpt, hist, init_dir, teacher_dir, problems, init_point)
             (work / f"{name}.result.json").write_text(json.dumps(r))
             last = r["points"][-1]
-            print(f"  step {last['step']}: reverse KL {last['reverse_kl']:.4f}, accuracy {last['accuracy']:.1%}",
-                  flush=True)
+            print(
+                f"  step {last['step']}: reverse KL {last['reverse_kl']:.4f}, accuracy {last['accuracy']:.1%}",
+                flush=True,
+            )
 
     teacher_acc = info["teacher"]["accuracy"]
     md: list[str] = []
     headers = ["step", "time s", "reverse KL", "accuracy", "train KL (k1)"]
     for loss, by_mode in results.items():
         for mode, r in by_mode.items():
-            rows = [[p["step"], fmt(p["time"], ".0f"), fmt(p["reverse_kl"], ".4f"), fmt(p["accuracy"], ".1%"),
-                     fmt(p["trainKL"], ".4f")] for p in r["points"]]
+            rows = [
+                [
+                    p["step"],
+                    fmt(p["time"], ".0f"),
+                    fmt(p["reverse_kl"], ".4f"),
+                    fmt(p["accuracy"], ".1%"),
+                    fmt(p["trainKL"], ".4f"),
+                ]
+                for p in r["points"]
+            ]
             print(f"\n{loss} / {mode}")
             print(table(headers, rows))
             md += [f"\n### {loss} / {mode}\n", table(headers, rows, markdown=True)]
 
-    summary_headers = ["loss", "mode", "steps", "wall s", "samples/s", "final rKL", "final acc", "best acc",
-                       "t to sync final rKL", "started", "load avg (1 min) before/after"]
+    summary_headers = [
+        "loss",
+        "mode",
+        "steps",
+        "wall s",
+        "samples/s",
+        "final rKL",
+        "final acc",
+        "best acc",
+        "t to sync final rKL",
+        "started",
+        "load avg (1 min) before/after",
+    ]
     summary, ratios = [], {}
     for loss, by_mode in results.items():
         times = time_to_sync_final(by_mode)
@@ -290,39 +355,65 @@ def main(argv: Optional[list[str]] = None) -> int:
             pts = r["points"]
             last = r["history"][-1]
             rate = last["step"] * 64 / last["time"] if last.get("time") else None  # trained samples / wall s
-            summary.append([loss, mode, pts[-1]["step"], fmt(r["seconds"], ".0f"), fmt(rate, ".1f"),
-                            fmt(pts[-1]["reverse_kl"], ".4f"), fmt(pts[-1]["accuracy"], ".1%"),
-                            fmt(max(p["accuracy"] for p in pts), ".1%"),
-                            fmt(times.get(mode), ".0f") if mode in times else "—", r.get("started", "—"),
-                            "/".join(str(x) for x in r.get("load", [])) or "—"])
+            summary.append(
+                [
+                    loss,
+                    mode,
+                    pts[-1]["step"],
+                    fmt(r["seconds"], ".0f"),
+                    fmt(rate, ".1f"),
+                    fmt(pts[-1]["reverse_kl"], ".4f"),
+                    fmt(pts[-1]["accuracy"], ".1%"),
+                    fmt(max(p["accuracy"] for p in pts), ".1%"),
+                    fmt(times.get(mode), ".0f") if mode in times else "—",
+                    r.get("started", "—"),
+                    "/".join(str(x) for x in r.get("load", [])) or "—",
+                ]
+            )
         if times.get("sync") and "fullyAsync" in times:
             ratios[loss] = times["fullyAsync"] / times["sync"] if times["fullyAsync"] is not None else math.inf
-    print(f"\nteacher held-out accuracy {teacher_acc:.1%}; warm start: reverse KL {init_point['reverse_kl']:.4f}, "
-          f"accuracy {init_point['accuracy']:.1%}")
+    print(
+        f"\nteacher held-out accuracy {teacher_acc:.1%}; warm start: reverse KL {init_point['reverse_kl']:.4f}, "
+        f"accuracy {init_point['accuracy']:.1%}"
+    )
     print(table(summary_headers, summary))
     for loss, ratio in ratios.items():
-        print(f"{loss}: fullyAsync wall time to sync's final reverse KL / sync's = {fmt(ratio, '.2f')}"
-              + (" (fullyAsync never reached it)" if math.isinf(ratio) else ""))
+        print(
+            f"{loss}: fullyAsync wall time to sync's final reverse KL / sync's = {fmt(ratio, '.2f')}"
+            + (" (fullyAsync never reached it)" if math.isinf(ratio) else "")
+        )
     if failures:
         print(f"FAILED runs: {', '.join(failures)}")
 
     pg_note = f" ({args.pg_steps} for k1+PG)" if args.pg_steps and "k1+PG" in results else ""
-    title = (f"OPD on 2-digit addition, CPU, {steps}{pg_note} steps x 64 samples; teacher {teacher_acc:.0%}; "
-             f"engine {args.engine}; evaluated on {problems} held-out problems")
+    title = (
+        f"OPD on 2-digit addition, CPU, {steps}{pg_note} steps x 64 samples; teacher {teacher_acc:.0%}; "
+        f"engine {args.engine}; evaluated on {problems} held-out problems"
+    )
     if results:
         plot(results, teacher_acc, Path(args.plot), title)
         print(f"plot: {args.plot}")
     if args.docs:
-        head = [f"teacher held-out accuracy {teacher_acc:.1%}; warm-started student: reverse KL "
-                f"{init_point['reverse_kl']:.4f}, accuracy {init_point['accuracy']:.1%}.\n",
-                table(summary_headers, summary, markdown=True), ""]
-        head += [f"* {loss}: fullyAsync wall time to sync's final reverse KL / sync's = **{fmt(r, '.2f')}**"
-                 for loss, r in ratios.items()]
-        command = f".venv/bin/python bench/learning.py --steps {steps}" + (f" --pg-steps {args.pg_steps}" if args.pg_steps else "")
+        head = [
+            f"teacher held-out accuracy {teacher_acc:.1%}; warm-started student: reverse KL "
+            f"{init_point['reverse_kl']:.4f}, accuracy {init_point['accuracy']:.1%}.\n",
+            table(summary_headers, summary, markdown=True),
+            "",
+        ]
+        head += [
+            f"* {loss}: fullyAsync wall time to sync's final reverse KL / sync's = **{fmt(r, '.2f')}**"
+            for loss, r in ratios.items()
+        ]
+        command = f".venv/bin/python bench/learning.py --steps {steps}" + (
+            f" --pg-steps {args.pg_steps}" if args.pg_steps else ""
+        )
         command += f" --async-steps {args.async_steps}" if args.async_steps else ""
         command += f" --docs {args.docs}"
-        Path(args.docs).write_text(DOC_TEMPLATE.format(title=title, summary="\n".join(head), details="\n".join(md),
-                                                       command=command, staleness=args.staleness))
+        Path(args.docs).write_text(
+            DOC_TEMPLATE.format(
+                title=title, summary="\n".join(head), details="\n".join(md), command=command, staleness=args.staleness
+            )
+        )
         print(f"markdown: {args.docs}")
 
     headline = ratios.get("forwardKLTopK", next(iter(ratios.values()), None))

@@ -7,10 +7,11 @@ other, like a trainer GPU pool beside an inference pool).
 Long-tailed response lengths: the student is a random-weight model over the character vocabulary
 of the arithmetic task (padded with unused characters to `Workload.vocab` tokens), so it emits
 <eos> with probability ≈ 1/vocab at every token: response lengths are roughly geometric and
-capped by `maxTokens`; a few responses per batch are several times longer than the median (the run measures and prints the distribution first). A
-synchronous batch waits for its longest response; fullyAsync keeps generating and trains on
-whatever is finished. A tiny learning rate keeps the length distribution the same throughout, so
-the runs see the same workload (this benchmark measures speed, not learning).
+capped by `maxTokens`; a few responses per batch are several times longer than the median (the
+run measures and prints the distribution first). A synchronous batch waits for its longest
+response; fullyAsync keeps generating and trains on whatever is finished. A tiny learning rate
+keeps the length distribution the same throughout, so the runs see the same workload (this
+benchmark measures speed, not learning).
 
 DESIGN.md section 9 states each target under its own condition, so the run has two workloads
 (`WORKLOADS`):
@@ -39,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -56,7 +57,6 @@ from _common import (  # noqa: E402
     table,
 )
 
-
 FILLER = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!?#$%&*()[]{}<>@^~|;:,._-/"
 """Characters that never occur in a prompt; added to the vocabulary only to lengthen responses."""
 
@@ -70,18 +70,34 @@ def prepare_models(base: Path, hidden: int, layers: int, teacher_layers: int, vo
 
     extra = vocab - len(SPECIALS) - len(arith.ALPHABET)
     if not 0 <= extra <= len(FILLER):
-        raise ValueError(f"vocab {vocab}: must be {len(SPECIALS) + len(arith.ALPHABET)}.."
-                         f"{len(SPECIALS) + len(arith.ALPHABET) + len(FILLER)}")
+        raise ValueError(
+            f"vocab {vocab}: must be {len(SPECIALS) + len(arith.ALPHABET)}.."
+            f"{len(SPECIALS) + len(arith.ALPHABET) + len(FILLER)}"
+        )
     shape = f"v{vocab}-h{hidden}-l{layers}-t{teacher_layers}"
     out = {"student": base / f"student-{shape}", "teacher": base / f"teacher-{shape}", "train": base / "train.jsonl"}
     tok = char_tokenizer(arith.ALPHABET + FILLER[:extra])
     heads = max(1, hidden // 64)  # head_dim 64: vLLM's CPU attention rejects smaller heads
     if not (out["student"] / "config.json").is_file():
-        build_tiny_model(out["student"], tok, seed=1, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                         intermediate_size=4 * hidden)
+        build_tiny_model(
+            out["student"],
+            tok,
+            seed=1,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            intermediate_size=4 * hidden,
+        )
     if not (out["teacher"] / "config.json").is_file():
-        build_tiny_model(out["teacher"], tok, seed=2, hidden_size=hidden, num_layers=teacher_layers,
-                         num_heads=heads, intermediate_size=4 * hidden)
+        build_tiny_model(
+            out["teacher"],
+            tok,
+            seed=2,
+            hidden_size=hidden,
+            num_layers=teacher_layers,
+            num_heads=heads,
+            intermediate_size=4 * hidden,
+        )
     if not out["train"].is_file():
         arith.write_jsonl(arith.split()[0], out["train"])
     return out
@@ -96,20 +112,33 @@ def length_profile(student: Path, prompts: Path, max_tokens: int, n: int = 256) 
     tok = AutoTokenizer.from_pretrained(str(student))
     model = AutoModelForCausalLM.from_pretrained(str(student)).eval()
     rows = [json.loads(line) for line in prompts.read_text().splitlines()[:n]]
-    ids = torch.tensor([tok(tok.bos_token + r["prompt"][0]["content"], add_special_tokens=False).input_ids for r in rows])
+    ids = torch.tensor(
+        [tok(tok.bos_token + r["prompt"][0]["content"], add_special_tokens=False).input_ids for r in rows]
+    )
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             do_sample=True, temperature=1.0, top_k=0, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
     lengths = []
-    for seq in out[:, ids.shape[1]:].tolist():
+    for seq in out[:, ids.shape[1] :].tolist():
         end = seq.index(tok.eos_token_id) + 1 if tok.eos_token_id in seq else len(seq)
         lengths.append(end)
     lengths.sort()
-    return {"median": statistics.median(lengths), "p90": lengths[int(0.9 * (len(lengths) - 1))],
-            "max": lengths[-1], "capped": sum(x >= max_tokens for x in lengths) / len(lengths),
-            "mean": statistics.mean(lengths)}
+    return {
+        "median": statistics.median(lengths),
+        "p90": lengths[int(0.9 * (len(lengths) - 1))],
+        "max": lengths[-1],
+        "capped": sum(x >= max_tokens for x in lengths) / len(lengths),
+        "mean": statistics.mean(lengths),
+    }
 
 
 def steady_rate(history: list[dict[str, Any]], mini_batch: int, skip: int) -> float:
@@ -122,7 +151,7 @@ def steady_rate(history: list[dict[str, Any]], mini_batch: int, skip: int) -> fl
     return (b["step"] - a["step"]) * mini_batch / max(1e-9, b["time"] - a["time"])
 
 
-def response_lengths(history: list[dict[str, Any]]) -> Optional[float]:
+def response_lengths(history: list[dict[str, Any]]) -> float | None:
     """Mean response tokens per sample, when the history carries the counts."""
     for tokens_key in ("responseTokens", "response_tokens"):
         vals = [x[tokens_key] / x["samples"] for x in history if x.get(tokens_key) and x.get("samples")]
@@ -158,16 +187,34 @@ WORKLOADS = {
     # the trainer packs sequences (4 layers then trained in 0.30 s against 0.53 s of generation; 12
     # layers: 0.84-0.92 s against 0.86-0.96 s). Generation carries a fixed serving cost per request
     # (128 /generate and 128 /score per step) that does not grow with depth, training does.
-    "balanced": Workload("balanced", "generation ≈ training", hidden=128, layers=12, teacher_layers=2,
-                         max_tokens=48, mini_batch=128, modes=MODES),
+    "balanced": Workload(
+        "balanced",
+        "generation ≈ training",
+        hidden=128,
+        layers=12,
+        teacher_layers=2,
+        max_tokens=48,
+        mini_batch=128,
+        modes=MODES,
+    ),
     # A cheap trainer and long-tailed lengths (a 48-token vocabulary: mean response 63, cap 256): a
     # lock-step batch is dominated by waiting for its few longest responses while the engine
     # decodes a nearly empty batch, the condition under which fullyAsync's continuous generation
     # should beat oneStepOff. On vLLM (the engine of the GPU images; here its CPU build) a decode
     # step costs nearly the same for 1 or 24 rows, as on a GPU. The hf engine's padded cache makes
     # every row pay for the widest one, so batching gains it much less: `--engine hf` shows that.
-    "longtail": Workload("longtail", "generation-bound, long-tailed lengths", hidden=128, layers=2, teacher_layers=2,
-                         max_tokens=256, mini_batch=16, modes=("oneStepOff", "fullyAsync"), vocab=48, engine="vllm"),
+    "longtail": Workload(
+        "longtail",
+        "generation-bound, long-tailed lengths",
+        hidden=128,
+        layers=2,
+        teacher_layers=2,
+        max_tokens=256,
+        mini_batch=16,
+        modes=("oneStepOff", "fullyAsync"),
+        vocab=48,
+        engine="vllm",
+    ),
 }
 
 
@@ -175,27 +222,53 @@ def run_workload(w: Workload, args: argparse.Namespace, steps: int, skip: int, w
     """Run the workload's modes one after the other; print and return each mode's results."""
     paths = prepare_models(work / "models", w.hidden, w.layers, w.teacher_layers, w.vocab)
     engine = args.engine or w.engine
-    print(f"\n=== workload {w.name} ({w.condition}): random-weight student ({w.layers} layers, hidden {w.hidden}) "
-          f"and teacher ({w.teacher_layers} layers), {w.vocab}-token vocabulary → geometric response lengths "
-          f"(p(eos) ≈ 1/{w.vocab}) capped at maxTokens {w.max_tokens}; {steps} steps x {w.mini_batch} samples per mode; "
-          f"engine {engine}; throughput after the first {skip} steps")
+    print(
+        f"\n=== workload {w.name} ({w.condition}): random-weight student ({w.layers} layers, hidden {w.hidden}) "
+        f"and teacher ({w.teacher_layers} layers), {w.vocab}-token vocabulary → geometric response lengths "
+        f"(p(eos) ≈ 1/{w.vocab}) capped at maxTokens {w.max_tokens}; {steps} steps x {w.mini_batch} samples per mode; "
+        f"engine {engine}; throughput after the first {skip} steps"
+    )
     prof = length_profile(paths["student"], paths["train"], w.max_tokens)
-    print(f"response lengths of the student (256 samples, measured before the runs): median {prof['median']:.0f}, "
-          f"mean {prof['mean']:.1f}, 90th percentile {prof['p90']}, max {prof['max']}, "
-          f"{prof['capped']:.0%} hit maxTokens")
+    print(
+        f"response lengths of the student (256 samples, measured before the runs): median {prof['median']:.0f}, "
+        f"mean {prof['mean']:.1f}, 90th percentile {prof['p90']}, max {prof['max']}, "
+        f"{prof['capped']:.0%} hit maxTokens"
+    )
     modes = [m for m in w.modes if m in args.modes.split(",")]
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         async_ = {}
         if mode == "fullyAsync":
-            async_ = {"stalenessThreshold": args.staleness, "triggerParameterSyncStep": args.trigger,
-                      "partialRollout": True, "partialRolloutStrategy": args.strategy, "oversample": args.oversample}
+            async_ = {
+                "stalenessThreshold": args.staleness,
+                "triggerParameterSyncStep": args.trigger,
+                "partialRollout": True,
+                "partialRolloutStrategy": args.strategy,
+                "oversample": args.oversample,
+            }
         name = f"modes-{w.name}-{mode.lower()}"
-        shape = JobShape(name=name, mode=mode, student=paths["student"], teacher=paths["teacher"], train=paths["train"],
-                         val=None, checkpoint=work / name / "ckpt", steps=steps, lr=1e-6, loss="k3",
-                         engine=engine, n=4, max_tokens=w.max_tokens, mini_batch=w.mini_batch, top_k=args.top_k,
-                         checkpoint_every=10**6, warmup=0, max_model_len=w.max_tokens + 64, async_=async_,
-                         seed=args.seed)
+        shape = JobShape(
+            name=name,
+            mode=mode,
+            student=paths["student"],
+            teacher=paths["teacher"],
+            train=paths["train"],
+            val=None,
+            checkpoint=work / name / "ckpt",
+            steps=steps,
+            lr=1e-6,
+            loss="k3",
+            engine=engine,
+            n=4,
+            max_tokens=w.max_tokens,
+            mini_batch=w.mini_batch,
+            top_k=args.top_k,
+            checkpoint_every=10**6,
+            warmup=0,
+            max_model_len=w.max_tokens + 64,
+            async_=async_,
+            seed=args.seed,
+        )
         shutil.rmtree(shape.checkpoint, ignore_errors=True)
         print(f"run {w.name} {mode} ...", flush=True)
         t0, load0 = time.time(), os.getloadavg()[0]
@@ -220,52 +293,96 @@ def run_workload(w: Workload, args: argparse.Namespace, steps: int, skip: int, w
             "load": [round(load0, 1), round(os.getloadavg()[0], 1)],
             "started": time.strftime("%H:%M:%S UTC", time.gmtime(t0)),
         }
-        print(f"  {results[mode]['samples_per_s']:.2f} samples/s, trainer idle {fmt(results[mode]['idle'], '.0%')}",
-              flush=True)
+        print(
+            f"  {results[mode]['samples_per_s']:.2f} samples/s, trainer idle {fmt(results[mode]['idle'], '.0%')}",
+            flush=True,
+        )
 
-    headers = ["mode", "steps", "wall s", "samples/s", "samples/s (run avg)", "trainer idle", "wait s/step",
-               "train s/step", "sync s/step", "staleness", "load avg before/after"]
-    rows = [[m, r["steps"], fmt(r["seconds"], ".0f"), fmt(r["samples_per_s"], ".2f"),
-             fmt(r["reported_samples_per_s"], ".2f"), fmt(r["idle"], ".1%"), fmt(r["wait_s"], ".2f"),
-             fmt(r["train_s"], ".2f"), fmt(r["sync_s"], ".2f"), fmt(r["staleness"], ".2f"),
-             "/".join(str(x) for x in r["load"])] for m, r in results.items()]
+    headers = [
+        "mode",
+        "steps",
+        "wall s",
+        "samples/s",
+        "samples/s (run avg)",
+        "trainer idle",
+        "wait s/step",
+        "train s/step",
+        "sync s/step",
+        "staleness",
+        "load avg before/after",
+    ]
+    rows = [
+        [
+            m,
+            r["steps"],
+            fmt(r["seconds"], ".0f"),
+            fmt(r["samples_per_s"], ".2f"),
+            fmt(r["reported_samples_per_s"], ".2f"),
+            fmt(r["idle"], ".1%"),
+            fmt(r["wait_s"], ".2f"),
+            fmt(r["train_s"], ".2f"),
+            fmt(r["sync_s"], ".2f"),
+            fmt(r["staleness"], ".2f"),
+            "/".join(str(x) for x in r["load"]),
+        ]
+        for m, r in results.items()
+    ]
     print()
     print(table(headers, rows))
     sync = results.get("sync")
     if sync and sync["wait_s"] is not None and sync["train_s"] is not None:
         g, t, y = sync["wait_s"], sync["train_s"], sync["sync_s"] or 0.0
-        print(f"sync split per step: generation+scoring {g:.2f} s (the trainer waits), training {t:.2f} s, weight sync "
-              f"{y:.2f} s → generation/training = {g / max(t, 1e-9):.2f}; perfect overlap at these phase times would "
-              f"give oneStepOff/sync = (gen + train + sync) / (max(gen, train) + sync) = {(g + t + y) / (max(g, t) + y):.2f}")
+        print(
+            f"sync split per step: generation+scoring {g:.2f} s (the trainer waits), training {t:.2f} s, weight sync "
+            f"{y:.2f} s → generation/training = {g / max(t, 1e-9):.2f}; perfect overlap at these phase times would "
+            "give oneStepOff/sync = (gen + train + sync) / (max(gen, train) + sync) = "
+            f"{(g + t + y) / (max(g, t) + y):.2f}"
+        )
     return results
 
 
-def ratio(results: dict[str, dict[str, Any]], a: str, b: str) -> Optional[float]:
+def ratio(results: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
     if a in results and b in results and results[b]["samples_per_s"] > 0:
         return results[a]["samples_per_s"] / results[b]["samples_per_s"]
     return None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps")
     ap.add_argument("--steps", type=int, help="train steps per mode (default 30, quick 12)")
-    ap.add_argument("--engine", choices=["vllm", "hf"],
-                    help="rollout/teacher engine of every workload (default: each workload's own, see WORKLOADS)")
+    ap.add_argument(
+        "--engine",
+        choices=["vllm", "hf"],
+        help="rollout/teacher engine of every workload (default: each workload's own, see WORKLOADS)",
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {', '.join(WORKLOADS)}")
     ap.add_argument("--staleness", type=float, default=1.0, help="fullyAsync stalenessThreshold")
     ap.add_argument("--trigger", type=int, default=4, help="fullyAsync triggerParameterSyncStep")
     ap.add_argument("--oversample", type=float, default=1.5, help="fullyAsync oversample")
-    ap.add_argument("--strategy", default="resume", choices=["resume", "inflight"],
-                    help="fullyAsync partialRolloutStrategy")
-    ap.add_argument("--top-k", type=int, default=1,
-                    help="teacher top-k per token (the k3 loss reads only the sampled token's log-prob; a large k "
-                         "only adds JSON to every /score response)")
-    ap.add_argument("--seed", type=int, default=None,
-                    help="rollout.sampling.seed (default unseeded: a seeded request samples from its own generator, "
-                         "row by row, which costs the engine more per token than one batched draw)")
-    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                    help="pin the trainer to CPU 0 and the rollout and teacher servers to CPU 1 (bench/_common.PINNED)")
+    ap.add_argument(
+        "--strategy", default="resume", choices=["resume", "inflight"], help="fullyAsync partialRolloutStrategy"
+    )
+    ap.add_argument(
+        "--top-k",
+        type=int,
+        default=1,
+        help="teacher top-k per token (the k3 loss reads only the sampled token's log-prob; a large k "
+        "only adds JSON to every /score response)",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="rollout.sampling.seed (default unseeded: a seeded request samples from its own generator, "
+        "row by row, which costs the engine more per token than one batched draw)",
+    )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin the trainer to CPU 0 and the rollout and teacher servers to CPU 1 (bench/_common.PINNED)",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="run only these modes of each workload")
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/modes"))
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -281,14 +398,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--workloads: unknown workload {n!r}; allowed: {', '.join(WORKLOADS)}")
 
     single_thread()
-    print(f"fullyAsync: stalenessThreshold {args.staleness}, triggerParameterSyncStep {args.trigger}, "
-          f"oversample {args.oversample}, partialRollout ({args.strategy})")
+    print(
+        f"fullyAsync: stalenessThreshold {args.staleness}, triggerParameterSyncStep {args.trigger}, "
+        f"oversample {args.oversample}, partialRollout ({args.strategy})"
+    )
     if args.pin:
         print("placement: trainer (with the driver) pinned to CPU 0, rollout and teacher servers to CPU 1")
     results = {n: run_workload(WORKLOADS[n], args, steps, skip, Path(args.workdir)) for n in names}
 
     print()
-    ratios: dict[str, Optional[float]] = {}
+    ratios: dict[str, float | None] = {}
     for n, res in results.items():
         for a, b in (("oneStepOff", "sync"), ("fullyAsync", "oneStepOff"), ("fullyAsync", "sync")):
             r = ratio(res, a, b)
@@ -303,8 +422,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "ratios": ratios}, indent=2))
     print(f"fullyAsync/sync samples/s: {fmt(r3, '.2f')} (balanced)")
-    return 0 if all(len(results[n]) == len([m for m in WORKLOADS[n].modes if m in args.modes.split(",")])
-                    for n in names) else 1
+    return (
+        0
+        if all(len(results[n]) == len([m for m in WORKLOADS[n].modes if m in args.modes.split(",")]) for n in names)
+        else 1
+    )
 
 
 if __name__ == "__main__":

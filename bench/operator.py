@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import logging
 import multiprocessing
-import queue
 import resource
 import statistics
 import sys
@@ -152,13 +151,18 @@ async def _bench(emulator: Emulator, counts: list[int]) -> dict[int, dict[str, f
             await asyncio.sleep(0.02)
         done = [n for n in names if wanted[n] <= emulator.created.keys()]
         if len(done) < len(names):
-            print(f"{len(names) - len(done)} of {len(names)} job(s) did not get all their children within "
-                  f"{WAIT_SECONDS:.0f} s", file=sys.stderr)
+            print(
+                f"{len(names) - len(done)} of {len(names)} job(s) did not get all their children within "
+                f"{WAIT_SECONDS:.0f} s",
+                file=sys.stderr,
+            )
         created = emulator.created
         return [max(created[c] for c in wanted[n]) - created[(KIND, n)] for n in done]
 
-    async with running_operator(url, resync_seconds=5.0, metrics=metrics, post_events=False), \
-            aiohttp.ClientSession() as http:
+    async with (
+        running_operator(url, resync_seconds=5.0, metrics=metrics, post_events=False),
+        aiohttp.ClientSession() as http,
+    ):
         await run_batch(["warmup"])  # the first job pays kopf's and the emulator's cold start
         for n in counts:
             await asyncio.to_thread(emulator.poll)
@@ -194,8 +198,9 @@ def _cpu() -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, action="append", help="batch sizes (default: 1, 20 and 100)")
-    parser.add_argument("--stock-kmock", action="store_true",
-                        help="the emulator as shipped (scans its request log on every request)")
+    parser.add_argument(
+        "--stock-kmock", action="store_true", help="the emulator as shipped (scans its request log on every request)"
+    )
     args = parser.parse_args()
     counts = args.jobs or [1, 20, 100]
     logging.basicConfig(level=logging.ERROR)

@@ -27,15 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def _spec(model: Path, ckpt: Path):
     from kubedistill.api.spec import DistillationJobSpec
 
-    return DistillationJobSpec.model_validate({
-        "device": "cpu",
-        "student": {"model": str(model)},
-        "teachers": [{"name": "t", "model": str(model)}],
-        "data": {"train": ["unused.jsonl"]},
-        "trainer": {"mixedPrecision": "float32", "optim": {"lr": 1e-5}, "microBatchTokens": 4096},
-        "algorithm": {"distillation": {"lossMode": "forwardKLTopK", "topK": 32}},
-        "checkpoint": {"path": str(ckpt)},
-    })
+    return DistillationJobSpec.model_validate(
+        {
+            "device": "cpu",
+            "student": {"model": str(model)},
+            "teachers": [{"name": "t", "model": str(model)}],
+            "data": {"train": ["unused.jsonl"]},
+            "trainer": {"mixedPrecision": "float32", "optim": {"lr": 1e-5}, "microBatchTokens": 4096},
+            "algorithm": {"distillation": {"lossMode": "forwardKLTopK", "topK": 32}},
+            "checkpoint": {"path": str(ckpt)},
+        }
+    )
 
 
 def _batch(vocab: int, samples: int, prompt: int, response: int, k: int = 32):
@@ -51,8 +53,12 @@ def _batch(vocab: int, samples: int, prompt: int, response: int, k: int = 32):
         prompt_lens=[prompt] * samples,
         rollout_logprobs=[[-1.0] * response for _ in range(samples)],
         teacher_logprobs=[[-1.0] * response for _ in range(samples)],
-        teacher_topk_ids=[[torch.randperm(vocab - 4, generator=g)[:k].add(4).tolist()] * response for _ in range(samples)],
-        teacher_topk_logprobs=[[sorted((-torch.rand(k, generator=g) * 5).tolist(), reverse=True)] * response for _ in range(samples)],
+        teacher_topk_ids=[
+            [torch.randperm(vocab - 4, generator=g)[:k].add(4).tolist()] * response for _ in range(samples)
+        ],
+        teacher_topk_logprobs=[
+            [sorted((-torch.rand(k, generator=g) * 5).tolist(), reverse=True)] * response for _ in range(samples)
+        ],
     )
 
 
@@ -95,14 +101,28 @@ def run(model: Path, world: int, args: argparse.Namespace) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(r), str(world), str(port), str(model),
-             str(args.steps), str(args.samples), str(args.prompt), str(args.response)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                str(r),
+                str(world),
+                str(port),
+                str(model),
+                str(args.steps),
+                str(args.samples),
+                str(args.prompt),
+                str(args.response),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for r in range(world)
     ]
     outs = [p.communicate() for p in procs]
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+    for r, (p, (_, err)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
             raise SystemExit(f"rank {r} of {model.name} x{world} failed:\n{err[-3000:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
@@ -127,14 +147,18 @@ def main() -> None:
     cache = Path(args.cache)
     tiny = cache / "tiny-llama"
     if not (tiny / "config.json").is_file():
-        build_tiny_bpe_model(tiny, arch="llama", vocab_size=512, hidden_size=256, num_heads=4, num_layers=4, intermediate_size=768)
+        build_tiny_bpe_model(
+            tiny, arch="llama", vocab_size=512, hidden_size=256, num_heads=4, num_layers=4, intermediate_size=768
+        )
     models = {"tiny": tiny, "smollm2-135m": smollm2_hf_dir(cache)}
     results = {}
     for name, path in models.items():
         for world in (1, 2):
             r = run(path, world, args)
             results[(name, world)] = r["tokens_per_second"]
-            print(f"{name:14s} ranks={world} tokens/step={r['tokens']} tokens/s={r['tokens_per_second']:.1f}", flush=True)
+            print(
+                f"{name:14s} ranks={world} tokens/step={r['tokens']} tokens/s={r['tokens_per_second']:.1f}", flush=True
+            )
     for name in models:
         print(f"{name:14s} 2-rank / 1-rank tokens/s ratio: {results[(name, 2)] / results[(name, 1)]:.2f}")
     print(f"smollm2-135m single-rank train tokens/s: {results[('smollm2-135m', 1)]:.1f}")

@@ -37,8 +37,16 @@ def model_dir(work: Path, random: bool) -> Path:
     from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
 
     tok = char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
-    return build_tiny_model(work / "random", tok, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                            intermediate_size=1536, max_position_embeddings=2048)
+    return build_tiny_model(
+        work / "random",
+        tok,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=1536,
+        max_position_embeddings=2048,
+    )
 
 
 def main() -> int:
@@ -55,8 +63,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from server_fixtures import Server, free_port, job_config
     from kubedistill.runtime.weight_sync.sender import WeightSender
+    from server_fixtures import Server, free_port, job_config
 
     torch.set_num_threads(1)
     cache = ROOT / ".kubedistill" / "bench" / "weight_sync"  # converted model reused across runs
@@ -66,14 +74,24 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    print(f"# model {mdir.name}: {len(named)} tensors, {nbytes / 2**20:.1f} MiB fp32; "
-          f"{args.receivers} {args.engine} receivers; {args.repeats} repeats", flush=True)
+    print(
+        f"# model {mdir.name}: {len(named)} tensors, {nbytes / 2**20:.1f} MiB fp32; "
+        f"{args.receivers} {args.engine} receivers; {args.repeats} repeats",
+        flush=True,
+    )
 
     ports = [free_port() for _ in range(args.receivers)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     wport = free_port()
-    cfg = job_config(mdir, mdir, engine=args.engine, rollout_urls=urls, teacher_urls=["http://127.0.0.1:1"],
-                     weight_sync_port=wport, bucket_mb=int(args.buckets_mb.split(",")[-1]))
+    cfg = job_config(
+        mdir,
+        mdir,
+        engine=args.engine,
+        rollout_urls=urls,
+        teacher_urls=["http://127.0.0.1:1"],
+        weight_sync_port=wport,
+        bucket_mb=int(args.buckets_mb.split(",")[-1]),
+    )
     cfg_path = work / "config.json"
     cfg.dump(cfg_path)
     servers = [Server("rollout", cfg_path, p, replica=i) for i, p in enumerate(ports)]
@@ -86,7 +104,9 @@ def main() -> int:
         sender.probe(1 << 20)  # warm the connections
         version = 0
         rows = []
-        print(f"{'bucketMB':>8} {'raw_s':>8} {'sync_s':>8} {'ratio':>6} {'recv_wait_s':>11} {'load_s':>7} {'repack_s':>8}")
+        print(
+            f"{'bucketMB':>8} {'raw_s':>8} {'sync_s':>8} {'ratio':>6} {'recv_wait_s':>11} {'load_s':>7} {'repack_s':>8}"
+        )
         for mb in [int(x) for x in args.buckets_mb.split(",")]:
             raw, ours, waits, loads, repacks = [], [], [], [], []
             for _ in range(args.repeats):
@@ -102,11 +122,16 @@ def main() -> int:
             med = statistics.median
             ratio = med([b / a for a, b in zip(raw, ours)])
             rows.append((mb, ratio))
-            print(f"{mb:>8} {med(raw):>8.3f} {med(ours):>8.3f} {ratio:>6.2f} {med(waits):>11.3f} "
-                  f"{med(loads):>7.3f} {med(repacks):>8.3f}", flush=True)
+            print(
+                f"{mb:>8} {med(raw):>8.3f} {med(ours):>8.3f} {ratio:>6.2f} {med(waits):>11.3f} "
+                f"{med(loads):>7.3f} {med(repacks):>8.3f}",
+                flush=True,
+            )
         mb, ratio = rows[-1]
-        print(f"weight sync b/a (median ratio, {nbytes / 2**20:.0f} MiB, bucket {mb} MB, "
-              f"{args.receivers} {args.engine} receivers): {ratio:.3f}")
+        print(
+            f"weight sync b/a (median ratio, {nbytes / 2**20:.0f} MiB, bucket {mb} MB, "
+            f"{args.receivers} {args.engine} receivers): {ratio:.3f}"
+        )
     finally:
         for s in servers:
             s.stop()

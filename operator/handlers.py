@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Mapping, Optional
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import aiohttp
 import kopf
@@ -23,7 +24,16 @@ from kubedistill.api.job import GROUP, PLURAL, VERSION
 from kubedistill.operator.kube import Kube, KubeConfig, KubeError, fetch_json
 from kubedistill.operator.metrics import OperatorMetrics
 from kubedistill.operator.policy import (
-    JobView, Plan, Progress, Refusal, RefusalKey, create_backoff, current_status, is_refusal, plan, refusal_reason,
+    JobView,
+    Plan,
+    Progress,
+    Refusal,
+    RefusalKey,
+    create_backoff,
+    current_status,
+    is_refusal,
+    plan,
+    refusal_reason,
 )
 from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB
 from kubedistill.operator.status import ChildRef, Observed, PodView, status_patch
@@ -43,7 +53,7 @@ class OperatorOptions:
     """Longest sleep between two reconcile passes of a job (watch events wake it sooner)."""
     status_timeout: float = 2.0
     """Timeout of one GET /status to trainer pod 0."""
-    server: Optional[str] = None
+    server: str | None = None
     """Plain-HTTP API server to use instead of the in-cluster/kubeconfig login (tests, bench)."""
     create_backoff_seconds: float = 2.0
     """First wait before creating a child the API server refused again (doubles per refusal)."""
@@ -58,8 +68,8 @@ class Reconciler:
     def __init__(self, options: OperatorOptions):
         self.options = options
         self.metrics = options.metrics
-        self._kube: Optional[Kube] = None
-        self._http: Optional[aiohttp.ClientSession] = None
+        self._kube: Kube | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._wakeups: dict[Key, asyncio.Event] = {}
         self._progress: dict[Key, Progress] = {}
         self._polling: dict[Key, asyncio.Task[None]] = {}
@@ -91,13 +101,13 @@ class Reconciler:
         if self._http is not None:
             await self._http.close()
 
-    def poke(self, namespace: Optional[str], job: Optional[str]) -> None:
+    def poke(self, namespace: str | None, job: str | None) -> None:
         if namespace and job:
             ev = self._wakeups.get((namespace, job))
             if ev is not None:
                 ev.set()
 
-    def child_event(self, namespace: Optional[str], job: Optional[str], kind: str, name: str) -> None:
+    def child_event(self, namespace: str | None, job: str | None, kind: str, name: str) -> None:
         """A watch event about a child: the indices now know it (kopf indexes before it calls
         event handlers), so it stops counting as recently created; and its job re-plans."""
         if namespace and job:
@@ -107,7 +117,7 @@ class Reconciler:
             self.poke(namespace, job)
 
     # -- trainer progress ----------------------------------------------------------------
-    def _poll_progress(self, key: Key, pod: Optional[PodView]) -> None:
+    def _poll_progress(self, key: Key, pod: PodView | None) -> None:
         """Poll trainer pod 0's GET /status in the background; a change wakes the job."""
         if pod is None or pod.phase != "Running" or not pod.pod_ip or not pod.http_port:
             return
@@ -134,7 +144,7 @@ class Reconciler:
     # -- one pass ------------------------------------------------------------------------
     async def reconcile(
         self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildRef], logger: logging.Logger
-    ) -> Optional[float]:
+    ) -> float | None:
         """Run one pass; the seconds until the next one (None: the job was deleted)."""
         name, namespace = body.meta["name"], body.meta["namespace"]
         key = (namespace, name)
@@ -157,11 +167,11 @@ class Reconciler:
         )
         started = time.perf_counter()
         try:
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             p = plan(job, observed, now, self._progress.get(key), self._refused.get(key))
             newly_refused = await self._apply(body, job, p, now)
             self._last_error.pop(key, None)
-        except (KubeError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, KubeError) as exc:
             self._error(body, key, str(exc), logger)
             return self.options.resync_seconds
         except Exception as exc:  # a bug must not stop the loop or the other jobs
@@ -175,7 +185,11 @@ class Reconciler:
         if p.delete_job:
             return None
         rank0 = next(
-            (q for q in observed.pods.values() if q.role == "trainer" and q.replica == 0 and q.attempt == p.status.restarts),
+            (
+                q
+                for q in observed.pods.values()
+                if q.role == "trainer" and q.replica == 0 and q.attempt == p.status.restarts
+            ),
             None,
         )
         self._poll_progress(key, rank0)
@@ -205,7 +219,7 @@ class Reconciler:
             created = await asyncio.gather(*(kube.create(o) for o in p.create), return_exceptions=True)
             recent = self._recent.setdefault((job.namespace, job.name), {})
             refused = self._refused.setdefault((job.namespace, job.name), {})
-            failure: Optional[BaseException] = None
+            failure: BaseException | None = None
             for obj, made in zip(p.create, created):
                 child = (obj["kind"], obj["metadata"]["name"])
                 if isinstance(made, KubeError) and is_refusal(made.status):
@@ -240,7 +254,7 @@ class Reconciler:
             await kube.delete("DistillationJob", job.namespace, job.name)
         return newly_refused
 
-    def _refusal(self, last: Optional[Refusal], exc: KubeError, now: datetime) -> Refusal:
+    def _refusal(self, last: Refusal | None, exc: KubeError, now: datetime) -> Refusal:
         attempts = (last.attempts if last else 0) + 1
         wait = create_backoff(attempts, self.options.create_backoff_seconds, self.options.create_backoff_max_seconds)
         return Refusal(
@@ -251,7 +265,9 @@ class Reconciler:
         )
 
     # -- the daemon loop -----------------------------------------------------------------
-    async def run(self, body: kopf.Body, stopped: Any, pods_index: Any, others_index: Any, logger: logging.Logger) -> None:
+    async def run(
+        self, body: kopf.Body, stopped: Any, pods_index: Any, others_index: Any, logger: logging.Logger
+    ) -> None:
         key = (body.meta["namespace"], body.meta["name"])
         wake = self._wakeups.setdefault(key, asyncio.Event())
         stop = asyncio.ensure_future(stopped.wait())
@@ -308,7 +324,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         await reconciler.close()
 
     @kopf.on.login(registry=registry)
-    def _login(**kwargs: Any) -> Optional[kopf.ConnectionInfo]:
+    def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         if reconciler.options.server:
             return kopf.ConnectionInfo(server=reconciler.options.server)
         return kopf.login_via_client(**kwargs)
@@ -332,7 +348,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
 
     # Any change to a child or the job wakes the job's loop.
     def _child_event(kind: str) -> Any:
-        async def poke(namespace: Optional[str], name: str, labels: Mapping[str, str], **_: Any) -> None:
+        async def poke(namespace: str | None, name: str, labels: Mapping[str, str], **_: Any) -> None:
             reconciler.child_event(namespace, labels.get(LABEL_JOB), kind, name)
 
         return poke
@@ -345,7 +361,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         )
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def _job_changed(namespace: Optional[str], name: str, **_: Any) -> None:
+    async def _job_changed(namespace: str | None, name: str, **_: Any) -> None:
         reconciler.poke(namespace, name)
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)

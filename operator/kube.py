@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import aiohttp
 
@@ -41,7 +42,7 @@ class KubeError(Exception):
 @dataclass
 class KubeConfig:
     server: str
-    ssl_context: Optional[ssl.SSLContext] = None
+    ssl_context: ssl.SSLContext | None = None
     headers: Callable[[], dict[str, str]] = field(default=lambda: {})
 
     @classmethod
@@ -59,9 +60,13 @@ class KubeConfig:
             config.load_incluster_config(client_configuration=cfg)
         except config.ConfigException:
             config.load_kube_config(client_configuration=cfg)
-        ctx: Optional[ssl.SSLContext] = None
+        ctx: ssl.SSLContext | None = None
         if cfg.host.startswith("https"):
-            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.verify_ssl else ssl._create_unverified_context()
+            ctx = (
+                ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+                if cfg.verify_ssl
+                else ssl._create_unverified_context()
+            )
             if cfg.cert_file:
                 ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
 
@@ -81,7 +86,7 @@ class Kube:
     def __init__(self, config: KubeConfig, timeout: float = 30.0):
         self.config = config
         self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: Optional[aiohttp.ClientSession] = None
+        self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
 
     async def _http(self) -> aiohttp.ClientSession:
@@ -144,7 +149,7 @@ class Kube:
         await self._call("PATCH", path, {"status": status}, "application/merge-patch+json")
 
 
-async def fetch_json(session: aiohttp.ClientSession, url: str, timeout: float) -> Optional[dict[str, Any]]:
+async def fetch_json(session: aiohttp.ClientSession, url: str, timeout: float) -> dict[str, Any] | None:
     """GET a JSON object from a pod; None on any failure (the pod may not be up yet)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -152,5 +157,5 @@ async def fetch_json(session: aiohttp.ClientSession, url: str, timeout: float) -
                 return None
             doc = await resp.json(content_type=None)
             return doc if isinstance(doc, dict) else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return None

@@ -17,16 +17,32 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the DistillationJob operator (kopf)")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument(
-        "-n", "--namespace", action="append", default=[], metavar="NS",
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
         help="watch this namespace (repeatable; default: the current namespace or 'default')",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    p.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
-                   help=f"liveness endpoint served by kopf (default {DEFAULT_LIVENESS}; '' disables)")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help=f"port of the operator's /metrics (default {DEFAULT_METRICS_PORT}; 0 disables)")
-    p.add_argument("--resync-seconds", type=float, default=5.0,
-                   help="longest sleep between two reconcile passes of a job (default 5)")
+    p.add_argument(
+        "--liveness",
+        default=DEFAULT_LIVENESS,
+        metavar="URL",
+        help=f"liveness endpoint served by kopf (default {DEFAULT_LIVENESS}; '' disables)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help=f"port of the operator's /metrics (default {DEFAULT_METRICS_PORT}; 0 disables)",
+    )
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=5.0,
+        help="longest sleep between two reconcile passes of a job (default 5)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=_operator)
 
@@ -67,8 +83,9 @@ def _operator(args: argparse.Namespace) -> int:
     if args.resync_seconds <= 0:
         print("--resync-seconds: must be > 0", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     metrics = OperatorMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)

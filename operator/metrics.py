@@ -5,19 +5,21 @@ The Helm chart's dashboard and alerts name exactly these (prefix `kubedistill_op
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kubedistill.metricdef import MetricDef
-
 from kubedistill.api.status import Phase
+from kubedistill.metricdef import MetricDef
 
 PREFIX = "kubedistill_operator_"
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
-def _op(name: str, kind: type, help: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] | None = None) -> MetricDef:
+def _op(
+    name: str, kind: type, help: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] | None = None
+) -> MetricDef:
     return MetricDef(name, kind, help, labels, buckets, prefix=PREFIX)
 
 
@@ -27,10 +29,18 @@ METRICS: list[MetricDef] = [
     _op("reconcile_errors", Counter, "Reconcile passes that failed (API errors, unexpected exceptions)."),
     _op("children_created", Counter, "Child objects created, by kind.", ("kind",)),
     _op("children_deleted", Counter, "Child objects deleted, by kind.", ("kind",)),
-    _op("children_refused", Counter,
-        "Child creations the API server refused (PodSecurity, quota, webhooks), by kind.", ("kind",)),
-    _op("role_ready", Gauge, "Ready pods of each role of a job (trainer, rollout, teacher/<name>).",
-              ("namespace", "job", "role")),
+    _op(
+        "children_refused",
+        Counter,
+        "Child creations the API server refused (PodSecurity, quota, webhooks), by kind.",
+        ("kind",),
+    ),
+    _op(
+        "role_ready",
+        Gauge,
+        "Ready pods of each role of a job (trainer, rollout, teacher/<name>).",
+        ("namespace", "job", "role"),
+    ),
     _op("job_restarts", Gauge, "Trainer gang restarts of a job so far.", ("namespace", "job")),
 ]
 """Counters are exported with the `_total` suffix (kubedistill_operator_reconcile_errors_total...)."""

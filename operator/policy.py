@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
 from kubedistill.api.roleconfig import Role
@@ -37,8 +38,8 @@ from kubedistill.operator.status import (
     PodView,
     condition,
     parse_time,
-    rfc3339,
     ready_summary,
+    rfc3339,
     role_counts,
     set_condition,
 )
@@ -60,7 +61,7 @@ class Progress:
 
     step: int
     weight_version: int
-    last_checkpoint: Optional[str]
+    last_checkpoint: str | None
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> Progress:
@@ -115,7 +116,7 @@ class Plan:
     delete: list[ChildRef] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
-    wake_after: Optional[float] = None
+    wake_after: float | None = None
     """Seconds until a time-based decision is due (TTL, deadline), if any."""
 
 
@@ -129,7 +130,7 @@ class JobView:
     status: Mapping[str, Any]
 
 
-def parse_spec(job: JobView) -> tuple[Optional[DistillationJobSpec], str]:
+def parse_spec(job: JobView) -> tuple[DistillationJobSpec | None, str]:
     """The validated spec, or None and a one-line summary naming the bad fields.
 
     Cached by content: a job's loop plans after every watch event about it or its children while
@@ -139,7 +140,7 @@ def parse_spec(job: JobView) -> tuple[Optional[DistillationJobSpec], str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _parse_spec(name: str, spec_json: str) -> tuple[Optional[DistillationJobSpec], str]:
+def _parse_spec(name: str, spec_json: str) -> tuple[DistillationJobSpec | None, str]:
     doc = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": json.loads(spec_json)}
     problems = problems_of(doc, name)
     if problems:
@@ -163,8 +164,8 @@ def plan(
     job: JobView,
     observed: Observed,
     now: datetime,
-    progress: Optional[Progress] = None,
-    refusals: Optional[Mapping[RefusalKey, Refusal]] = None,
+    progress: Progress | None = None,
+    refusals: Mapping[RefusalKey, Refusal] | None = None,
 ) -> Plan:
     status = current_status(job.status)
     previous = status.phase
@@ -296,9 +297,13 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
         for s, q in zip(desired, pods)
         if s.role is Role.trainer
     )
-    restarting = bool(stale) or not gang_gone or (
-        st.phase in (Phase.restarting,) and not current_trainers_running
-    ) or bool(failed) or bool(lost)
+    restarting = (
+        bool(stale)
+        or not gang_gone
+        or (st.phase in (Phase.restarting,) and not current_trainers_running)
+        or bool(failed)
+        or bool(lost)
+    )
     if restarting:
         st.phase = Phase.restarting
     elif len(present) == len(desired) and all(q.ready for q in present):
@@ -370,12 +375,14 @@ def _ttl(p: Plan, spec: DistillationJobSpec, now: datetime) -> None:
     left = (done + timedelta(seconds=spec.ttl_seconds_after_finished) - now).total_seconds()
     if left <= 0:
         p.delete_job = True
-        p.events.append(Event("Normal", "TTLExpired", f"deleting the job {spec.ttl_seconds_after_finished} s after it finished"))
+        p.events.append(
+            Event("Normal", "TTLExpired", f"deleting the job {spec.ttl_seconds_after_finished} s after it finished")
+        )
     else:
         p.wake_after = left
 
 
-def _conditions(p: Plan, spec: Optional[DistillationJobSpec], observed: Observed, now: datetime) -> None:
+def _conditions(p: Plan, spec: DistillationJobSpec | None, observed: Observed, now: datetime) -> None:
     st = p.status
     pods = [q for q in observed.pods.values() if not q.deleting]
     if spec is not None:

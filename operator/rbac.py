@@ -13,21 +13,31 @@ PolicyRule = dict[str, list[str]]
 
 NAMESPACED: list[PolicyRule] = [
     # The jobs: watch them, keep status, own the finalizer and kopf's annotations, TTL delete.
-    {"apiGroups": ["kubedistill.io"], "resources": ["distillationjobs"],
-     "verbs": ["get", "list", "watch", "patch", "update", "delete"]},
+    {
+        "apiGroups": ["kubedistill.io"],
+        "resources": ["distillationjobs"],
+        "verbs": ["get", "list", "watch", "patch", "update", "delete"],
+    },
     {"apiGroups": ["kubedistill.io"], "resources": ["distillationjobs/status"], "verbs": ["get", "patch", "update"]},
     # The children: pods are watched (phase, readiness) and recreated; the rest only when missing.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "list", "watch", "create", "delete"]},
-    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-     "verbs": ["get", "list", "watch", "create", "delete"]},
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "watch", "create", "delete"],
+    },
     # Events for every phase transition and error (kopf.info/warn).
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]
 
 CLUSTER: list[PolicyRule] = [
     # kopf's resource discovery and namespace scanning.
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["get", "list", "watch"]},
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["get", "list", "watch"],
+    },
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
 ]
 

@@ -21,11 +21,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from kubedistill.api.job import API_VERSION, KIND
 from kubedistill.api.roleconfig import (
-    CONFIG_PATH, Endpoints, Identity, JobConfig, Ports, Role, role_env, role_overrides, user_env,
+    CONFIG_PATH,
+    Endpoints,
+    Identity,
+    JobConfig,
+    Ports,
+    Role,
+    role_env,
+    role_overrides,
+    user_env,
 )
 from kubedistill.api.spec import DistillationJobSpec, EnvVar, RoleOverrides
 
@@ -78,7 +86,7 @@ class PodSlot:
 
     role: Role
     replica: int
-    teacher: Optional[str] = None
+    teacher: str | None = None
 
     @property
     def group(self) -> str:
@@ -99,7 +107,7 @@ class PodSlot:
         return service_name(job, self.role, self.teacher)
 
 
-def service_name(job: str, role: Role, teacher: Optional[str] = None) -> str:
+def service_name(job: str, role: Role, teacher: str | None = None) -> str:
     return f"{job}-t-{teacher}" if role is Role.teacher else f"{job}-{role.value}"
 
 
@@ -145,7 +153,7 @@ def job_config(job: str, namespace: str, spec: DistillationJobSpec) -> JobConfig
     return JobConfig(job=job, namespace=namespace, spec=spec, endpoints=endpoints(job, namespace, spec))
 
 
-def labels(job: str, role: Role | str, replica: int | str, teacher: Optional[str] = None) -> dict[str, str]:
+def labels(job: str, role: Role | str, replica: int | str, teacher: str | None = None) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "kubedistill",
         "app.kubernetes.io/managed-by": "kubedistill-operator",
@@ -172,7 +180,7 @@ def render_config_map(job: str, namespace: str, spec: DistillationJobSpec) -> di
     }
 
 
-def _service(job: str, namespace: str, role: Role, teacher: Optional[str]) -> dict[str, Any]:
+def _service(job: str, namespace: str, role: Role, teacher: str | None) -> dict[str, Any]:
     ports = [{"name": "http", "port": Ports.HTTP, "targetPort": "http", "protocol": "TCP"}]
     if role is Role.trainer:
         ports += [
@@ -289,7 +297,7 @@ def _resources(spec: DistillationJobSpec, slot: PodSlot) -> dict[str, Any]:
     return out
 
 
-def merged(base: dict[str, Any], over: Optional[dict[str, Any]]) -> dict[str, Any]:
+def merged(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
     """`over` deep-merged into `base`: nested objects merge key by key, anything else replaces."""
     out = dict(base)
     for key, value in (over or {}).items():

@@ -5,9 +5,10 @@ Pure: Kubernetes objects in, small frozen views and status pieces out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Mapping, Optional
+from datetime import UTC, datetime
+from typing import Any
 
 from kubedistill.api.status import Condition, ConditionStatus, ConditionType, DistillationJobStatus, Phase, RoleStatus
 from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_ROLE, LABEL_TEACHER
@@ -24,10 +25,10 @@ CONDITION_ORDER = [
 
 
 def rfc3339(t: datetime) -> str:
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_time(s: Optional[str]) -> Optional[datetime]:
+def parse_time(s: str | None) -> datetime | None:
     if not s:
         return None
     return datetime.fromisoformat(s.replace("Z", "+00:00"))
@@ -40,13 +41,13 @@ class PodView:
     name: str
     role: str
     replica: int
-    teacher: Optional[str] = None
-    attempt: Optional[int] = None
+    teacher: str | None = None
+    attempt: int | None = None
     phase: str = "Pending"
     ready: bool = False
     deleting: bool = False
-    pod_ip: Optional[str] = None
-    http_port: Optional[int] = None
+    pod_ip: str | None = None
+    http_port: int | None = None
     reason: str = ""
     """Why it failed: the pod's reason or the container's termination reason and exit code."""
 
@@ -112,7 +113,7 @@ class Observed:
     """ConfigMaps, Services and NetworkPolicies present (by kind and name)."""
 
 
-def job_of(obj: Mapping[str, Any]) -> Optional[str]:
+def job_of(obj: Mapping[str, Any]) -> str | None:
     return ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_JOB)
 
 
@@ -128,7 +129,7 @@ def set_condition(
     status.conditions = [existing[k] for k in CONDITION_ORDER if k in existing]
 
 
-def condition(status: DistillationJobStatus, kind: ConditionType) -> Optional[Condition]:
+def condition(status: DistillationJobStatus, kind: ConditionType) -> Condition | None:
     return next((c for c in status.conditions if c.type == kind), None)
 
 

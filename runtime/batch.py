@@ -25,7 +25,6 @@ share of the samples (see :mod:`kubedistill.runtime.trainer`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -33,11 +32,11 @@ class TrainBatch:
     token_ids: list[list[int]]
     prompt_lens: list[int]
     rollout_logprobs: list[list[float]]
-    teacher_logprobs: Optional[list[list[float]]] = None
-    teacher_topk_ids: Optional[list[list[list[int]]]] = None
-    teacher_topk_logprobs: Optional[list[list[list[float]]]] = None
-    rewards: Optional[list[float]] = None
-    group_ids: Optional[list[int]] = None
+    teacher_logprobs: list[list[float]] | None = None
+    teacher_topk_ids: list[list[list[int]]] | None = None
+    teacher_topk_logprobs: list[list[list[float]]] | None = None
+    rewards: list[float] | None = None
+    group_ids: list[int] | None = None
     weight_versions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -72,17 +71,18 @@ class TrainBatch:
         for i in range(n):
             p, total = self.prompt_lens[i], len(self.token_ids[i])
             if not 1 <= p < total:
-                raise ValueError(
-                    f"TrainBatch.prompt_lens[{i}]: {p} must be >= 1 and < the sample's {total} tokens"
-                )
+                raise ValueError(f"TrainBatch.prompt_lens[{i}]: {p} must be >= 1 and < the sample's {total} tokens")
             r = total - p
             for name in ("rollout_logprobs", "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs"):
                 values = getattr(self, name)
                 if values is not None and len(values[i]) != r:
-                    raise ValueError(f"TrainBatch.{name}[{i}]: has {len(values[i])} entries, expected {r} response tokens")
+                    raise ValueError(
+                        f"TrainBatch.{name}[{i}]: has {len(values[i])} entries, expected {r} response tokens"
+                    )
             if self.teacher_topk_ids is not None:
                 for t, (ids, lps) in enumerate(zip(self.teacher_topk_ids[i], self.teacher_topk_logprobs[i])):
                     if len(ids) != len(lps) or not ids:
                         raise ValueError(
-                            f"TrainBatch.teacher_topk_ids[{i}][{t}]: needs >= 1 id and as many log-probs ({len(ids)} vs {len(lps)})"
+                            f"TrainBatch.teacher_topk_ids[{i}][{t}]: needs >= 1 id and as many log-probs "
+                            f"({len(ids)} vs {len(lps)})"
                         )

@@ -24,9 +24,10 @@ import pickle
 import re
 import shutil
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")

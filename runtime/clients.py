@@ -9,14 +9,21 @@ taken from the train step beside it. Bodies are encoded and decoded by pydantic'
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import aiohttp
 from pydantic import BaseModel
 
 from kubedistill.runtime.protocol import (
-    AbortRequest, AbortResponse, GenerateRequest, GenerateResponse, HealthResponse, ScoreRequest,
-    ScoreResponse, VersionResponse,
+    AbortRequest,
+    AbortResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    ScoreRequest,
+    ScoreResponse,
+    VersionResponse,
 )
 
 KEEPALIVE_SECONDS = 2.0
@@ -47,7 +54,7 @@ def new_session(timeout: float = 600.0) -> aiohttp.ClientSession:
 
 
 class _Client:
-    def __init__(self, base_url: str, timeout: float = 600.0, session: Optional[aiohttp.ClientSession] = None):
+    def __init__(self, base_url: str, timeout: float = 600.0, session: aiohttp.ClientSession | None = None):
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout
         self._own = session is None
@@ -104,7 +111,7 @@ class RolloutClient(_Client):
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         return await self._post("/generate", req, GenerateResponse)
 
-    async def abort(self, request_ids: Optional[Sequence[str]] = None) -> AbortResponse:
+    async def abort(self, request_ids: Sequence[str] | None = None) -> AbortResponse:
         body = AbortRequest(request_ids=list(request_ids) if request_ids is not None else None)
         return await self._post("/abort", body, AbortResponse)
 

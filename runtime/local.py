@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from kubedistill.api.job import DistillationJob
 from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
@@ -69,7 +69,7 @@ def ephemeral_ports() -> range:
         return range(32768, 61000)  # Linux's default
 
 
-def free_port(taken: set[int], rng: Optional[random.Random] = None) -> int:
+def free_port(taken: set[int], rng: random.Random | None = None) -> int:
     """A port that binds now and that nothing else on the machine is likely to take before the
     role process binds it: between Ray's worker ports and the ephemeral range. (A port from
     bind-to-0 lies in the ephemeral range, where every outgoing connection of the driver and
@@ -97,7 +97,7 @@ def absolute_paths(spec: DistillationJobSpec, base: Path) -> DistillationJobSpec
     """The spec with its model, data and checkpoint paths made absolute against `base`, so the
     processes find them whatever directory Ray starts them in."""
 
-    def fix(p: Optional[str]) -> Optional[str]:
+    def fix(p: str | None) -> str | None:
         return None if p is None else str((base / p).resolve()) if not os.path.isabs(p) else p
 
     data = spec.model_dump(by_alias=True)
@@ -134,25 +134,52 @@ def plan(job: DistillationJob, config_path: Path) -> tuple[JobConfig, list[Proce
 
     processes: list[ProcessPlan] = []
 
-    def add(identity: Identity, port: int, threads: Optional[int], gpus: int) -> None:
+    def add(identity: Identity, port: int, threads: int | None, gpus: int) -> None:
         label = identity.role.value if identity.teacher is None else f"teacher-{identity.teacher}"
-        argv = [sys.executable, "-m", "kubedistill.cli", "role", identity.role.value, "--config", str(config_path),
-                "--replica", str(identity.replica), "--host", HOST, "--port", str(port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "kubedistill.cli",
+            "role",
+            identity.role.value,
+            "--config",
+            str(config_path),
+            "--replica",
+            str(identity.replica),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+        ]
         if identity.teacher is not None:
             argv += ["--teacher", identity.teacher]
         env = role_env(spec, name, ns, identity, HOST, master_port)
         for e in user_env(spec, identity.role, identity.teacher):
             if e.value_from is not None:
-                raise ValueError(f"spec.env {e.name}: valueFrom (a Kubernetes reference) cannot be resolved by "
-                                 "`kubedistill run`; give it a value for local runs")
+                raise ValueError(
+                    f"spec.env {e.name}: valueFrom (a Kubernetes reference) cannot be resolved by "
+                    "`kubedistill run`; give it a value for local runs"
+                )
             env[e.name] = e.value or ""
-        processes.append(ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv))
+        processes.append(
+            ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv)
+        )
 
     for t in spec.teachers:
         for i, port in enumerate(ports[f"teacher/{t.name}"]):
-            add(Identity(role=Role.teacher, replica=i, teacher=t.name), port, t.overrides.cpu_threads, spec.gpus_of(t.gpus))
+            add(
+                Identity(role=Role.teacher, replica=i, teacher=t.name),
+                port,
+                t.overrides.cpu_threads,
+                spec.gpus_of(t.gpus),
+            )
     for i, port in enumerate(ports["rollout"]):
-        add(Identity(role=Role.rollout, replica=i), port, spec.rollout.overrides.cpu_threads, spec.gpus_of(spec.rollout.gpus))
+        add(
+            Identity(role=Role.rollout, replica=i),
+            port,
+            spec.rollout.overrides.cpu_threads,
+            spec.gpus_of(spec.rollout.gpus),
+        )
     gpus_per_rank = 1 if spec.gpus_of(spec.trainer.gpus_per_replica) else 0
     for rank, port in enumerate(ports["trainer"]):
         add(Identity(role=Role.trainer, replica=rank), port, spec.trainer.overrides.cpu_threads, gpus_per_rank)
@@ -177,14 +204,20 @@ def _process_actor_class():
             if getattr(self, "log", None) is not None:  # a restarted trainer rank
                 self.log.close()
             self.log = open(log_path, "ab", buffering=0)
-            self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT,
-                                         preexec_fn=die_with_parent, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                env={**os.environ, **env},
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+                start_new_session=True,
+            )
             return self.proc.pid
 
-        def poll(self) -> Optional[int]:
+        def poll(self) -> int | None:
             return self.proc.poll()
 
-        def stop(self, grace: float = 10.0) -> Optional[int]:
+        def stop(self, grace: float = 10.0) -> int | None:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 try:
@@ -233,8 +266,15 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path] = None,
-        report: Optional[Path] = None, progress: Optional[bool] = None, log=print) -> int:
+def run(
+    job_path: Path,
+    *,
+    address: str | None = None,
+    workdir: Path | None = None,
+    report: Path | None = None,
+    progress: bool | None = None,
+    log=print,
+) -> int:
     """Run a job locally; returns the process exit code (0 = the trainer succeeded)."""
     from kubedistill.api.validate import load_job
 
@@ -267,8 +307,12 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
     else:
         # Locally the roles share the machine on purpose (like separate GPU pools share a node):
         # give Ray enough logical CPUs that every role gets placed.
-        ray.init(num_cpus=max(int(wanted_cpus + 0.999), os.cpu_count() or 1), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(
+            num_cpus=max(int(wanted_cpus + 0.999), os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     RoleProcess = _process_actor_class()
     actors: dict[str, Any] = {}
     started = time.time()
@@ -281,8 +325,10 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
             actor = RoleProcess.options(num_cpus=p.cpus, num_gpus=p.gpus, name=None).remote()
             ray.get(actor.start.remote(p.argv, p.env, str(run_dir / "logs" / f"{p.name}.log")))
             actors[p.name] = actor
-        log(f"kubedistill run: {len(processes)} processes for job {job.metadata.name} "
-            f"({job.spec.mode.value}); logs in {run_dir / 'logs'}")
+        log(
+            f"kubedistill run: {len(processes)} processes for job {job.metadata.name} "
+            f"({job.spec.mode.value}); logs in {run_dir / 'logs'}"
+        )
         trainer0 = next(p.name for p in processes if p.identity.role is Role.trainer and p.identity.replica == 0)
         gang = [p for p in processes if p.identity.role is Role.trainer]
         restarts: list[dict[str, Any]] = []
@@ -292,12 +338,19 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
             exits = {name: ray.get(a.poll.remote()) for name, a in actors.items()}
             failed_rank = next((p.name for p in gang if exits[p.name] not in (None, 0)), None)
             if failed_rank is not None and len(restarts) < job.spec.backoff_limit:
-                restarts.append({"process": failed_rank, "exitCode": exits[failed_rank],
-                                 "historyLines": len(read_history(history_path)),
-                                 "seconds": round(time.time() - started, 1)})
-                log(f"kubedistill run: {failed_rank} exited with {exits[failed_rank]}; restarting the trainer gang "
+                restarts.append(
+                    {
+                        "process": failed_rank,
+                        "exitCode": exits[failed_rank],
+                        "historyLines": len(read_history(history_path)),
+                        "seconds": round(time.time() - started, 1),
+                    }
+                )
+                log(
+                    f"kubedistill run: {failed_rank} exited with {exits[failed_rank]}; restarting the trainer gang "
                     f"({len(restarts)}/{job.spec.backoff_limit}) from the last checkpoint\n"
-                    f"--- last lines of {failed_rank} ---\n{_tail(run_dir / 'logs' / f'{failed_rank}.log', 8)}")
+                    f"--- last lines of {failed_rank} ---\n{_tail(run_dir / 'logs' / f'{failed_rank}.log', 8)}"
+                )
                 _restart_gang(actors, gang, run_dir)
                 status = {}
                 continue
@@ -352,7 +405,10 @@ def run(job_path: Path, *, address: Optional[str] = None, workdir: Optional[Path
         polled = outcome.get("status", {})
         if last.get("step", 0) >= polled.get("step", 0):
             outcome["status"] = {**polled, **{k: v for k, v in last.items() if k != "time"}}
-    log(f"kubedistill run: {outcome['result']} after {outcome['seconds']} s; " + _progress_line(outcome.get("status", {}), job.spec.trainer.total_steps, outcome["seconds"]))
+    log(
+        f"kubedistill run: {outcome['result']} after {outcome['seconds']} s; "
+        + _progress_line(outcome.get("status", {}), job.spec.trainer.total_steps, outcome["seconds"])
+    )
     if report is not None:
         report.write_text(json.dumps(outcome, indent=2))
     return code
@@ -369,8 +425,13 @@ def _restart_gang(actors: dict[str, Any], gang: list[ProcessPlan], run_dir: Path
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    return run(Path(args.job), address=args.address, workdir=Path(args.workdir) if args.workdir else None,
-               report=Path(args.report) if args.report else None, progress=args.progress)
+    return run(
+        Path(args.job),
+        address=args.address,
+        workdir=Path(args.workdir) if args.workdir else None,
+        report=Path(args.report) if args.report else None,
+        progress=args.progress,
+    )
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -379,6 +440,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="existing Ray cluster (default: local)")
     p.add_argument("--workdir", help="run directory (config, logs); default .kubedistill/runs/<job>")
     p.add_argument("--report", metavar="FILE", help="write a JSON summary here")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="live progress line (default: when stdout is a terminal)")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="live progress line (default: when stdout is a terminal)",
+    )
     p.set_defaults(func=_run_command)

@@ -11,7 +11,8 @@ Notation per response token t: ``s`` = log pi_student(y_t) (with grad), ``mu`` =
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -51,7 +52,7 @@ def forward_kl_top_k(
     *,
     renormalize: bool = False,
     log_prob_min_clamp: float = -10.0,
-    valid: Optional[torch.Tensor] = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_{v in K_t} p_T(v) (T_t(v) - log q(v)), shape ``[N, k] -> [N]``.
 
@@ -83,7 +84,9 @@ def distillation_advantages(distill_loss: torch.Tensor, loss_max_clamp: float) -
     return -distill_loss.detach().clamp(-loss_max_clamp, loss_max_clamp)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: Sequence[int] | torch.Tensor, eps: float = GRPO_EPS) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: Sequence[int] | torch.Tensor, eps: float = GRPO_EPS
+) -> torch.Tensor:
     """Per-sample (r_i - mean_g) / (std_g + eps) within each group g of samples of the same prompt.
 
     std is the unbiased sample standard deviation (as verl); a group of one sample gets 0.
@@ -158,16 +161,16 @@ def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation
 
 
 def per_token_losses(
-    algorithm: "AlgorithmSpec",
+    algorithm: AlgorithmSpec,
     *,
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
-    teacher_logprobs: Optional[torch.Tensor] = None,
-    student_topk_logprobs: Optional[torch.Tensor] = None,
-    teacher_topk_logprobs: Optional[torch.Tensor] = None,
-    topk_valid: Optional[torch.Tensor] = None,
-    task_advantages: Optional[torch.Tensor] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
+    teacher_logprobs: torch.Tensor | None = None,
+    student_topk_logprobs: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
+    topk_valid: torch.Tensor | None = None,
+    task_advantages: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The configured loss per response token: ``{"distill", "pg", "total"}`` (each ``[N]``).
 
@@ -188,8 +191,11 @@ def per_token_losses(
             if student_topk_logprobs is None or teacher_topk_logprobs is None:
                 raise ValueError("lossMode forwardKLTopK needs teacher top-k ids and log-probs in the batch")
             raw = forward_kl_top_k(
-                student_topk_logprobs, teacher_topk_logprobs,
-                renormalize=d.renormalize, log_prob_min_clamp=d.log_prob_min_clamp, valid=topk_valid,
+                student_topk_logprobs,
+                teacher_topk_logprobs,
+                renormalize=d.renormalize,
+                log_prob_min_clamp=d.log_prob_min_clamp,
+                valid=topk_valid,
             )
         else:
             if teacher_logprobs is None:

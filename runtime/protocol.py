@@ -4,7 +4,7 @@ reference for what each field means."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,7 +28,7 @@ class Sampling(WireRequest):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     n: Literal[1] = 1
     """One sample per request: the driver sends n requests so each can be aborted and resumed alone."""
-    seed: Optional[Annotated[int, Field(ge=0, le=2**64 - 1)]] = None
+    seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
     """Per-request seed; torch's generators take at most 64 bits."""
     ignore_eos: bool = False
     """Keep generating past EOS until max_tokens (benchmarks with fixed response lengths)."""
@@ -57,7 +57,7 @@ class GenerateResponse(Wire):
 
 
 class AbortRequest(WireRequest):
-    request_ids: Optional[list[str]] = None
+    request_ids: list[str] | None = None
     """Requests to abort; null aborts every request in flight."""
 
 
@@ -116,7 +116,7 @@ class Manifest(WireRequest):
 class WeightsBeginRequest(WireRequest):
     version: Annotated[int, Field(ge=0)]
     manifest: Manifest
-    group_epoch: Optional[str] = None
+    group_epoch: str | None = None
     """The sender's weight-sync group epoch: a server in another group refuses (503) instead
     of entering a collective nobody else is in."""
 
@@ -128,10 +128,10 @@ class WeightsGroupRequest(WireRequest):
 
 
 class WeightsGroupResponse(Wire):
-    epoch: Optional[str] = None
+    epoch: str | None = None
     """The group this server is in or joining (None: never told to join one)."""
     state: Literal["none", "joining", "ready", "failed"] = "none"
-    error: Optional[str] = None
+    error: str | None = None
 
 
 class WeightsBeginResponse(Wire):
@@ -144,7 +144,7 @@ class ScoreRequest(WireRequest):
     """Prompt followed by the response."""
     prompt_len: Annotated[int, Field(ge=1)]
     top_k: Annotated[int, Field(ge=1, le=256)] = 32
-    images: Optional[list[str]] = None
+    images: list[str] | None = None
     """Base64-encoded images of the sample (vision teachers; passed to vLLM as multi-modal data)."""
 
 

@@ -34,8 +34,9 @@ def use_all_cores(torch: Any) -> None:
     torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
-def prepare(base: Path, *, teacher_steps: int = TEACHER_STEPS, student_steps: int = STUDENT_WARMUP_STEPS,
-            log=print) -> dict[str, Any]:
+def prepare(
+    base: Path, *, teacher_steps: int = TEACHER_STEPS, student_steps: int = STUDENT_WARMUP_STEPS, log=print
+) -> dict[str, Any]:
     """Make `base`/{teacher,student,student-init,data}; reuse them when already complete."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -69,7 +70,9 @@ def prepare(base: Path, *, teacher_steps: int = TEACHER_STEPS, student_steps: in
     return info
 
 
-def evaluate(student_dir: Path, teacher_dir: Path, n_problems: int = 500, samples: int = 4, seed: int = 0) -> dict[str, float]:
+def evaluate(
+    student_dir: Path, teacher_dir: Path, n_problems: int = 500, samples: int = 4, seed: int = 0
+) -> dict[str, float]:
     """{'accuracy', 'reverse_kl'} of a student on held-out problems."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,13 +87,21 @@ def evaluate(student_dir: Path, teacher_dir: Path, n_problems: int = 500, sample
     ids = torch.tensor([tok(tok.bos_token + p.prompt, add_special_tokens=False).input_ids for p in problems])
     ids = ids.repeat_interleave(samples, 0)
     with torch.no_grad():
-        seqs = student.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=True,
-                                temperature=1.0, top_k=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        seqs = student.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         s = torch.log_softmax(student(seqs).logits.float(), -1)
         t = torch.log_softmax(teacher(seqs).logits.float(), -1)
     # Positions predicting response tokens, up to and including the first <eos>.
     start = ids.shape[1] - 1
-    resp = seqs[:, ids.shape[1]:]
+    resp = seqs[:, ids.shape[1] :]
     after_eos = (resp == tok.eos_token_id).long().cumsum(1) - (resp == tok.eos_token_id).long()
     mask = (after_eos == 0) & (resp != tok.pad_token_id)
     kl = (s.exp() * (s - t)).sum(-1)[:, start : start + resp.shape[1]]
@@ -105,8 +116,10 @@ def summary_line(before: dict[str, float], after: dict[str, float], teacher_accu
     """The command's last line: how much closer to the teacher distillation brought the student."""
     ratio = before["reverse_kl"] / after["reverse_kl"] if after["reverse_kl"] > 0 else float("inf")
     change = f"{ratio:.1f}× closer" if ratio >= 1 else f"{1 / ratio:.1f}× farther"
-    return (f"student→teacher reverse KL {before['reverse_kl']:.2f} → {after['reverse_kl']:.2f} ({change}); "
-            f"accuracy {before['accuracy']:.1%} → {after['accuracy']:.1%} (teacher {teacher_accuracy:.1%})")
+    return (
+        f"student→teacher reverse KL {before['reverse_kl']:.2f} → {after['reverse_kl']:.2f} ({change}); "
+        f"accuracy {before['accuracy']:.1%} → {after['accuracy']:.1%} (teacher {teacher_accuracy:.1%})"
+    )
 
 
 def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log=print) -> int:
@@ -143,6 +156,9 @@ def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log=p
 def add_commands(sub) -> None:
     p = sub.add_parser("quickstart", help="CPU demo: make a teacher and a student, distill on-policy, show the gain")
     p.add_argument("--job", default=str(QUICKSTART_JOB), help="the job to run (default %(default)s)")
-    p.add_argument("--dir", default=str(QUICKSTART_DIR),
-                   help="where the models and data go (must match the job's paths; default %(default)s)")
+    p.add_argument(
+        "--dir",
+        default=str(QUICKSTART_DIR),
+        help="where the models and data go (must match the job's paths; default %(default)s)",
+    )
     p.set_defaults(func=lambda args: quickstart(Path(args.job), Path(args.dir)))

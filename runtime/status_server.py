@@ -24,8 +24,9 @@ def build_status_app(status: DriverStatus, metrics: Any):
     @app.get("/health")
     async def health() -> JSONResponse:
         code = 500 if status.phase == "failed" else 200
-        return JSONResponse({"status": "ok" if code == 200 else "failed", "role": "trainer", "phase": status.phase},
-                            status_code=code)
+        return JSONResponse(
+            {"status": "ok" if code == 200 else "failed", "role": "trainer", "phase": status.phase}, status_code=code
+        )
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -42,8 +43,9 @@ class StatusServer:
     def __init__(self, status: DriverStatus, metrics: Any, host: str, port: int):
         import uvicorn
 
-        config = uvicorn.Config(build_status_app(status, metrics), host=host, port=port, log_level="warning",
-                                lifespan="off")
+        config = uvicorn.Config(
+            build_status_app(status, metrics), host=host, port=port, log_level="warning", lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         # The trainer process handles its own signals (default: terminate).
         self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]

@@ -27,8 +27,13 @@ def _init_distributed(spec, rank: int, world: int) -> None:
     if world <= 1 or dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if spec.device.value == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=max(600, spec.weight_sync.timeout_seconds)))
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=max(600, spec.weight_sync.timeout_seconds)),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    torch.set_num_threads(spec.trainer.overrides.cpu_threads or 1 if spec.device.value == "cpu" else torch.get_num_threads())
+    torch.set_num_threads(
+        spec.trainer.overrides.cpu_threads or 1 if spec.device.value == "cpu" else torch.get_num_threads()
+    )
     _init_distributed(spec, rank, world)
 
     from kubedistill.runtime.metrics import RoleMetrics
@@ -105,8 +112,17 @@ def _build(config, metrics, status):
     spec = config.spec
     trainer = Trainer(spec, metrics=metrics)
     tok_path = spec.student.tokenizer or spec.student.model
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True,
-                                              trust_remote_code=spec.student.trust_remote_code)
-    driver = Driver(spec, trainer=trainer, sender=None, rollout_urls=config.endpoints.rollout,  # type: ignore[arg-type]
-                    teacher_urls=config.endpoints.teachers, tokenizer=tokenizer, metrics=metrics, status=status)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(tok_path), local_files_only=True, trust_remote_code=spec.student.trust_remote_code
+    )
+    driver = Driver(
+        spec,
+        trainer=trainer,
+        sender=None,
+        rollout_urls=config.endpoints.rollout,  # type: ignore[arg-type]
+        teacher_urls=config.endpoints.teachers,
+        tokenizer=tokenizer,
+        metrics=metrics,
+        status=status,
+    )
     return trainer, driver

@@ -9,7 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -22,20 +22,40 @@ def write_prompts(path: Path, count: int = 64, seed: int = 0) -> Path:
     with path.open("w") as f:
         for i in range(count):
             a, b = rng.randrange(100), rng.randrange(100)
-            f.write(json.dumps({
-                "data_source": "arith",
-                "prompt": [{"role": "user", "content": f"{a:02d}+{b:02d}="}],
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {"index": i},
-            }) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "data_source": "arith",
+                        "prompt": [{"role": "user", "content": f"{a:02d}+{b:02d}="}],
+                        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                        "extra_info": {"index": i},
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
-def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engine: str = "hf",
-             steps: int = 3, mini_batch: int = 4, n: int = 2, max_tokens: int = 4, every: int = 100,
-             asyncspec: Optional[dict[str, Any]] = None, loss: str = "forwardKLTopK", lr: float = 1e-3,
-             max_model_len: int = 64, temperature: float = 1.0, trainer_replicas: int = 1,
-             max_num_seqs: Optional[int] = None) -> Path:
+def job_yaml(
+    base: Path,
+    models: dict[str, Path],
+    *,
+    name: str,
+    mode: str,
+    engine: str = "hf",
+    steps: int = 3,
+    mini_batch: int = 4,
+    n: int = 2,
+    max_tokens: int = 4,
+    every: int = 100,
+    asyncspec: dict[str, Any] | None = None,
+    loss: str = "forwardKLTopK",
+    lr: float = 1e-3,
+    max_model_len: int = 64,
+    temperature: float = 1.0,
+    trainer_replicas: int = 1,
+    max_num_seqs: int | None = None,
+) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
     inference = {"engine": engine, "kvCacheGiB": 1, "maxModelLen": max_model_len}
     if max_num_seqs is not None or engine == "vllm":
@@ -44,13 +64,28 @@ def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engin
         "mode": mode,
         "device": "cpu",
         "student": {"model": str(models["student"])},
-        "teachers": [{"name": "arith", "model": str(models["teacher"]), "inference": dict(inference),
-                      "overrides": {"cpuThreads": 1}}],
-        "rollout": {"replicas": 1, "inference": dict(inference),
-                    "sampling": {"samplesPerPrompt": n, "temperature": temperature, "maxTokens": max_tokens, "seed": 0},
-                    "overrides": {"cpuThreads": 1}},
-        "trainer": {"replicas": trainer_replicas, "optim": {"lr": lr}, "miniBatchSize": mini_batch, "totalSteps": steps,
-                    "mixedPrecision": "float32", "overrides": {"cpuThreads": 1}},
+        "teachers": [
+            {
+                "name": "arith",
+                "model": str(models["teacher"]),
+                "inference": dict(inference),
+                "overrides": {"cpuThreads": 1},
+            }
+        ],
+        "rollout": {
+            "replicas": 1,
+            "inference": dict(inference),
+            "sampling": {"samplesPerPrompt": n, "temperature": temperature, "maxTokens": max_tokens, "seed": 0},
+            "overrides": {"cpuThreads": 1},
+        },
+        "trainer": {
+            "replicas": trainer_replicas,
+            "optim": {"lr": lr},
+            "miniBatchSize": mini_batch,
+            "totalSteps": steps,
+            "mixedPrecision": "float32",
+            "overrides": {"cpuThreads": 1},
+        },
         "algorithm": {"distillation": {"lossMode": loss, "topK": 4}},
         "data": {"train": [str(data)], "maxPromptLength": 32},
         "checkpoint": {"path": str(base / "ckpt"), "everySteps": every},
@@ -59,24 +94,44 @@ def job_yaml(base: Path, models: dict[str, Path], *, name: str, mode: str, engin
     }
     if asyncspec is not None:
         spec["async"] = asyncspec
-    job = {"apiVersion": "kubedistill.io/v1alpha1", "kind": "DistillationJob", "metadata": {"name": name},
-           "spec": spec}
+    job = {"apiVersion": "kubedistill.io/v1alpha1", "kind": "DistillationJob", "metadata": {"name": name}, "spec": spec}
     path = base / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
 
 
 def run_env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
-                TRANSFORMERS_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        RAY_USAGE_STATS_ENABLED="0",
+    )
 
 
 def kubedistill_run(job: Path, workdir: Path, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
     """`kubedistill run JOB --report`: (exit code, report, output)."""
     report = workdir / "report.json"
     p = subprocess.run(
-        [sys.executable, "-m", "kubedistill.cli", "run", str(job), "--workdir", str(workdir), "--report", str(report),
-         "--no-progress"], cwd=workdir.parent, env=run_env(), capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "kubedistill.cli",
+            "run",
+            str(job),
+            "--workdir",
+            str(workdir),
+            "--report",
+            str(report),
+            "--no-progress",
+        ],
+        cwd=workdir.parent,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     out = p.stdout + p.stderr
     rep = json.loads(report.read_text()) if report.is_file() else {}

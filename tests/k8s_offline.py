@@ -13,8 +13,9 @@ import json
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import celpy
 import jsonschema
@@ -64,7 +65,10 @@ def kubectl_read(text: str) -> list[Any]:
         f.flush()
         r = subprocess.run(
             [tool("kubectl"), "annotate", "--local", "-f", f.name, f"{PROBE_ANNOTATION}=1", "-o", "json"],
-            capture_output=True, text=True, timeout=60, env={"KUBECONFIG": "/dev/null", "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"KUBECONFIG": "/dev/null", "PATH": "/usr/bin:/bin"},
         )
     assert r.returncode == 0, f"kubectl could not read it: {r.stderr}"
     items: list[Any] = []
@@ -137,9 +141,7 @@ def _evaluate(rule: str, self_value: Any, old_value: Any = None) -> bool:
     return bool(result)
 
 
-def cel_violations(
-    obj: Any, schema: dict[str, Any], old: Any = None, path: str = ""
-) -> Iterator[tuple[str, str]]:
+def cel_violations(obj: Any, schema: dict[str, Any], old: Any = None, path: str = "") -> Iterator[tuple[str, str]]:
     """(field path, message) of every x-kubernetes-validations rule that fails, as the API
     server would report them (transition rules only when `old` is given)."""
     for rule in schema.get("x-kubernetes-validations", []):
@@ -174,7 +176,7 @@ def cel_field_errors(schema: dict[str, Any], path: str = "") -> list[str]:
             out.append(f"{where}: rule {rule['rule']!r}: {problem}")
         field_path = rule.get("fieldPath")
         if field_path:
-            node: Optional[dict[str, Any]] = schema
+            node: dict[str, Any] | None = schema
             walked = ""
             for part in field_path.lstrip(".").split("."):
                 node, problem = _field(node, part, walked)
@@ -189,7 +191,7 @@ def cel_field_errors(schema: dict[str, Any], path: str = "") -> list[str]:
     return out
 
 
-def _field(node: Optional[dict[str, Any]], name: str, walked: str) -> tuple[Optional[dict[str, Any]], str]:
+def _field(node: dict[str, Any] | None, name: str, walked: str) -> tuple[dict[str, Any] | None, str]:
     """The schema of field `name` of `node` (None: unknown, not checked) and any problem."""
     if node is None or node.get("x-kubernetes-preserve-unknown-fields"):
         return None, ""
@@ -214,7 +216,7 @@ class _CelFields:
         self._walk(tree, {"self": (self.root, "")})
         return self.problems
 
-    def _walk(self, tree: Any, env: dict[str, tuple[Optional[dict[str, Any]], str]]) -> None:
+    def _walk(self, tree: Any, env: dict[str, tuple[dict[str, Any] | None, str]]) -> None:
         if not isinstance(tree, Tree):
             return
         if tree.data in ("member_dot", "member_dot_arg", "primary", "member"):
@@ -223,7 +225,7 @@ class _CelFields:
         for child in tree.children:
             self._walk(child, env)
 
-    def _typed(self, tree: Tree, env: dict[str, Any]) -> tuple[Optional[dict[str, Any]], str]:
+    def _typed(self, tree: Tree, env: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         """(schema, path) of a member expression, checking every field it selects."""
         if tree.data in ("member", "primary") and len(tree.children) == 1:
             child = tree.children[0]
@@ -259,7 +261,7 @@ class _CelFields:
         return None, ""
 
 
-def _ident(tree: Any) -> Optional[str]:
+def _ident(tree: Any) -> str | None:
     """The name of an expression that is a bare identifier (a macro's variable)."""
     while isinstance(tree, Tree):
         if tree.data == "ident":

@@ -13,7 +13,8 @@ import copy
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp.web
 import kmock
@@ -39,20 +40,19 @@ BASE_SPEC: dict[str, Any] = {
 }
 
 
-def job_manifest(name: str, spec: Optional[dict[str, Any]] = None, **overrides: Any) -> dict[str, Any]:
+def job_manifest(name: str, spec: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
     body = copy.deepcopy(spec if spec is not None else BASE_SPEC)
     body.update(overrides)
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
         # KMock stores objects as posted: give them the uid/resourceVersion the API server would.
-        "metadata": {"name": name, "namespace": NS, "uid": str(uuid.uuid4()), "generation": 1,
-                     "resourceVersion": "1"},
+        "metadata": {"name": name, "namespace": NS, "uid": str(uuid.uuid4()), "generation": 1, "resourceVersion": "1"},
         "spec": body,
     }
 
 
-def expected_children(job: str, spec: Optional[dict[str, Any]] = None) -> set[tuple[str, str]]:
+def expected_children(job: str, spec: dict[str, Any] | None = None) -> set[tuple[str, str]]:
     """(kind, name) of every child the operator must create for a job with `spec`."""
     parsed = DistillationJobSpec.model_validate(spec if spec is not None else BASE_SPEC)
     return {(o["kind"], o["metadata"]["name"]) for o in render_children(job, NS, parsed)}
@@ -72,7 +72,7 @@ class FastEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     else, e.g. a test's `list(kmock)`, they see the whole log as before. Objects, watch streams
     and responses are KMock's own."""
 
-    refuse: Optional[Callable[[Any], Optional[tuple[int, str]]]] = None
+    refuse: Callable[[Any], tuple[int, str] | None] | None = None
     """Tests set it to play an admission controller: (HTTP status, message) refuses a request,
     answered with a Kubernetes Status object as the API server answers; None lets it through."""
 
@@ -126,7 +126,7 @@ class Cluster:
     async def create_job(self, manifest: dict[str, Any]) -> None:
         await self.call(self.custom.create_namespaced_custom_object, GROUP, VERSION, NS, PLURAL, manifest)
 
-    async def job(self, name: str) -> Optional[dict[str, Any]]:
+    async def job(self, name: str) -> dict[str, Any] | None:
         try:
             return await self.call(self.custom.get_namespaced_custom_object, GROUP, VERSION, NS, PLURAL, name)
         except kubernetes.client.ApiException as exc:
@@ -153,8 +153,7 @@ class Cluster:
         out |= {("Service", n) for n in mine((await self.call(self.core.list_namespaced_service, NS)).items)}
         out |= {("ConfigMap", n) for n in mine((await self.call(self.core.list_namespaced_config_map, NS)).items)}
         out |= {
-            ("NetworkPolicy", n)
-            for n in mine((await self.call(self.net.list_namespaced_network_policy, NS)).items)
+            ("NetworkPolicy", n) for n in mine((await self.call(self.net.list_namespaced_network_policy, NS)).items)
         }
         return out
 
@@ -169,10 +168,18 @@ class Cluster:
     async def fail_pod(self, name: str, exit_code: int = 1) -> None:
         terminated = {"exitCode": exit_code, "reason": "Error"}
         await self.set_pod_status(
-            name, "Failed", containerStatuses=[{
-                "name": "kubedistill", "image": "kubedistill", "imageID": "", "ready": False, "restartCount": 0,
-                "state": {"terminated": terminated},
-            }]
+            name,
+            "Failed",
+            containerStatuses=[
+                {
+                    "name": "kubedistill",
+                    "image": "kubedistill",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+            ],
         )
 
     async def delete_pod(self, name: str) -> None:
@@ -202,13 +209,15 @@ async def eventually(
 async def running_operator(
     url: str,
     resync_seconds: float = 0.5,
-    metrics: Optional[OperatorMetrics] = None,
+    metrics: OperatorMetrics | None = None,
     post_events: bool = True,
     **options: Any,
 ) -> AsyncIterator[Reconciler]:
     """The real operator (kopf + our handlers), cluster-wide (KMock cannot list namespaces), in
     this event loop; `options` go to OperatorOptions."""
-    settings_ = OperatorOptions(resync_seconds=resync_seconds, server=url, metrics=metrics or OperatorMetrics(), **options)
+    settings_ = OperatorOptions(
+        resync_seconds=resync_seconds, server=url, metrics=metrics or OperatorMetrics(), **options
+    )
     reconciler = Reconciler(settings_)
     registry = build_registry(reconciler)
     settings = kopf.OperatorSettings()

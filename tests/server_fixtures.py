@@ -18,7 +18,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import httpx
 import pytest
@@ -33,17 +32,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_config(student: Path, teacher: Path, *, engine: str, rollout_urls: list[str], teacher_urls: list[str],
-               weight_sync_port: int, bucket_mb: int = 1, partial_rollout: Optional[str] = None,
-               teacher_engine: Optional[str] = None) -> JobConfig:
+def job_config(
+    student: Path,
+    teacher: Path,
+    *,
+    engine: str,
+    rollout_urls: list[str],
+    teacher_urls: list[str],
+    weight_sync_port: int,
+    bucket_mb: int = 1,
+    partial_rollout: str | None = None,
+    teacher_engine: str | None = None,
+) -> JobConfig:
     spec = {
         "device": "cpu",
         "mode": "fullyAsync" if partial_rollout else "sync",
         "student": {"model": str(student)},
-        "teachers": [{"name": "math", "model": str(teacher),
-                      "inference": {"engine": teacher_engine or engine, "kvCacheGiB": 1, "maxModelLen": 256}}],
-        "rollout": {"replicas": len(rollout_urls),
-                    "inference": {"engine": engine, "kvCacheGiB": 1, "maxModelLen": 256, "maxNumSeqs": 16}},
+        "teachers": [
+            {
+                "name": "math",
+                "model": str(teacher),
+                "inference": {"engine": teacher_engine or engine, "kvCacheGiB": 1, "maxModelLen": 256},
+            }
+        ],
+        "rollout": {
+            "replicas": len(rollout_urls),
+            "inference": {"engine": engine, "kvCacheGiB": 1, "maxModelLen": 256, "maxNumSeqs": 16},
+        },
         "data": {"train": ["/dev/null"]},
         "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": 600},
         "algorithm": {"distillation": {"topK": 4}},
@@ -51,22 +66,48 @@ def job_config(student: Path, teacher: Path, *, engine: str, rollout_urls: list[
     if partial_rollout:
         spec["async"] = {"partialRollout": True, "partialRolloutStrategy": partial_rollout}
     return JobConfig(
-        job="test", spec=DistillationJobSpec.model_validate(spec),
-        endpoints=Endpoints(trainer="http://127.0.0.1:1", master_addr="127.0.0.1", weight_sync_port=weight_sync_port,
-                            rollout=rollout_urls, teachers={"math": teacher_urls}),
+        job="test",
+        spec=DistillationJobSpec.model_validate(spec),
+        endpoints=Endpoints(
+            trainer="http://127.0.0.1:1",
+            master_addr="127.0.0.1",
+            weight_sync_port=weight_sync_port,
+            rollout=rollout_urls,
+            teachers={"math": teacher_urls},
+        ),
     )
 
 
 class Server:
-    def __init__(self, role: str, config_path: Path, port: int, replica: int = 0, log_path: Optional[Path] = None):
+    def __init__(self, role: str, config_path: Path, port: int, replica: int = 0, log_path: Path | None = None):
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path or config_path.with_suffix(f".{role}{replica}.log")
-        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kubedistill.cli", "role", role, "--config", str(config_path),
-             "--replica", str(replica), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env,
+            [
+                sys.executable,
+                "-m",
+                "kubedistill.cli",
+                "role",
+                role,
+                "--config",
+                str(config_path),
+                "--replica",
+                str(replica),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,  # its own process group: stop() reaches vLLM's children too
         )
 
@@ -115,8 +156,13 @@ class Servers:
         return [s.url for s in self.rollouts]
 
 
-def start_servers(base: Path, tiny_models: dict[str, Path], engines: list[str], teacher_engine: str,
-                  partial_rollout: Optional[str] = None) -> Servers:
+def start_servers(
+    base: Path,
+    tiny_models: dict[str, Path],
+    engines: list[str],
+    teacher_engine: str,
+    partial_rollout: str | None = None,
+) -> Servers:
     """Rollout replica i runs engines[i] (replicas may mix engines: same group, same broadcast)."""
     from kubedistill.runtime.weight_sync.sender import WeightSender
 
@@ -127,14 +173,28 @@ def start_servers(base: Path, tiny_models: dict[str, Path], engines: list[str], 
     turl = f"http://127.0.0.1:{tport}"
     servers: list[Server] = []
     for i, (engine, port) in enumerate(zip(engines, ports)):
-        cfg = job_config(tiny_models["student"], tiny_models["teacher"], engine=engine, rollout_urls=urls,
-                         teacher_urls=[turl], weight_sync_port=wport, partial_rollout=partial_rollout,
-                         teacher_engine=teacher_engine)
+        cfg = job_config(
+            tiny_models["student"],
+            tiny_models["teacher"],
+            engine=engine,
+            rollout_urls=urls,
+            teacher_urls=[turl],
+            weight_sync_port=wport,
+            partial_rollout=partial_rollout,
+            teacher_engine=teacher_engine,
+        )
         path = base / f"rollout{i}.json"
         cfg.dump(path)
         servers.append(Server("rollout", path, port, replica=i))
-    cfg = job_config(tiny_models["student"], tiny_models["teacher"], engine=teacher_engine, rollout_urls=urls,
-                     teacher_urls=[turl], weight_sync_port=wport, partial_rollout=partial_rollout)
+    cfg = job_config(
+        tiny_models["student"],
+        tiny_models["teacher"],
+        engine=teacher_engine,
+        rollout_urls=urls,
+        teacher_urls=[turl],
+        weight_sync_port=wport,
+        partial_rollout=partial_rollout,
+    )
     cfg.dump(base / "teacher.json")
     teacher = Server("teacher", base / "teacher.json", tport)
     result = Servers(config=cfg, rollouts=servers, teacher=teacher, _all=[*servers, teacher])
@@ -173,8 +233,9 @@ def vllm_servers(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_servers(tiny_models, tmp_path_factory):
-    servers = start_servers(tmp_path_factory.mktemp("hf-servers"), tiny_models, ["hf", "hf"], "hf",
-                            partial_rollout="resume")
+    servers = start_servers(
+        tmp_path_factory.mktemp("hf-servers"), tiny_models, ["hf", "hf"], "hf", partial_rollout="resume"
+    )
     yield servers
     for s in servers._all:
         s.stop()

@@ -77,11 +77,21 @@ def test_crd_identity_and_columns() -> None:
     version = c["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     assert [col["name"] for col in version["additionalPrinterColumns"]] == [
-        "Mode", "Phase", "Step", "Trainer", "Rollout", "Teachers", "Age", "Message"
+        "Mode",
+        "Phase",
+        "Step",
+        "Trainer",
+        "Rollout",
+        "Teachers",
+        "Age",
+        "Message",
     ]
     # The message is long: only `kubectl get -o wide` shows it.
     assert version["additionalPrinterColumns"][-1] == {
-        "name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1
+        "name": "Message",
+        "type": "string",
+        "jsonPath": ".status.message",
+        "priority": 1,
     }
 
 
@@ -129,7 +139,11 @@ def test_cel_and_python_rules_agree(path: Path) -> None:
     """Where a manifest passes the structural schema, the CRD's CEL rules (what the API server
     enforces) report exactly the Python model's cross-field problems, with the same messages."""
     doc = _load(path)
-    if not isinstance(doc, dict) or doc.get("apiVersion") != "kubedistill.io/v1alpha1" or doc.get("kind") != "DistillationJob":
+    if (
+        not isinstance(doc, dict)
+        or doc.get("apiVersion") != "kubedistill.io/v1alpha1"
+        or doc.get("kind") != "DistillationJob"
+    ):
         return
     doc = apply_defaults(doc, SCHEMA)
     if schema_errors(doc, SCHEMA):

@@ -71,8 +71,14 @@ def test_sigkill_mid_write_never_leaves_a_loadable_partial_checkpoint(tmp_path: 
     assert all(c.path.name.startswith("step-") for c in store.complete())
     # Start-up cleans the debris; the next save works and becomes the latest.
     assert sorted(store.remove_partial()) == sorted(leftovers)
-    store.save(step + 1, 0, {"trainer.pt": lambda p: p.write_bytes(bytes([(step + 1) % 256]) * 24 * CHUNK),
-                             "driver.pkl": write_pickle({"cursor": step + 1})})
+    store.save(
+        step + 1,
+        0,
+        {
+            "trainer.pt": lambda p: p.write_bytes(bytes([(step + 1) % 256]) * 24 * CHUNK),
+            "driver.pkl": write_pickle({"cursor": step + 1}),
+        },
+    )
     assert store.latest().step == step + 1
 
 

@@ -88,6 +88,11 @@ def test_requirements_from_the_example_specs() -> None:
     quick = BatchRequirements.from_spec(load_job(root / "examples/quickstart-cpu.yaml").spec)
     # miniBatchSize 32 samples = 8 groups of n=4
     assert (quick.group_size, quick.step_samples, quick.teacher_scores, quick.top_k, quick.rewards) == (
-        4, 32, True, 16, False)
+        4,
+        32,
+        True,
+        16,
+        False,
+    )
     multi = BatchRequirements.from_spec(load_job(root / "examples/multi-teacher-6gpu.yaml").spec)
     assert (multi.group_size, multi.step_samples, multi.top_k, multi.rewards) == (4, 16, 0, True)

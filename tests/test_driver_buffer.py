@@ -20,8 +20,14 @@ class Out:
 
 
 def policy(**kw) -> StalenessPolicy:
-    base = dict(mode="fullyAsync", group_size=2, mini_batch_size=4, staleness_threshold=0.5,
-                trigger_parameter_sync_step=1, oversample=2.0)
+    base = dict(
+        mode="fullyAsync",
+        group_size=2,
+        mini_batch_size=4,
+        staleness_threshold=0.5,
+        trigger_parameter_sync_step=1,
+        oversample=2.0,
+    )
     base.update(kw)
     return StalenessPolicy.build(**base)
 
@@ -48,7 +54,7 @@ async def test_generation_pauses_at_the_bound_and_resumes_after_a_sync() -> None
 
     waiter = asyncio.create_task(buf.reserve(group(3)))
     await asyncio.sleep(0)
-    for gid in range(2):
+    for _ in range(2):
         await buf.put(generate(buf.in_flight_groups()[0], 0))
     await asyncio.sleep(0)
     assert not waiter.done()  # finished groups do not free the bound: only a sync does

@@ -57,7 +57,9 @@ def test_long_prompts_are_dropped_and_counted(tmp_path: Path, tok) -> None:
     assert src.dropped == 2
 
     only_long = tmp_path / "long.jsonl"
-    only_long.write_text(json.dumps({**verl_row(Problem(1, 1), 0), "prompt": [{"role": "user", "content": "9" * 20}]}) + "\n")
+    only_long.write_text(
+        json.dumps({**verl_row(Problem(1, 1), 0), "prompt": [{"role": "user", "content": "9" * 20}]}) + "\n"
+    )
     with pytest.raises(ValueError, match="maxPromptLength"):
         PromptSource([only_long], tok, max_prompt_length=8).next()
 
@@ -116,10 +118,13 @@ def test_from_spec_reads_train_and_val(tmp_path: Path, tok) -> None:
 
     train = write_jsonl(problems(6), tmp_path / "train.jsonl")
     val = write_jsonl(problems(3), tmp_path / "val.jsonl")
-    spec = DistillationJobSpec.model_validate({
-        "student": {"model": "/m"}, "teachers": [{"name": "t", "model": "/t"}],
-        "data": {"train": [str(train)], "val": [str(val)], "maxPromptLength": 16, "seed": 5},
-    })
+    spec = DistillationJobSpec.model_validate(
+        {
+            "student": {"model": "/m"},
+            "teachers": [{"name": "t", "model": "/t"}],
+            "data": {"train": [str(train)], "val": [str(val)], "maxPromptLength": 16, "seed": 5},
+        }
+    )
     src = PromptSource.from_spec(spec, tok)
     assert (len(src), src.seed, src.max_prompt_length, src.shuffle) == (6, 5, 16, True)
     v = PromptSource.from_spec(spec, tok, split="val")

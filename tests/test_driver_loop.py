@@ -19,7 +19,8 @@ from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
 
 def _spec(tmp_path: Path, tiny_models, mode: str = "oneStepOff", partial: bool = False) -> DistillationJobSpec:
     spec = {
-        "mode": mode, "device": "cpu",
+        "mode": mode,
+        "device": "cpu",
         "student": {"model": str(tiny_models["student"])},
         "teachers": [{"name": "arith", "model": str(tiny_models["teacher"])}],
         "rollout": {"sampling": {"samplesPerPrompt": 2, "maxTokens": 4, "seed": 3}},
@@ -36,8 +37,14 @@ def _driver(spec, tiny_models) -> Driver:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_models["student"]))
-    return Driver(spec, trainer=None, sender=None, rollout_urls=["http://127.0.0.1:1"],  # type: ignore[arg-type]
-                  teacher_urls={"arith": ["http://127.0.0.1:2"]}, tokenizer=tok)
+    return Driver(
+        spec,
+        trainer=None,
+        sender=None,
+        rollout_urls=["http://127.0.0.1:1"],  # type: ignore[arg-type]
+        teacher_urls={"arith": ["http://127.0.0.1:2"]},
+        tokenizer=tok,
+    )
 
 
 def _half_generated(d: Driver) -> SampleGroup:
@@ -45,8 +52,9 @@ def _half_generated(d: Driver) -> SampleGroup:
     assert d.buffer.try_reserve(g)
     s = g.samples[0]
     s.continuation()
-    s.extend(type("Out", (), {"token_ids": [5, 6], "logprobs": [-1.0, -2.0], "versions": [0, 0],
-                              "finish_reason": "abort"})())
+    s.extend(
+        type("Out", (), {"token_ids": [5, 6], "logprobs": [-1.0, -2.0], "versions": [0, 0], "finish_reason": "abort"})()
+    )
     return g
 
 
@@ -79,7 +87,10 @@ def test_restore_refuses_foreign_state(tmp_path, tiny_models) -> None:
 
 
 def test_request_seeds_differ_per_sample_and_request() -> None:
-    a, b = Sample(group_id=7, index=0, prompt_ids=[1], max_tokens=4), Sample(group_id=7, index=1, prompt_ids=[1], max_tokens=4)
+    a, b = (
+        Sample(group_id=7, index=0, prompt_ids=[1], max_tokens=4),
+        Sample(group_id=7, index=1, prompt_ids=[1], max_tokens=4),
+    )
     assert request_seed(None, a) is None
     seeds = {request_seed(0, a), request_seed(0, b)}
     a.requests = 1
@@ -90,8 +101,18 @@ def test_request_seeds_differ_per_sample_and_request() -> None:
 
 def test_status_json_and_history(tmp_path) -> None:
     st = DriverStatus(total_steps=10)
-    assert set(st.to_json()) == {"step", "totalSteps", "weightVersion", "lastCheckpoint", "phase", "samplesPerSecond",
-                                 "rewardMean", "klStudentTeacher", "stalenessMean", "trainerIdleRatio"}
+    assert set(st.to_json()) == {
+        "step",
+        "totalSteps",
+        "weightVersion",
+        "lastCheckpoint",
+        "phase",
+        "samplesPerSecond",
+        "rewardMean",
+        "klStudentTeacher",
+        "stalenessMean",
+        "trainerIdleRatio",
+    }
     with pytest.raises(ValueError, match="phase"):
         st.set_phase("exploded")
     h = HistoryWriter(tmp_path / "h.jsonl")

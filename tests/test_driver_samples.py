@@ -9,8 +9,9 @@ from kubedistill.runtime.protocol import GenerateRequest, GenerateResponse, Samp
 
 
 def response(req_id: str, ids, lps, version: int, reason: str) -> GenerateResponse:
-    return GenerateResponse(request_id=req_id, token_ids=ids, logprobs=lps, versions=[version] * len(ids),
-                            finish_reason=reason)
+    return GenerateResponse(
+        request_id=req_id, token_ids=ids, logprobs=lps, versions=[version] * len(ids), finish_reason=reason
+    )
 
 
 def test_resume_after_abort_merges_prefix_and_continuation() -> None:
@@ -22,11 +23,19 @@ def test_resume_after_abort_merges_prefix_and_continuation() -> None:
 
     second = s.continuation()
     # The wire request the driver sends: prompt unchanged, the tokens so far as the prefix.
-    req = GenerateRequest(request_id=second.request_id, prompt_token_ids=second.prompt_token_ids,
-                          prefix_token_ids=second.prefix_token_ids, sampling=Sampling(max_tokens=second.max_tokens))
+    req = GenerateRequest(
+        request_id=second.request_id,
+        prompt_token_ids=second.prompt_token_ids,
+        prefix_token_ids=second.prefix_token_ids,
+        sampling=Sampling(max_tokens=second.max_tokens),
+    )
     # max_tokens is the whole response's budget: the server generates at most 6 - 2 more.
     assert (req.request_id, req.prompt_token_ids, req.prefix_token_ids, req.sampling.max_tokens) == (
-        "7-1-r2", [1, 2, 3], [10, 11], 6)
+        "7-1-r2",
+        [1, 2, 3],
+        [10, 11],
+        6,
+    )
     assert second.remaining == 4
     s.extend(response(req.request_id, [12, 13, 2], [-0.3, -0.4, -0.5], 4, "stop"))
 
@@ -68,8 +77,10 @@ def test_teacher_scores_are_checked_against_the_response() -> None:
     s.continuation()
     s.extend(response("x", [7, 8], [-1.0, -1.0], 0, "stop"))
     assert s.score_input() == ([1, 2, 7, 8], 2)
-    s.set_scores("math", ScoreResponse(logprobs=[-0.5, -0.25], topk_ids=[[7, 3], [8, 3]],
-                                       topk_logprobs=[[-0.5, -1.0], [-0.25, -2.0]]))
+    s.set_scores(
+        "math",
+        ScoreResponse(logprobs=[-0.5, -0.25], topk_ids=[[7, 3], [8, 3]], topk_logprobs=[[-0.5, -1.0], [-0.25, -2.0]]),
+    )
     assert (s.teacher, s.teacher_logprobs, s.teacher_topk_ids[1], s.scored) == ("math", [-0.5, -0.25], [8, 3], True)
     with pytest.raises(ValueError, match="scored 1 log-probs, 1 top-k id rows and 1 top-k log-prob rows for 2"):
         s.set_scores("math", ScoreResponse(logprobs=[-0.5], topk_ids=[[7]], topk_logprobs=[[-0.5]]))
@@ -86,8 +97,9 @@ def test_restart_forgets_tokens_and_scores() -> None:
 
 
 def test_group_versions_and_round_trip() -> None:
-    g = SampleGroup.for_prompt(4, [1, 2], 2, max_tokens=4, data_source="gsm8k", route_value="gsm8k",
-                               ground_truth="72", images=["aGVsbG8="])
+    g = SampleGroup.for_prompt(
+        4, [1, 2], 2, max_tokens=4, data_source="gsm8k", route_value="gsm8k", ground_truth="72", images=["aGVsbG8="]
+    )
     assert g.min_version is None and not g.finished
     for s, v in zip(g.samples, (2, 5)):
         s.continuation()
@@ -117,16 +129,26 @@ async def test_resume_on_the_hf_engine_matches_an_uninterrupted_generation(tiny_
 
     s = Sample(group_id=0, index=0, prompt_ids=prompt, max_tokens=budget)
     c = s.continuation()
-    head = await engine.generate(GenerateRequest(
-        request_id=c.request_id, prompt_token_ids=c.prompt_token_ids, prefix_token_ids=c.prefix_token_ids,
-        sampling=Sampling(max_tokens=2, temperature=0.0)))
+    head = await engine.generate(
+        GenerateRequest(
+            request_id=c.request_id,
+            prompt_token_ids=c.prompt_token_ids,
+            prefix_token_ids=c.prefix_token_ids,
+            sampling=Sampling(max_tokens=2, temperature=0.0),
+        )
+    )
     # What an abort at a weight sync after two tokens returns.
     s.extend(head.model_copy(update={"finish_reason": "abort"}))
     engine.version = 1  # the sync happened
     c = s.continuation()
-    tail = await engine.generate(GenerateRequest(
-        request_id=c.request_id, prompt_token_ids=c.prompt_token_ids, prefix_token_ids=c.prefix_token_ids,
-        sampling=Sampling(max_tokens=c.max_tokens, temperature=0.0)))
+    tail = await engine.generate(
+        GenerateRequest(
+            request_id=c.request_id,
+            prompt_token_ids=c.prompt_token_ids,
+            prefix_token_ids=c.prefix_token_ids,
+            sampling=Sampling(max_tokens=c.max_tokens, temperature=0.0),
+        )
+    )
     s.extend(tail)
 
     assert s.response_ids == whole.token_ids

@@ -59,15 +59,28 @@ def test_may_submit_and_drop_rule() -> None:
 
 
 def test_policies_of_the_three_modes() -> None:
-    sync = StalenessPolicy.build(mode="sync", group_size=4, mini_batch_size=16, staleness_threshold=3.0,
-                                 trigger_parameter_sync_step=5, partial_rollout=True)
+    sync = StalenessPolicy.build(
+        mode="sync",
+        group_size=4,
+        mini_batch_size=16,
+        staleness_threshold=3.0,
+        trigger_parameter_sync_step=5,
+        partial_rollout=True,
+    )
     assert (sync.required, sync.max_required, sync.max_lag, sync.in_flight_cap) == (16, 16, 0, 16)
     assert sync.trigger_parameter_sync_step == 1 and not sync.partial_rollout
     one = StalenessPolicy.build(mode="oneStepOff", group_size=4, mini_batch_size=16, staleness_threshold=3.0)
     assert (one.required, one.max_required, one.max_lag, one.trigger_parameter_sync_step) == (16, 32, 1, 1)
-    full = StalenessPolicy.build(mode="fullyAsync", group_size=4, mini_batch_size=16, require_batches=2,
-                                 staleness_threshold=1.0, trigger_parameter_sync_step=2, oversample=1.5,
-                                 partial_rollout=True)
+    full = StalenessPolicy.build(
+        mode="fullyAsync",
+        group_size=4,
+        mini_batch_size=16,
+        require_batches=2,
+        staleness_threshold=1.0,
+        trigger_parameter_sync_step=2,
+        oversample=1.5,
+        partial_rollout=True,
+    )
     # required 32; bound 32 x 2 x 2 = 128; lag ceil(128 / 64) - 1 = 1; in flight ceil(48) -> 48
     assert (full.required, full.max_required, full.max_lag, full.in_flight_cap) == (32, 128, 1, 48)
     assert full.partial_rollout
@@ -81,7 +94,12 @@ def test_policy_from_example_specs() -> None:
     multi = StalenessPolicy.from_spec(load_job(ROOT / "examples/multi-teacher-6gpu.yaml").spec)
     # miniBatchSize 16, n 4, s 0.5, trigger 4 -> 16 x 1.5 x 4 = 96 samples, lag 1
     assert (multi.mode, multi.required, multi.max_required, multi.max_lag, multi.in_flight_cap) == (
-        "fullyAsync", 16, 96, 1, 16)
+        "fullyAsync",
+        16,
+        96,
+        1,
+        16,
+    )
     quick = StalenessPolicy.from_spec(load_job(ROOT / "examples/quickstart-cpu.yaml").spec)
     # miniBatchSize 32, s 0.5, trigger 1 -> 32 x 1.5 x 1 = 48 samples, lag 1
     assert (quick.required, quick.max_required, quick.max_lag) == (32, 48, 1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,13 +22,24 @@ FULLY_ASYNC = {"stalenessThreshold": 0.5, "triggerParameterSyncStep": 2, "partia
 # busy (greedy responses of the random student rarely end before maxTokens), and weights sync after
 # every step, so each sync aborts a running generation that resumes from its prefix under the new
 # weights.
-RESUMING = {"stalenessThreshold": 1.0, "triggerParameterSyncStep": 1, "partialRollout": True,
-            "partialRolloutStrategy": "resume"}
+RESUMING = {
+    "stalenessThreshold": 1.0,
+    "triggerParameterSyncStep": 1,
+    "partialRollout": True,
+    "partialRolloutStrategy": "resume",
+}
 JOBS: dict[str, dict[str, Any]] = {
     "sync": dict(mode="sync", steps=3),
     "onestepoff": dict(mode="oneStepOff", steps=4),
-    "fullyasync": dict(mode="fullyAsync", steps=4, max_tokens=64, max_model_len=128, temperature=0.0,
-                       asyncspec=RESUMING, max_num_seqs=1),
+    "fullyasync": dict(
+        mode="fullyAsync",
+        steps=4,
+        max_tokens=64,
+        max_model_len=128,
+        temperature=0.0,
+        asyncspec=RESUMING,
+        max_num_seqs=1,
+    ),
     "vllm": dict(mode="fullyAsync", steps=4, engine="vllm", max_tokens=6, asyncspec=FULLY_ASYNC),
     # trainer.replicas 2: two gloo CPU ranks (FSDP), rank 0 drives, syncs and checkpoints
     "multirank": dict(mode="sync", steps=2, every=2, trainer_replicas=2),
@@ -65,8 +75,17 @@ def _check_common(r: dict[str, Any], steps: int) -> list[dict[str, Any]]:
     hist = r["report"]["history"]
     assert [h["step"] for h in hist] == list(range(1, steps + 1))
     for h in hist:
-        for key in ("time", "weightVersion", "samplesPerSecond", "klStudentTeacher", "stalenessMean",
-                    "trainerIdleRatio", "lossTotal", "lossDistill", "groups"):
+        for key in (
+            "time",
+            "weightVersion",
+            "samplesPerSecond",
+            "klStudentTeacher",
+            "stalenessMean",
+            "trainerIdleRatio",
+            "lossTotal",
+            "lossDistill",
+            "groups",
+        ):
             assert h[key] is not None, key
         assert 0.0 <= h["trainerIdleRatio"] <= 1.0
     assert r["report"]["status"]["step"] == steps  # the final status: the last history line

@@ -37,8 +37,12 @@ def greedy_reference(model, context: list[int], n: int) -> tuple[list[int], list
 
 
 def greedy(rid: str, prompt: list[int], max_tokens: int, prefix: list[int] = ()) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, prefix_token_ids=list(prefix),
-                           sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        prefix_token_ids=list(prefix),
+        sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
 
 
 async def until_tokens(engine: HFEngine, rid: str, n: int) -> None:
@@ -105,13 +109,18 @@ def test_rows_leave_and_the_padding_is_cut(tiny_models) -> None:
 
 async def test_sampling_stays_per_request(student) -> None:
     def sampled(rid, seed, temperature=1.0, top_p=1.0):
-        return GenerateRequest(request_id=rid, prompt_token_ids=PROMPTS["a"], sampling=Sampling(
-            max_tokens=12, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True))
+        return GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=PROMPTS["a"],
+            sampling=Sampling(max_tokens=12, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True),
+        )
 
     alone = await student.generate(sampled("alone", seed=7))
     crowd = await asyncio.gather(
-        student.generate(sampled("s7", seed=7)), student.generate(greedy("g", PROMPTS["c"], 12)),
-        student.generate(sampled("s8", seed=8)), student.generate(sampled("hot", None, temperature=2.0)),
+        student.generate(sampled("s7", seed=7)),
+        student.generate(greedy("g", PROMPTS["c"], 12)),
+        student.generate(sampled("s8", seed=8)),
+        student.generate(sampled("hot", None, temperature=2.0)),
         student.generate(sampled("narrow", None, top_p=1e-6)),
     )
     s7, g, s8, hot, narrow = crowd
@@ -178,16 +187,18 @@ async def test_wait_pause_finishes_running_requests_and_abort_pause_ends_them(st
 async def test_concurrent_scores_share_one_forward_and_match_the_model(tiny_models) -> None:
     engine = HFEngine(str(tiny_models["teacher"]), dtype="float32")
     await engine.start()
-    reqs = [ScoreRequest(token_ids=PROMPTS[r] + [8, 9, 10, 11][: 1 + i], prompt_len=len(PROMPTS[r]), top_k=3)
-            for i, r in enumerate(("a", "b", "c", "d"))]
+    reqs = [
+        ScoreRequest(token_ids=PROMPTS[r] + [8, 9, 10, 11][: 1 + i], prompt_len=len(PROMPTS[r]), top_k=3)
+        for i, r in enumerate(("a", "b", "c", "d"))
+    ]
     outs = await asyncio.gather(*(engine.score(r) for r in reqs))
     assert engine.forwards["score"] == 1
     model = plain_model(tiny_models["teacher"])
     for req, out in zip(reqs, outs):
         with torch.no_grad():
             lp = torch.log_softmax(model(input_ids=torch.tensor([req.token_ids])).logits[0], -1)
-        lp = lp[req.prompt_len - 1:-1]
-        targets = torch.tensor(req.token_ids[req.prompt_len:])
+        lp = lp[req.prompt_len - 1 : -1]
+        targets = torch.tensor(req.token_ids[req.prompt_len :])
         assert out.logprobs == pytest.approx(lp.gather(1, targets[:, None])[:, 0].tolist(), abs=1e-4)
         top = lp.topk(3, -1)
         assert out.topk_ids == top.indices.tolist()

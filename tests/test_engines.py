@@ -18,8 +18,12 @@ from server_fixtures import job_config
 
 
 def gen(prompt, prefix=(), max_tokens=8) -> GenerateRequest:
-    return GenerateRequest(request_id="r", prompt_token_ids=list(prompt), prefix_token_ids=list(prefix),
-                           sampling=Sampling(max_tokens=max_tokens))
+    return GenerateRequest(
+        request_id="r",
+        prompt_token_ids=list(prompt),
+        prefix_token_ids=list(prefix),
+        sampling=Sampling(max_tokens=max_tokens),
+    )
 
 
 def test_generate_budget_counts_the_prefix_and_the_context_limit() -> None:
@@ -40,8 +44,15 @@ def test_score_checks() -> None:
 
 def test_pause_mode_follows_partial_rollout(tiny_models) -> None:
     def spec(strategy):
-        return job_config(tiny_models["student"], tiny_models["teacher"], engine="hf", rollout_urls=["http://x"],
-                          teacher_urls=["http://y"], weight_sync_port=1, partial_rollout=strategy).spec
+        return job_config(
+            tiny_models["student"],
+            tiny_models["teacher"],
+            engine="hf",
+            rollout_urls=["http://x"],
+            teacher_urls=["http://y"],
+            weight_sync_port=1,
+            partial_rollout=strategy,
+        ).spec
 
     assert pause_mode(spec(None)) == "wait"
     assert pause_mode(spec("resume")) == "abort"

@@ -24,8 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kubedistill"
 FULL_VALUES = CHART / "ci" / "full-values.yaml"
 NAMESPACED_VALUES = CHART / "ci" / "namespaced-values.yaml"
-MONITORING_APIS = ["monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PodMonitor",
-                   "monitoring.coreos.com/v1/PrometheusRule"]
+MONITORING_APIS = [
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "monitoring.coreos.com/v1/PodMonitor",
+    "monitoring.coreos.com/v1/PrometheusRule",
+]
 # kubernetes-validate's lowest and a current supported version (Chart.yaml: kubeVersion >=1.28).
 KUBE_VERSIONS = ["1.28.0", "1.33.0"]
 
@@ -73,6 +76,7 @@ def namespaced_docs() -> list[dict[str, Any]]:
 
 # --- The CRD ---------------------------------------------------------------------------------
 
+
 def test_chart_crd_is_the_generated_crd() -> None:
     from kubedistill.api.crd import crd_yaml
 
@@ -80,7 +84,9 @@ def test_chart_crd_is_the_generated_crd() -> None:
     assert (ROOT / "crds" / "kubedistill.io_distillationjobs.yaml").read_text() == generated
     chart_copy = CHART / "crds" / "kubedistill.io_distillationjobs.yaml"
     assert chart_copy.read_text() == generated, (
-        "helm/kubedistill/crds/ is stale: `kubedistill crd > helm/kubedistill/crds/kubedistill.io_distillationjobs.yaml`")
+        "helm/kubedistill/crds/ is stale: "
+        "`kubedistill crd > helm/kubedistill/crds/kubedistill.io_distillationjobs.yaml`"
+    )
     assert [p.name for p in (CHART / "crds").iterdir()] == ["kubedistill.io_distillationjobs.yaml"]
 
 
@@ -93,6 +99,7 @@ def test_crd_is_rendered_only_from_crds_folder(default_docs: list[dict[str, Any]
 
 
 # --- lint and schema -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("values", [None, FULL_VALUES, NAMESPACED_VALUES], ids=["default", "full", "namespaced"])
 def test_helm_lint_strict(values: Path | None) -> None:
@@ -124,58 +131,136 @@ def test_values_schema_refuses_bad_values(setting: list[str], complaint: str) ->
 # Kinds kubernetes-validate has no schema for. They are checked below against the fields of the
 # Prometheus Operator's monitoring.coreos.com/v1 CRDs that this chart uses (unknown fields refused).
 _SELECTOR = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
         "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-        "matchExpressions": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False, "required": ["key", "operator"],
-            "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                           "values": {"type": "array", "items": {"type": "string"}}}}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
     },
 }
 _NAMESPACE_SELECTOR = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
 }
-_DURATION = {"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
-_ENDPOINT = {
-    "type": "object", "additionalProperties": False, "required": ["port"],
-    "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "interval": _DURATION,
-                   "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"}},
+_DURATION = {
+    "type": "string",
+    "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
 }
-_META = {"type": "object", "required": ["name", "namespace"],
-         "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
-                        "labels": {"type": "object", "additionalProperties": {"type": "string"}}}}
+_ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["port"],
+    "properties": {
+        "port": {"type": "string"},
+        "path": {"type": "string"},
+        "interval": _DURATION,
+        "scrapeTimeout": _DURATION,
+        "honorLabels": {"type": "boolean"},
+    },
+}
+_META = {
+    "type": "object",
+    "required": ["name", "namespace"],
+    "properties": {
+        "name": {"type": "string"},
+        "namespace": {"type": "string"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
 _RULE = {
-    "type": "object", "additionalProperties": False, "required": ["expr"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["expr"],
     "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
-    "properties": {"alert": {"type": "string"}, "record": {"type": "string"}, "expr": {"type": "string"},
-                   "for": _DURATION, "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                   "annotations": {"type": "object", "additionalProperties": {"type": "string"}}},
+    "properties": {
+        "alert": {"type": "string"},
+        "record": {"type": "string"},
+        "expr": {"type": "string"},
+        "for": _DURATION,
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
 }
 
 
 def _cr(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
-            "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": kind},
-                           "metadata": _META, "spec": spec}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": _META,
+            "spec": spec,
+        },
+    }
 
 
 MONITORING_SCHEMAS: dict[str, dict[str, Any]] = {
-    "ServiceMonitor": _cr("ServiceMonitor", {
-        "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
-        "properties": {"selector": _SELECTOR, "namespaceSelector": _NAMESPACE_SELECTOR,
-                       "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}),
-    "PodMonitor": _cr("PodMonitor", {
-        "type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
-        "properties": {"selector": _SELECTOR, "namespaceSelector": _NAMESPACE_SELECTOR,
-                       "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}),
-    "PrometheusRule": _cr("PrometheusRule", {
-        "type": "object", "additionalProperties": False, "required": ["groups"],
-        "properties": {"groups": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "additionalProperties": False, "required": ["name", "rules"],
-            "properties": {"name": {"type": "string"}, "interval": _DURATION,
-                           "rules": {"type": "array", "minItems": 1, "items": _RULE}}}}}}),
+    "ServiceMonitor": _cr(
+        "ServiceMonitor",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": _NAMESPACE_SELECTOR,
+                "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
+            },
+        },
+    ),
+    "PodMonitor": _cr(
+        "PodMonitor",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": _NAMESPACE_SELECTOR,
+                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
+            },
+        },
+    ),
+    "PrometheusRule": _cr(
+        "PrometheusRule",
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "interval": _DURATION,
+                            "rules": {"type": "array", "minItems": 1, "items": _RULE},
+                        },
+                    },
+                }
+            },
+        },
+    ),
 }
 
 
@@ -220,6 +305,7 @@ def test_validation_catches_mistakes(full_docs: list[dict[str, Any]]) -> None:
 
 # --- the operator Deployment -----------------------------------------------------------------
 
+
 def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (c,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     return c
@@ -251,7 +337,9 @@ def _arg(args: list[str], flag: str) -> list[str]:
     return [args[i + 1] for i, a in enumerate(args) if a == flag]
 
 
-def test_operator_args_probe_and_ports_agree(full_docs: list[dict[str, Any]], default_docs: list[dict[str, Any]]) -> None:
+def test_operator_args_probe_and_ports_agree(
+    full_docs: list[dict[str, Any]], default_docs: list[dict[str, Any]]
+) -> None:
     for docs, health, metrics in [(default_docs, 8080, 9090), (full_docs, 8081, 9091)]:
         c = _container(docs)
         args = c["args"]
@@ -263,7 +351,9 @@ def test_operator_args_probe_and_ports_agree(full_docs: list[dict[str, Any]], de
         assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
         svc = one(docs, "Service")
         assert svc["spec"]["ports"][0]["port"] == metrics and svc["spec"]["ports"][0]["targetPort"] == "metrics"
-        assert svc["spec"]["selector"].items() <= one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"].items()
+        assert (
+            svc["spec"]["selector"].items() <= one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"].items()
+        )
     assert "--all-namespaces" in _container(full_docs)["args"]
     assert _container(full_docs)["args"][-1] == "--verbose"
     assert _arg(_container(default_docs)["args"], "--namespace") == ["kubedistill"]
@@ -274,8 +364,11 @@ def test_operator_args_probe_and_ports_agree(full_docs: list[dict[str, Any]], de
 
 # --- RBAC ------------------------------------------------------------------------------------
 
+
 def _norm(rules: list[dict[str, Any]]) -> list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
-    return sorted((tuple(sorted(r["apiGroups"])), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in rules)
+    return sorted(
+        (tuple(sorted(r["apiGroups"])), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in rules
+    )
 
 
 def test_rbac_is_namespaced_by_default(default_docs: list[dict[str, Any]]) -> None:
@@ -322,6 +415,7 @@ def test_rbac_grants_no_wildcards(full_docs: list[dict[str, Any]], default_docs:
 
 # --- monitoring objects ----------------------------------------------------------------------
 
+
 def test_monitoring_objects_need_the_prometheus_operator_api() -> None:
     values = ["--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true"]
     without = render(*values)
@@ -331,12 +425,17 @@ def test_monitoring_objects_need_the_prometheus_operator_api() -> None:
         assert f"WARNING: no {kind} was created" in notes
     with_api = render(*values, monitoring_api=True)
     assert {d["kind"] for d in with_api if d["apiVersion"] == "monitoring.coreos.com/v1"} == {
-        "ServiceMonitor", "PodMonitor", "PrometheusRule"}
+        "ServiceMonitor",
+        "PodMonitor",
+        "PrometheusRule",
+    }
     # Off by default even where the API exists.
     assert not [d for d in render(monitoring_api=True) if d["apiVersion"].startswith("monitoring.coreos.com")]
 
 
-def test_pod_monitor_scrapes_every_job_pod(full_docs: list[dict[str, Any]], namespaced_docs: list[dict[str, Any]]) -> None:
+def test_pod_monitor_scrapes_every_job_pod(
+    full_docs: list[dict[str, Any]], namespaced_docs: list[dict[str, Any]]
+) -> None:
     pm = one(full_docs, "PodMonitor")["spec"]
     assert pm["selector"] == {"matchExpressions": [{"key": "kubedistill.io/job", "operator": "Exists"}]}
     (ep,) = pm["podMetricsEndpoints"]
@@ -366,8 +465,12 @@ def test_grafana_dashboard_configmap(default_docs: list[dict[str, Any]], full_do
 
 def test_alert_thresholds_come_from_values(full_docs: list[dict[str, Any]]) -> None:
     rules = {r["alert"]: r for g in one(full_docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]}
-    assert {"KubedistillJobFailed", "KubedistillTrainerStalled", "KubedistillStalenessOverBound",
-            "KubedistillWeightSyncSlow"} <= set(rules)
+    assert {
+        "KubedistillJobFailed",
+        "KubedistillTrainerStalled",
+        "KubedistillStalenessOverBound",
+        "KubedistillWeightSyncSlow",
+    } <= set(rules)
     assert "[45m]" in rules["KubedistillTrainerStalled"]["expr"]
     assert rules["KubedistillStalenessOverBound"]["expr"].rstrip().endswith("> 0.1")
     assert rules["KubedistillWeightSyncSlow"]["expr"].rstrip().endswith("> 90")

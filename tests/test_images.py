@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGES = {"operator": ROOT / "images" / "operator" / "Dockerfile", "runtime": ROOT / "images" / "runtime" / "Dockerfile"}
+IMAGES = {
+    "operator": ROOT / "images" / "operator" / "Dockerfile",
+    "runtime": ROOT / "images" / "runtime" / "Dockerfile",
+}
 EXTRAS = {"operator": {"operator"}, "runtime": {"runtime", "vllm"}}
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -31,7 +34,8 @@ class Instruction:
 
 def parse(path: Path) -> tuple[list[Instruction], dict[str, str]]:
     """Instructions (continuation lines joined, comments dropped) and the global ARG defaults."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    lines = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
     out: list[Instruction] = []
     args: dict[str, str] = {}
     stage = -1
@@ -64,7 +68,9 @@ def dockerignore_allows(image: str, rel: str) -> bool:
         negate = line.startswith("!")
         pattern = line.lstrip("!").rstrip("/")
         candidates = [rel] + [str(Path(rel) / "x")]
-        if any(fnmatch.fnmatch(c, pattern) or fnmatch.fnmatch(c, pattern.replace("/**", "") + "/*") for c in candidates):
+        if any(
+            fnmatch.fnmatch(c, pattern) or fnmatch.fnmatch(c, pattern.replace("/**", "") + "/*") for c in candidates
+        ):
             allowed = negate
     return allowed
 
@@ -164,7 +170,9 @@ def hadolint() -> str:
 
 
 def test_hadolint_passes() -> None:
-    r = subprocess.run([hadolint(), "--no-color", *map(str, IMAGES.values())], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [hadolint(), "--no-color", *map(str, IMAGES.values())], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 

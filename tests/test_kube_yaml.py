@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import re
 import typing
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -41,10 +42,48 @@ DOCS = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]
 
 # Scalars on which Go's YAML 1.1 and PyYAML disagree, or nearly do.
 TRICKY = [
-    "y", "Y", "n", "N", "yes", "No", "ON", "off", "True", "FALSE", "1e3", "1.0e5", "-.5e-3", ".5", "1.",
-    "0o17", "0777", "08", "0b101", "-0b11", "0x1f", "1_000", "0.1_5", "_1", "+1", "-0", "1:20",
-    "2001-12-14", "2001-12-14T21:59:43.10-05:00", "=", "~", "null", "12e", "0x", "1e400",
-    "9223372036854775807", "18446744073709551616", "yes please", "3.14", "'n'", '"y"', "''",
+    "y",
+    "Y",
+    "n",
+    "N",
+    "yes",
+    "No",
+    "ON",
+    "off",
+    "True",
+    "FALSE",
+    "1e3",
+    "1.0e5",
+    "-.5e-3",
+    ".5",
+    "1.",
+    "0o17",
+    "0777",
+    "08",
+    "0b101",
+    "-0b11",
+    "0x1f",
+    "1_000",
+    "0.1_5",
+    "_1",
+    "+1",
+    "-0",
+    "1:20",
+    "2001-12-14",
+    "2001-12-14T21:59:43.10-05:00",
+    "=",
+    "~",
+    "null",
+    "12e",
+    "0x",
+    "1e400",
+    "9223372036854775807",
+    "18446744073709551616",
+    "yes please",
+    "3.14",
+    "'n'",
+    '"y"',
+    "''",
 ]
 
 
@@ -77,8 +116,10 @@ def test_dumper_quotes_what_either_reader_would_misread() -> None:
     text = kubeyaml.dump(values)
     assert kubeyaml.load(text) == {k: v for k, v in values.items()}
     assert yaml.safe_load(text) == values
-    (go,) = kubectl_read(f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: probe}}\ndata:\n"
-                         + "".join(f"  {line}\n" for line in text.splitlines()))
+    (go,) = kubectl_read(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: probe}\ndata:\n"
+        + "".join(f"  {line}\n" for line in text.splitlines())
+    )
     assert _same(go["data"], values)
 
 
@@ -150,10 +191,13 @@ def test_cel_rules_and_field_paths_name_fields_of_the_schema_as_go_reads_it() ->
     assert cel_field_errors(schema) == []
     # The checker itself: the bug it guards against.
     spec = schema["properties"]["spec"]
-    broken = {**spec, "x-kubernetes-validations": [
-        {"rule": "self.rollout.sampling.n >= 2", "message": "m", "fieldPath": ".rollout.sampling.n"},
-        {"rule": "self.teachers.all(t, has(t.nope))", "message": "m"},
-    ]}
+    broken = {
+        **spec,
+        "x-kubernetes-validations": [
+            {"rule": "self.rollout.sampling.n >= 2", "message": "m", "fieldPath": ".rollout.sampling.n"},
+            {"rule": "self.teachers.all(t, has(t.nope))", "message": "m"},
+        ],
+    }
     assert cel_field_errors({"type": "object", "properties": {"spec": broken}}) == [
         "spec: rule 'self.rollout.sampling.n >= 2': no field 'n' in .rollout.sampling",
         "spec: fieldPath '.rollout.sampling.n': no field 'n' in .rollout.sampling",
@@ -164,9 +208,8 @@ def test_cel_rules_and_field_paths_name_fields_of_the_schema_as_go_reads_it() ->
 @pytest.mark.parametrize(
     "text",
     [
-        "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-            f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi")
-        ),
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        + "".join(f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi")),
         "a: " + "[" * 100 + "]" * 100 + "\n",
     ],
     ids=["billion-laughs", "deep-nesting"],

@@ -14,7 +14,10 @@ def test_checkout_never_shadows_stdlib_operator() -> None:
     # `python -c` from the repository root puts the checkout first on sys.path.
     r = subprocess.run(
         [sys.executable, "-S", "-c", "import operator, sys; print(operator.__file__)"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert not r.stdout.strip().startswith(str(ROOT))
     assert not (ROOT / "operator" / "__init__.py").exists()

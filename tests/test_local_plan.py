@@ -74,7 +74,10 @@ def test_run_refuses_an_invalid_job_with_its_problem_lines(tmp_path: Path) -> No
     lines: list[str] = []
     bad = ROOT / "tests/manifests/broken/mini-batch-not-multiple-of-n.yaml"
     assert run(bad, workdir=tmp_path, log=lines.append) == 1
-    assert lines == [f"{bad}: spec.trainer.miniBatchSize: must be a multiple of spec.rollout.sampling.samplesPerPrompt (whole prompt groups per step)"]
+    assert lines == [
+        f"{bad}: spec.trainer.miniBatchSize: must be a multiple of spec.rollout.sampling.samplesPerPrompt "
+        "(whole prompt groups per step)"
+    ]
 
 
 def test_user_env_reaches_the_processes_role_over_job(tmp_path: Path) -> None:
@@ -95,5 +98,7 @@ def test_run_refuses_a_value_from_it_cannot_resolve(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(raw))
     lines: list[str] = []
     assert run(path, workdir=tmp_path / "run", log=lines.append) == 1
-    assert lines == [f"{path}: spec.env TOKEN: valueFrom (a Kubernetes reference) cannot be resolved by "
-                     "`kubedistill run`; give it a value for local runs"]
+    assert lines == [
+        f"{path}: spec.env TOKEN: valueFrom (a Kubernetes reference) cannot be resolved by "
+        "`kubedistill run`; give it a value for local runs"
+    ]

@@ -132,12 +132,17 @@ def test_per_token_losses_modes() -> None:
     s = torch.tensor([-1.0, -2.0], requires_grad=True)
     mu = torch.tensor([-1.0, -2.0])
     t = torch.tensor([-1.5, -30.0])
-    direct = L.per_token_losses(_algo(lossMode="k3", lossMaxClamp=5.0), logprobs=s, behaviour_logprobs=mu, teacher_logprobs=t)
+    direct = L.per_token_losses(
+        _algo(lossMode="k3", lossMaxClamp=5.0), logprobs=s, behaviour_logprobs=mu, teacher_logprobs=t
+    )
     assert torch.allclose(direct["total"], L.k3(s, t).clamp(max=5.0))
     assert torch.equal(direct["pg"], torch.zeros(2))
     # k1 as a policy gradient: advantage -clamp(s - T, ±5) = (-0.5, -5); on-policy r = w = 1.
     pg = L.per_token_losses(
-        _algo(lossMode="k1", usePolicyGradient=True, lossMaxClamp=5.0), logprobs=s, behaviour_logprobs=mu, teacher_logprobs=t
+        _algo(lossMode="k1", usePolicyGradient=True, lossMaxClamp=5.0),
+        logprobs=s,
+        behaviour_logprobs=mu,
+        teacher_logprobs=t,
     )
     assert torch.allclose(pg["total"], torch.tensor([0.5, 5.0]))
     (grad,) = torch.autograd.grad(pg["total"].sum(), s)
@@ -145,7 +150,10 @@ def test_per_token_losses_modes() -> None:
     # Task rewards: total = pg(A_task) + coef x distill.
     both = L.per_token_losses(
         _algo(lossMode="k3", useTaskRewards=True, coef=0.5),
-        logprobs=s, behaviour_logprobs=mu, teacher_logprobs=t, task_advantages=torch.tensor([1.0, -1.0]),
+        logprobs=s,
+        behaviour_logprobs=mu,
+        teacher_logprobs=t,
+        task_advantages=torch.tensor([1.0, -1.0]),
     )
     assert torch.allclose(both["pg"], torch.tensor([-1.0, 1.0]))
     assert torch.allclose(both["total"], both["pg"] + 0.5 * both["distill"])

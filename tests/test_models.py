@@ -32,7 +32,10 @@ def test_same_size_different_ids_is_refused(tmp_path: Path, tiny_models: dict[st
     from kubedistill.runtime.models.tiny import char_tokenizer
 
     char_tokenizer("1023456789+=", out_dir=tmp_path / "swapped")
-    with pytest.raises(ValueError, match=r"same size 16 but different ids; first difference: token '0' is id 4 in the student, 5 in the teacher"):
+    with pytest.raises(
+        ValueError,
+        match=r"same size 16 but different ids; first difference: token '0' is id 4 in the student, 5 in the teacher",
+    ):
         check_shared_vocabulary(tiny_models["student"], {"t": tmp_path / "swapped"})
 
 

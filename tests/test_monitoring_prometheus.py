@@ -12,14 +12,14 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client import start_http_server
 
-from test_monitoring_queries import dashboard_queries, render_alert_groups, selectors
+from test_monitoring_queries import dashboard_queries, render_alert_groups
 
 SCRAPE_MS = 500
 SCRAPE_SECONDS = SCRAPE_MS / 1000
@@ -117,8 +117,12 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("prometheus")
     with FakeJob() as job:
         servers, targets = [], {}
-        for name, registry in [("trainer", job.trainer.registry), ("rollout", job.rollout.registry),
-                               ("teacher", job.teacher.registry), ("operator", job.operator.registry)]:
+        for name, registry in [
+            ("trainer", job.trainer.registry),
+            ("rollout", job.rollout.registry),
+            ("teacher", job.teacher.registry),
+            ("operator", job.operator.registry),
+        ]:
             port = free_port()
             servers.append(start_http_server(port, addr="127.0.0.1", registry=registry))
             targets[name] = f"127.0.0.1:{port}"
@@ -127,19 +131,35 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         config = {
             "global": {"scrape_interval": f"{SCRAPE_MS}ms", "scrape_timeout": f"{SCRAPE_MS}ms"},
             "scrape_configs": [
-                {"job_name": "podMonitor/kubedistill/kd-jobs/0", "honor_labels": True,
-                 "static_configs": [{"targets": [targets[r] for r in ("trainer", "rollout", "teacher")],
-                                     "labels": {"namespace": "default"}}]},
-                {"job_name": "serviceMonitor/kubedistill/kd/0", "honor_labels": True,
-                 "static_configs": [{"targets": [targets["operator"]], "labels": {"namespace": "kubedistill"}}]},
+                {
+                    "job_name": "podMonitor/kubedistill/kd-jobs/0",
+                    "honor_labels": True,
+                    "static_configs": [
+                        {
+                            "targets": [targets[r] for r in ("trainer", "rollout", "teacher")],
+                            "labels": {"namespace": "default"},
+                        }
+                    ],
+                },
+                {
+                    "job_name": "serviceMonitor/kubedistill/kd/0",
+                    "honor_labels": True,
+                    "static_configs": [{"targets": [targets["operator"]], "labels": {"namespace": "kubedistill"}}],
+                },
             ],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
         proc = subprocess.Popen(
-            [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=open(tmp / "prometheus.log", "w"),
+            [
+                binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp / "prometheus.log", "w"),
         )
         base = f"http://127.0.0.1:{port}"
         try:
@@ -149,9 +169,11 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 try:
                     # Ready once rates over RATE_WINDOW exist for every target (the trainer's
                     # scrape shows in the samples counter, the servers' in their requests).
-                    if len(query(base, f"rate(kubedistill_requests_total[{RATE_WINDOW}])")) == 2 and \
-                            query(base, f"rate(kubedistill_samples_total[{RATE_WINDOW}])") and \
-                            query(base, f"rate(kubedistill_operator_reconcile_errors_total[{RATE_WINDOW}])"):
+                    if (
+                        len(query(base, f"rate(kubedistill_requests_total[{RATE_WINDOW}])")) == 2
+                        and query(base, f"rate(kubedistill_samples_total[{RATE_WINDOW}])")
+                        and query(base, f"rate(kubedistill_operator_reconcile_errors_total[{RATE_WINDOW}])")
+                    ):
                         break
                 except OSError:
                     pass
@@ -177,8 +199,9 @@ def test_every_dashboard_query_returns_data(prometheus: str) -> None:
 
 def test_dashboard_series_carry_the_job_name(prometheus: str) -> None:
     # A metric of each role: the trainer's step, the servers' requests in flight.
-    series = query(prometheus, '{__name__=~"kubedistill_step|kubedistill_requests_in_flight", '
-                               'namespace=~"default", job=~"demo"}')
+    series = query(
+        prometheus, '{__name__=~"kubedistill_step|kubedistill_requests_in_flight", namespace=~"default", job=~"demo"}'
+    )
     assert sorted(s["metric"]["role"] for s in series) == ["rollout", "teacher", "trainer"]
     assert all(s["metric"]["job"] == "demo" and "exported_job" not in s["metric"] for s in series)
 
@@ -205,8 +228,13 @@ def test_every_alert_fires_on_data_made_to_trigger_it(prometheus: str) -> None:
 
 def test_alert_thresholds_from_values_silence_them(prometheus: str) -> None:
     """The same data under thresholds above it: the values reach the rules."""
-    quiet = _alert_results(prometheus, "--set-json", "metrics.prometheusRule.staleDropRatio=0.5",
-                           "--set", "metrics.prometheusRule.weightSyncSlowSeconds=600")
+    quiet = _alert_results(
+        prometheus,
+        "--set-json",
+        "metrics.prometheusRule.staleDropRatio=0.5",
+        "--set",
+        "metrics.prometheusRule.weightSyncSlowSeconds=600",
+    )
     assert quiet["KubedistillStalenessOverBound"] == []
     assert quiet["KubedistillWeightSyncSlow"] == []
     assert quiet["KubedistillJobFailed"]  # untouched by those values

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_offline import helm
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from k8s_offline import helm
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kubedistill"
@@ -30,6 +31,7 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "30s", "$namespace
 
 
 # --- what the code exports -------------------------------------------------------------------
+
 
 def _exposed(registry: CollectorRegistry) -> dict[str, set[str]]:
     """Series names in the text exposition -> their label names."""
@@ -68,11 +70,13 @@ def operator_series() -> dict[str, set[str]]:
 def exported() -> dict[str, set[str]]:
     series = {**runtime_series(), **operator_series()}
     assert not set(REQUESTED_OPERATOR_METRICS) & set(series), (
-        "the operator now exports a requested metric: drop it from REQUESTED_OPERATOR_METRICS")
+        "the operator now exports a requested metric: drop it from REQUESTED_OPERATOR_METRICS"
+    )
     return {**series, **REQUESTED_OPERATOR_METRICS}
 
 
 # --- the queries -----------------------------------------------------------------------------
+
 
 def dashboard() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text())
@@ -98,8 +102,16 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def render_alert_groups(*extra: str) -> list[dict[str, Any]]:
-    out = helm("template", "kd", str(CHART), "--set", "metrics.prometheusRule.enabled=true",
-               "--api-versions", "monitoring.coreos.com/v1/PrometheusRule", *extra)
+    out = helm(
+        "template",
+        "kd",
+        str(CHART),
+        "--set",
+        "metrics.prometheusRule.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PrometheusRule",
+        *extra,
+    )
     (rule,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule"]
     return rule["spec"]["groups"]
 
@@ -109,6 +121,7 @@ def alert_queries() -> list[tuple[str, str]]:
 
 
 # --- promtool --------------------------------------------------------------------------------
+
 
 def promtool() -> str:
     found = shutil.which("promtool")
@@ -124,7 +137,9 @@ def promtool_check_rules(groups: list[dict[str, Any]], tmp_path: Path) -> subpro
 
 def test_promtool_parses_alert_rules_and_dashboard_queries(tmp_path: Path) -> None:
     alerts = render_alert_groups()
-    recorded = [{"record": f"kubedistill:dashboard:q{i}", "expr": expr} for i, (_, expr) in enumerate(dashboard_queries())]
+    recorded = [
+        {"record": f"kubedistill:dashboard:q{i}", "expr": expr} for i, (_, expr) in enumerate(dashboard_queries())
+    ]
     groups = alerts + [{"name": "dashboard", "rules": recorded}]
     r = promtool_check_rules(groups, tmp_path)
     total = sum(len(g["rules"]) for g in groups)
@@ -141,8 +156,23 @@ def test_promtool_rejects_a_broken_query(tmp_path: Path) -> None:
 
 # --- metric and label names ------------------------------------------------------------------
 
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "inf", "nan", "start", "end"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "start",
+    "end",
+}
 
 
 def selectors(expr: str) -> list[tuple[str, set[str]]]:
@@ -163,7 +193,9 @@ def selectors(expr: str) -> list[tuple[str, set[str]]]:
     rest = re.sub(r"\[[^\]]*\]", " ", rest)
     rest = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", rest)
     # Numbers and durations (`offset 5m`, `1h30m`).
-    rest = re.sub(r"(?<![a-zA-Z0-9_:])[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?((ms|[smhdwy])[0-9]*)*(?![a-zA-Z0-9_:])", " ", rest)
+    rest = re.sub(
+        r"(?<![a-zA-Z0-9_:])[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?((ms|[smhdwy])[0-9]*)*(?![a-zA-Z0-9_:])", " ", rest
+    )
     for m in re.finditer(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\s*\()?", rest):
         if m.group(2) or m.group(1) in _KEYWORDS:
             continue
@@ -172,8 +204,10 @@ def selectors(expr: str) -> list[tuple[str, set[str]]]:
 
 
 def test_selector_lexer() -> None:
-    expr = ('sum by (job, le) (rate(a_bucket{job=~"x", le!="1"}[5m])) / on (job) group_left '
-            'b_total > 1e-9 and c or count(d{x="}"})')
+    expr = (
+        'sum by (job, le) (rate(a_bucket{job=~"x", le!="1"}[5m])) / on (job) group_left '
+        'b_total > 1e-9 and c or count(d{x="}"})'
+    )
     assert selectors(expr) == [("a_bucket", {"job", "le"}), ("d", {"x"}), ("b_total", set()), ("c", set())]
     assert selectors("sum(rate(kubedistill_samples_total[1m:10s] offset 5m))") == [("kubedistill_samples_total", set())]
 
@@ -201,7 +235,7 @@ def test_queries_name_only_exported_metrics_and_labels(source: str, exported: di
 
 
 def test_cross_check_catches_an_unknown_metric(exported: dict[str, set[str]]) -> None:
-    (name, _), = selectors('rate(kubedistill_samples_generated_total{job="x"}[1m])')
+    ((name, _),) = selectors('rate(kubedistill_samples_generated_total{job="x"}[1m])')
     assert name not in exported
     assert "kubedistill_samples_total" in exported and "state" in exported["kubedistill_samples_total"]
 
@@ -217,8 +251,20 @@ def test_dashboard_covers_the_runtime_metrics() -> None:
 
 def test_dashboard_has_the_panels_the_chart_promises() -> None:
     titles = " | ".join(p["title"].lower() for p in dashboard()["panels"])
-    for wanted in ["samples/s", "tokens/s", "step-phase time", "staleness", "buffer", "weight-sync time",
-                   "weight-sync bytes", "losses", "reward", "kl(student || teacher)", "role readiness", "restarts"]:
+    for wanted in [
+        "samples/s",
+        "tokens/s",
+        "step-phase time",
+        "staleness",
+        "buffer",
+        "weight-sync time",
+        "weight-sync bytes",
+        "losses",
+        "reward",
+        "kl(student || teacher)",
+        "role readiness",
+        "restarts",
+    ]:
         assert wanted in titles, f"no panel about {wanted!r}"
 
 

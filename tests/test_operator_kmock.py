@@ -12,17 +12,23 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from operator_fixtures import NS, Cluster, FastEmulator, eventually, job_manifest, prepare_emulator, running_operator
 
 from kubedistill.operator.metrics import OperatorMetrics
+from operator_fixtures import NS, Cluster, FastEmulator, eventually, job_manifest, prepare_emulator, running_operator
 
 # KMock's emulator without its per-request scan of the request log (see FastEmulator).
 pytestmark = pytest.mark.kmock(cls=FastEmulator)
 
 JOB_CHILDREN = {
-    ("ConfigMap", "{j}-config"), ("NetworkPolicy", "{j}"),
-    ("Service", "{j}-trainer"), ("Service", "{j}-rollout"), ("Service", "{j}-t-math"),
-    ("Pod", "{j}-trainer-0"), ("Pod", "{j}-trainer-1"), ("Pod", "{j}-rollout-0"), ("Pod", "{j}-rollout-1"),
+    ("ConfigMap", "{j}-config"),
+    ("NetworkPolicy", "{j}"),
+    ("Service", "{j}-trainer"),
+    ("Service", "{j}-rollout"),
+    ("Service", "{j}-t-math"),
+    ("Pod", "{j}-trainer-0"),
+    ("Pod", "{j}-trainer-1"),
+    ("Pod", "{j}-rollout-0"),
+    ("Pod", "{j}-rollout-1"),
     ("Pod", "{j}-teacher-math-0"),
 }
 
@@ -92,12 +98,21 @@ async def test_create_makes_owned_labelled_children_and_status(kmock: Any, clust
         await all_children(cluster, "alpha")
         pods = await cluster.pods("alpha")
         t0 = pods["alpha-trainer-0"]
-        assert t0.spec.containers[0].command == ["kubedistill", "role", "trainer", "--config", "/etc/kubedistill/config.json"]
+        assert t0.spec.containers[0].command == [
+            "kubedistill",
+            "role",
+            "trainer",
+            "--config",
+            "/etc/kubedistill/config.json",
+        ]
         assert t0.metadata.labels["kubedistill.io/role"] == "trainer"
         assert t0.metadata.labels["kubedistill.io/replica"] == "0"
         owner = t0.metadata.owner_references[0]
         assert (owner.kind, owner.name, owner.uid, owner.controller) == (
-            "DistillationJob", "alpha", manifest["metadata"]["uid"], True
+            "DistillationJob",
+            "alpha",
+            manifest["metadata"]["uid"],
+            True,
         )
         cm = await cluster.call(cluster.core.read_namespaced_config_map, "alpha-config", NS)
         assert json.loads(cm.data["config.json"])["endpoints"]["rollout"][1] == (
@@ -108,7 +123,14 @@ async def test_create_makes_owned_labelled_children_and_status(kmock: Any, clust
         assert st["roles"]["trainer"] == {"desired": 2, "ready": 0, "failed": 0}
         assert st["ready"] == {"trainer": "0/2", "rollout": "0/2", "teachers": "0/1"}
         assert st["startTime"] and st["observedGeneration"] == 1
-        assert {c["type"] for c in st["conditions"]} == {"Created", "Ready", "Running", "Succeeded", "Failed", "Suspended"}
+        assert {c["type"] for c in st["conditions"]} == {
+            "Created",
+            "Ready",
+            "Running",
+            "Succeeded",
+            "Failed",
+            "Suspended",
+        }
         assert all(c["lastTransitionTime"] and c["reason"] for c in st["conditions"])
         # kopf keeps its state in annotations (the CRD's status is structural).
         body = await cluster.job("alpha")
@@ -136,8 +158,13 @@ async def test_pod_transitions_drive_phase_conditions_and_progress(kmock: Any, c
             st = await phase_is(cluster, "beta", "Initializing")
             assert cond(st, "Ready")["status"] == "False"
             # Point trainer pod 0's HTTP port at the local status server (podIP + named port).
-            spec_patch = {"spec": {"containers": [{"name": "kubedistill", "ports": [
-                {"name": "http", "containerPort": port, "protocol": "TCP"}]}]}}
+            spec_patch = {
+                "spec": {
+                    "containers": [
+                        {"name": "kubedistill", "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}
+                    ]
+                }
+            }
             await cluster.call(cluster.core.patch_namespaced_pod, "beta-trainer-0", NS, spec_patch)
             await cluster.set_pod_status("beta-trainer-0", "Running", ready=True, podIP="127.0.0.1")
             for name in await cluster.pods("beta"):
@@ -191,7 +218,8 @@ async def test_a_trainer_pod_deleted_by_hand_restarts_the_whole_gang(kmock: Any,
         async def new_gang() -> Any:
             pods = await cluster.pods("nu")
             return {n: p.metadata.labels.get("kubedistill.io/attempt") for n, p in pods.items() if "trainer" in n} == {
-                "nu-trainer-0": "1", "nu-trainer-1": "1"
+                "nu-trainer-0": "1",
+                "nu-trainer-1": "1",
             }
 
         await eventually(new_gang, what="a new trainer gang (attempt 1)")
@@ -296,17 +324,19 @@ async def test_deletion_stops_reconciling(kmock: Any, cluster: Cluster) -> None:
         await cluster.delete_pod("theta-rollout-0")
         await asyncio.sleep(0.6)
         assert "theta-rollout-0" not in await cluster.pods("theta")
-        assert reconciler.metrics.registry.get_sample_value(
-            "kubedistill_operator_jobs", {"phase": "Pending"}
-        ) == 0
+        assert reconciler.metrics.registry.get_sample_value("kubedistill_operator_jobs", {"phase": "Pending"}) == 0
 
 
 async def test_reconciling_twice_creates_nothing_twice(kmock: Any, cluster: Cluster) -> None:
     # A child that already exists (e.g. from an earlier operator) is a 409: success, not an error.
-    await cluster.call(cluster.core.create_namespaced_config_map, NS, {
-        "metadata": {"name": "iota-config", "namespace": NS, "labels": {"kubedistill.io/job": "iota"}},
-        "data": {"config.json": "{}"},
-    })
+    await cluster.call(
+        cluster.core.create_namespaced_config_map,
+        NS,
+        {
+            "metadata": {"name": "iota-config", "namespace": NS, "labels": {"kubedistill.io/job": "iota"}},
+            "data": {"config.json": "{}"},
+        },
+    )
     metrics = OperatorMetrics()
     async with running_operator(str(kmock.url), resync_seconds=0.1, metrics=metrics):
         await cluster.create_job(job_manifest("iota"))
@@ -343,6 +373,7 @@ async def test_operator_restart_picks_up_existing_jobs(kmock: Any, cluster: Clus
     await cluster.fail_pod("lam-rollout-0")
     await cluster.delete_pod("lam-teacher-math-0")
     async with running_operator(str(kmock.url), resync_seconds=0.3):
+
         async def healed() -> Any:
             pods = await cluster.pods("lam")
             return set(pods) == {n for k, n in expected("lam") if k == "Pod"} and all(
@@ -380,12 +411,17 @@ async def test_a_refused_pod_blocks_the_job_until_the_cause_is_removed(kmock: An
         name = request.data["metadata"]["name"]
         if refusing["on"] and "-trainer-" in name:
             tries.append(name)
-            return 403, f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false'
+            return (
+                403,
+                f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": '
+                "allowPrivilegeEscalation != false",
+            )
         return None
 
     kmock.refuse = pod_security
-    async with running_operator(str(kmock.url), resync_seconds=0.3, create_backoff_seconds=0.2,
-                                create_backoff_max_seconds=0.4) as reconciler:
+    async with running_operator(
+        str(kmock.url), resync_seconds=0.3, create_backoff_seconds=0.2, create_backoff_max_seconds=0.4
+    ) as reconciler:
         await cluster.create_job(job_manifest("psa"))
         st = await phase_is(cluster, "psa", "Blocked")
         created = cond(st, "Created")
@@ -397,8 +433,10 @@ async def test_a_refused_pod_blocks_the_job_until_the_cause_is_removed(kmock: An
         assert await eventually(lambda: _count_ge(tries, 6), timeout=5)
         children = await cluster.children("psa")
         assert ("Pod", "psa-rollout-0") in children and not any("trainer" in n for k, n in children if k == "Pod")
-        assert reconciler.metrics.registry.get_sample_value(
-            "kubedistill_operator_children_refused_total", {"kind": "Pod"}) >= 6
+        assert (
+            reconciler.metrics.registry.get_sample_value("kubedistill_operator_children_refused_total", {"kind": "Pod"})
+            >= 6
+        )
 
         refusing["on"] = False
         await all_children(cluster, "psa")

@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from operator_fixtures import BASE_SPEC
-
+from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.api.status import ConditionType, Phase
 from kubedistill.operator.policy import (
-    JobView, Plan, Progress, Refusal, create_backoff, is_refusal, plan, refusal_reason,
+    JobView,
+    Plan,
+    Progress,
+    Refusal,
+    create_backoff,
+    is_refusal,
+    plan,
+    refusal_reason,
 )
 from kubedistill.operator.render import render_static, slots
-from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.operator.status import ChildRef, Observed, PodView, condition
+from operator_fixtures import BASE_SPEC
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 JOB = "j"
 NS = "ml"
 
 
-def _job(status: Optional[dict[str, Any]] = None, **spec_overrides: Any) -> JobView:
+def _job(status: dict[str, Any] | None = None, **spec_overrides: Any) -> JobView:
     spec = copy.deepcopy(BASE_SPEC)
     spec.update(spec_overrides)
     return JobView(name=JOB, namespace=NS, generation=3, spec=spec, status=status or {})
@@ -39,8 +45,13 @@ def _world(job: JobView, phase: str = "Running", ready: bool = True, attempt: in
     for s in slots(spec):
         name = s.pod_name(JOB)
         pods[name] = PodView(
-            name=name, role=s.role.value, replica=s.replica, teacher=s.teacher,
-            attempt=attempt if s.role.value == "trainer" else None, phase=phase, ready=ready and phase == "Running",
+            name=name,
+            role=s.role.value,
+            replica=s.replica,
+            teacher=s.teacher,
+            attempt=attempt if s.role.value == "trainer" else None,
+            phase=phase,
+            ready=ready and phase == "Running",
         )
     return Observed(pods=pods, others=others)
 
@@ -139,14 +150,16 @@ def test_a_vanished_trainer_pod_of_a_running_job_restarts_the_gang() -> None:
     del world.pods["j-trainer-0"]
     p2 = plan(_next(job, p), world, T0)
     assert {o["metadata"]["name"]: o["metadata"]["labels"]["kubedistill.io/attempt"] for o in p2.create} == {
-        "j-trainer-0": "1", "j-trainer-1": "1"
+        "j-trainer-0": "1",
+        "j-trainer-1": "1",
     }
     assert p2.delete == [] and p2.status.restarts == 1 and p2.status.phase is Phase.restarting
 
 
 def test_a_trainer_pod_being_deleted_counts_as_lost_and_a_single_trainer_restarts_alone() -> None:
-    job = _job({"phase": "Initializing", "startTime": "2026-01-01T00:00:00Z"},
-               trainer={"replicas": 1, "miniBatchSize": 4})
+    job = _job(
+        {"phase": "Initializing", "startTime": "2026-01-01T00:00:00Z"}, trainer={"replicas": 1, "miniBatchSize": 4}
+    )
     world = _with(_world(job, ready=False), "j-trainer-0", deleting=True)
     p = plan(job, world, T0)
     assert p.status.restarts == 1 and p.status.phase is Phase.restarting
@@ -257,7 +270,8 @@ def test_a_missing_child_is_recreated() -> None:
     del world.pods["j-teacher-math-0"]
     p = plan(job, world, T0)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in p.create) == [
-        ("Pod", "j-teacher-math-0"), ("Service", "j-rollout")
+        ("Pod", "j-teacher-math-0"),
+        ("Service", "j-rollout"),
     ]
 
 
@@ -266,8 +280,9 @@ def test_per_job_gauges_follow_status_and_vanish_with_the_job() -> None:
     from kubedistill.operator.metrics import OperatorMetrics
 
     m = OperatorMetrics()
-    status = DistillationJobStatus(restarts=2, roles={"trainer": RoleStatus(desired=2, ready=1),
-                                                      "teacher/math": RoleStatus(desired=1, ready=1)})
+    status = DistillationJobStatus(
+        restarts=2, roles={"trainer": RoleStatus(desired=2, ready=1), "teacher/math": RoleStatus(desired=1, ready=1)}
+    )
     m.job_phase("ns", "j", "Running")
     m.job_status("ns", "j", status)
     get = m.registry.get_sample_value
@@ -279,10 +294,7 @@ def test_per_job_gauges_follow_status_and_vanish_with_the_job() -> None:
     assert get("kubedistill_operator_job_restarts", {"namespace": "ns", "job": "j"}) is None
 
 
-PSA = (
-    'pods "j-trainer-0" is forbidden: violates PodSecurity "restricted:latest": '
-    "allowPrivilegeEscalation != false"
-)
+PSA = 'pods "j-trainer-0" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false'
 
 
 def test_a_refused_child_blocks_the_job_waits_for_its_backoff_and_then_is_created_again() -> None:
@@ -311,9 +323,21 @@ def test_a_refused_child_blocks_the_job_waits_for_its_backoff_and_then_is_create
 
 def test_refusal_reasons_and_backoff() -> None:
     assert refusal_reason(403, PSA) == "PodSecurity"
-    assert refusal_reason(403, 'pods "x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1') == "QuotaExceeded"
+    assert (
+        refusal_reason(403, 'pods "x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1')
+        == "QuotaExceeded"
+    )
     assert refusal_reason(400, 'admission webhook "v.kyverno.io" denied the request: no') == "AdmissionWebhookDenied"
     assert refusal_reason(422, "Pod is invalid: spec.affinity") == "Invalid"
     assert refusal_reason(403, "forbidden: User cannot create") == "Forbidden"
-    assert [is_refusal(s) for s in (400, 403, 404, 409, 422, 429, 500, 0)] == [True, True, True, False, True, False, False, False]
+    assert [is_refusal(s) for s in (400, 403, 404, 409, 422, 429, 500, 0)] == [
+        True,
+        True,
+        True,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert [create_backoff(n, 2.0, 30.0) for n in (1, 2, 3, 4, 5, 6)] == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0]

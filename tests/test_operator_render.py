@@ -81,15 +81,21 @@ def test_restricted_check_catches_what_pod_security_refuses() -> None:
 
 def test_security_context_overrides_merge_over_the_restricted_default(tmp_path: Path) -> None:
     doc = read_manifest(ROOT / "examples" / "one-gpu.yaml")
-    doc["spec"]["securityContext"] = {"runAsUser": 2000, "seccompProfile": {"type": "Localhost", "localhostProfile": "p"}}
+    doc["spec"]["securityContext"] = {
+        "runAsUser": 2000,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "p"},
+    }
     doc["spec"]["containerSecurityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}, "readOnlyRootFilesystem": False}
     job = DistillationJob.model_validate(doc)
     pod = next(iter(_by(render_children(job.metadata.name, "ml", job.spec), "Pod").values()))
     psc, csc = pod["spec"]["securityContext"], pod["spec"]["containers"][0]["securityContext"]
     assert psc["runAsUser"] == 2000 and psc["runAsNonRoot"] is True and psc["fsGroup"] == 1000
     assert psc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "p"}
-    assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False,
-                   "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+    assert csc == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
     # A capability beyond the restricted set is the user's explicit choice: PodSecurity would say so.
     assert restricted_violations(pod) == [
         "non-default capabilities ['IPC_LOCK'] in 'kubedistill'",
@@ -118,8 +124,14 @@ def test_multi_teacher_layout() -> None:
     job = "qwen3-vl-multi-teacher"
     pods = _by(children, "Pod")
     assert sorted(pods) == sorted(
-        [f"{job}-trainer-0", f"{job}-trainer-1", f"{job}-rollout-0", f"{job}-rollout-1",
-         f"{job}-teacher-math-0", f"{job}-teacher-vision-0"]
+        [
+            f"{job}-trainer-0",
+            f"{job}-trainer-1",
+            f"{job}-rollout-0",
+            f"{job}-rollout-1",
+            f"{job}-teacher-math-0",
+            f"{job}-teacher-vision-0",
+        ]
     )
     assert sorted(_by(children, "Service")) == sorted(
         [f"{job}-trainer", f"{job}-rollout", f"{job}-t-math", f"{job}-t-vision"]
@@ -183,9 +195,7 @@ def test_config_map_holds_the_job_config_with_one_url_per_replica() -> None:
     cm = _by(children, "ConfigMap")[f"{job}-config"]
     cfg = JobConfig.model_validate_json(cm["data"]["config.json"])
     assert cfg.job == job and cfg.namespace == "ml"
-    assert cfg.endpoints.rollout == [
-        f"http://{job}-rollout-{i}.{job}-rollout.ml.svc:{Ports.HTTP}" for i in range(2)
-    ]
+    assert cfg.endpoints.rollout == [f"http://{job}-rollout-{i}.{job}-rollout.ml.svc:{Ports.HTTP}" for i in range(2)]
     assert cfg.endpoints.teachers == {
         "math": [f"http://math-0.{job}-t-math.ml.svc:{Ports.HTTP}"],
         "vision": [f"http://vision-0.{job}-t-vision.ml.svc:{Ports.HTTP}"],
@@ -226,7 +236,9 @@ def test_cpu_job_threads_kv_cache_and_role_overrides() -> None:
     doc["spec"]["serviceAccountName"] = "trainer-sa"
     doc["spec"]["imagePullPolicy"] = "Always"
     doc["spec"]["trainer"]["overrides"] = {
-        "cpuThreads": 3, "nodeSelector": {"zone": "a"}, "env": [{"name": "SHARED", "value": "trainer"}],
+        "cpuThreads": 3,
+        "nodeSelector": {"zone": "a"},
+        "env": [{"name": "SHARED", "value": "trainer"}],
         "resources": {"requests": {"cpu": "4", "memory": "8Gi"}},
     }
     job = DistillationJob.model_validate(doc)

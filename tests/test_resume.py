@@ -50,9 +50,23 @@ def test_sigkill_after_checkpoint_then_gang_restart_resumes(tiny_models, tmp_pat
     report_path = workdir / "report.json"
     ckpt = tmp_path / "ckpt" / f"step-{EVERY:08d}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kubedistill.cli", "run", str(job), "--workdir", str(workdir), "--no-progress",
-         "--report", str(report_path)],
-        cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kubedistill.cli",
+            "run",
+            str(job),
+            "--workdir",
+            str(workdir),
+            "--no-progress",
+            "--report",
+            str(report_path),
+        ],
+        cwd=tmp_path,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 240
     killed_pid, epochs, meta = None, [], {}

@@ -21,7 +21,9 @@ def test_job_config_round_trip(tmp_path: Path) -> None:
         job=job.metadata.name,
         spec=job.spec,
         endpoints=Endpoints(
-            trainer="http://t:8000", master_addr="t", rollout=["http://r0:8000", "http://r1:8000"],
+            trainer="http://t:8000",
+            master_addr="t",
+            rollout=["http://r0:8000", "http://r1:8000"],
             teachers={"math": ["http://m0:8000"], "vision": ["http://v0:8000"]},
         ),
     )

@@ -72,8 +72,11 @@ async def wait_in_flight(c: RolloutClient, then: float = 0.15) -> None:
 async def test_generate_returns_tokens_logprobs_versions(hf_servers, tiny_models) -> None:
     async with RolloutClient(hf_servers.rollout_urls[0]) as c:
         version = await c.version()
-        out = await c.generate(GenerateRequest(request_id="g1", prompt_token_ids=PROMPT,
-                                               sampling=Sampling(max_tokens=12, temperature=1.0, seed=3)))
+        out = await c.generate(
+            GenerateRequest(
+                request_id="g1", prompt_token_ids=PROMPT, sampling=Sampling(max_tokens=12, temperature=1.0, seed=3)
+            )
+        )
     n = len(out.token_ids)
     assert 1 <= n <= 12 and len(out.logprobs) == n and out.versions == [version] * n
     assert out.finish_reason in ("stop", "length")
@@ -86,8 +89,11 @@ async def test_prefix_continues_a_greedy_generation(hf_servers) -> None:
     async with RolloutClient(hf_servers.rollout_urls[1]) as c:
         greedy = Sampling(max_tokens=10, temperature=0.0, ignore_eos=True)
         full = await c.generate(GenerateRequest(request_id="p-full", prompt_token_ids=PROMPT, sampling=greedy))
-        cont = await c.generate(GenerateRequest(request_id="p-cont", prompt_token_ids=PROMPT, sampling=greedy,
-                                                prefix_token_ids=full.token_ids[:3]))
+        cont = await c.generate(
+            GenerateRequest(
+                request_id="p-cont", prompt_token_ids=PROMPT, sampling=greedy, prefix_token_ids=full.token_ids[:3]
+            )
+        )
     # Only the new tokens come back, and max_tokens counts the prefix.
     assert len(full.token_ids) == 10
     assert cont.token_ids == full.token_ids[3:]
@@ -100,8 +106,11 @@ async def test_prefix_continues_a_greedy_generation(hf_servers) -> None:
         ({"request_id": "e", "prompt_token_ids": []}, 400, "prompt_token_ids is empty"),
         ({"request_id": "e", "prompt_token_ids": [1] * 600}, 400, "max_model_len"),
         ({"request_id": "e", "prompt_token_ids": [1, 99]}, 400, "token id 99"),
-        ({"request_id": "e", "prompt_token_ids": [1], "prefix_token_ids": [5] * 4, "sampling": {"max_tokens": 4}},
-         400, "nothing left to generate"),
+        (
+            {"request_id": "e", "prompt_token_ids": [1], "prefix_token_ids": [5] * 4, "sampling": {"max_tokens": 4}},
+            400,
+            "nothing left to generate",
+        ),
         ({"request_id": "e", "prompt_token_ids": [1], "sampling": {"n": 2}}, 422, "sampling.n"),
         ({"prompt_token_ids": [1]}, 422, "request_id"),
         # Past what a generator's seed holds (was a 500 and a dropped connection).
@@ -116,8 +125,11 @@ def test_bad_generate_requests_get_4xx_and_server_keeps_serving(hf_servers, body
     r = httpx.post(url + "/generate", json=body, timeout=60)
     assert r.status_code == status, r.text
     assert message in r.json()["error"]
-    ok = httpx.post(url + "/generate", json={"request_id": "after-bad", "prompt_token_ids": PROMPT,
-                                             "sampling": {"max_tokens": 2}}, timeout=60)
+    ok = httpx.post(
+        url + "/generate",
+        json={"request_id": "after-bad", "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 2}},
+        timeout=60,
+    )
     assert ok.status_code == 200
 
 
@@ -136,9 +148,15 @@ async def test_abort_returns_the_partial_output(hf_servers) -> None:
     async with RolloutClient(hf_servers.rollout_urls[0]) as c:
         for attempt in range(5):
             rid = f"long-{attempt}"
-            gen = asyncio.create_task(c.generate(GenerateRequest(
-                request_id=rid, prompt_token_ids=PROMPT,
-                sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))))
+            gen = asyncio.create_task(
+                c.generate(
+                    GenerateRequest(
+                        request_id=rid,
+                        prompt_token_ids=PROMPT,
+                        sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                    )
+                )
+            )
             await wait_in_flight(c, then=0.02)
             try:
                 aborted = await c.abort([rid])
@@ -169,7 +187,7 @@ async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
     model = hf_model(tiny_models["teacher"])
     assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=1e-4)
     with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[prompt_len - 1:-1]
+        lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[prompt_len - 1 : -1]
     top = lp.topk(4, -1)
     assert out.topk_ids == top.indices.tolist()
     assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=1e-4)
@@ -188,12 +206,17 @@ def test_weight_sync_reaches_both_replicas_bit_for_bit(hf_servers, tiny_models) 
         assert httpx.get(url + "/version").json()["version"] == version
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == want
         metrics = httpx.get(url + "/metrics").text
-        assert f'kubedistill_weight_version{{job="test",replica="{hf_servers.rollout_urls.index(url)}",role="rollout"}} {version}.0' in metrics
+        assert (
+            f'kubedistill_weight_version{{job="test",replica="{hf_servers.rollout_urls.index(url)}",'
+            f'role="rollout"}} {version}.0' in metrics
+        )
         assert "kubedistill_weight_sync_bytes_total" in metrics and "kubedistill_weight_sync_seconds_count" in metrics
     # The new weights are the ones generating: log-probs match the synced model.
-    out = httpx.post(hf_servers.rollout_urls[0] + "/generate", json={
-        "request_id": "after-sync", "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 6, "temperature": 0}},
-        timeout=60).json()
+    out = httpx.post(
+        hf_servers.rollout_urls[0] + "/generate",
+        json={"request_id": "after-sync", "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 6, "temperature": 0}},
+        timeout=60,
+    ).json()
     assert out["versions"] == [version] * len(out["token_ids"])
     model = model_with(tiny_models["student"], named)
     assert out["logprobs"] == pytest.approx(reference_logprobs(model, PROMPT, out["token_ids"]), abs=1e-4)
@@ -220,9 +243,15 @@ async def test_partial_rollout_resume_aborts_at_sync_then_continues_under_new_we
         for attempt in range(4):
             v0 = httpx.get(url + "/version").json()["version"]
             named = perturbed(tiny_models["student"], seed=3 + attempt)
-            gen = asyncio.create_task(c.generate(GenerateRequest(
-                request_id="straggler", prompt_token_ids=PROMPT,
-                sampling=Sampling(max_tokens=300, temperature=0.0, ignore_eos=True))))
+            gen = asyncio.create_task(
+                c.generate(
+                    GenerateRequest(
+                        request_id="straggler",
+                        prompt_token_ids=PROMPT,
+                        sampling=Sampling(max_tokens=300, temperature=0.0, ignore_eos=True),
+                    )
+                )
+            )
             await wait_in_flight(c, then=0.02)
             await asyncio.to_thread(hf_servers.sender.sync, v0 + 1, named)
             first = await gen
@@ -232,9 +261,14 @@ async def test_partial_rollout_resume_aborts_at_sync_then_continues_under_new_we
             assert first.finish_reason == "length" and len(first.token_ids) == 256 - len(PROMPT)
         assert first.finish_reason == "abort", "every generation finished before the sync reached the server"
         assert len(first.token_ids) > 0
-        resumed = await c.generate(GenerateRequest(
-            request_id="straggler", prompt_token_ids=PROMPT, prefix_token_ids=first.token_ids,
-            sampling=Sampling(max_tokens=len(first.token_ids) + 5, temperature=0.0, ignore_eos=True)))
+        resumed = await c.generate(
+            GenerateRequest(
+                request_id="straggler",
+                prompt_token_ids=PROMPT,
+                prefix_token_ids=first.token_ids,
+                sampling=Sampling(max_tokens=len(first.token_ids) + 5, temperature=0.0, ignore_eos=True),
+            )
+        )
     assert resumed.versions == [v0 + 1] * 5 and resumed.finish_reason == "length"
     ref = reference_logprobs(model_with(tiny_models["student"], named), PROMPT + first.token_ids, resumed.token_ids)
     assert resumed.logprobs == pytest.approx(ref, abs=1e-4)

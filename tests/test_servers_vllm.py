@@ -14,7 +14,12 @@ from kubedistill.runtime.clients import RolloutClient, ServerError, TeacherClien
 from kubedistill.runtime.protocol import GenerateRequest, Sampling, ScoreRequest
 from kubedistill.runtime.weight_sync.sender import WeightSyncError
 from test_servers_hf import (
-    PROMPT, expected_checksums, hf_model, model_with, perturbed, reference_logprobs,
+    PROMPT,
+    expected_checksums,
+    hf_model,
+    model_with,
+    perturbed,
+    reference_logprobs,
 )
 
 torch.set_num_threads(1)
@@ -24,11 +29,18 @@ async def test_concurrent_generations_with_logprobs_and_versions(vllm_servers, t
     url = vllm_servers.rollout_urls[0]
     async with RolloutClient(url) as c:
         version = await c.version()
-        outs = await asyncio.gather(*(
-            c.generate(GenerateRequest(request_id=f"c{i}", prompt_token_ids=PROMPT,
-                                       sampling=Sampling(max_tokens=16, seed=i, ignore_eos=True)))
-            for i in range(6)
-        ))
+        outs = await asyncio.gather(
+            *(
+                c.generate(
+                    GenerateRequest(
+                        request_id=f"c{i}",
+                        prompt_token_ids=PROMPT,
+                        sampling=Sampling(max_tokens=16, seed=i, ignore_eos=True),
+                    )
+                )
+                for i in range(6)
+            )
+        )
     assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in outs)
     assert all(o.versions == [version] * 16 for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) > 1  # distinct seeds, distinct samples
@@ -42,8 +54,11 @@ async def test_prefix_continues_a_greedy_generation(vllm_servers) -> None:
     async with RolloutClient(vllm_servers.rollout_urls[0]) as c:
         greedy = Sampling(max_tokens=10, temperature=0.0, ignore_eos=True)
         full = await c.generate(GenerateRequest(request_id="vp-full", prompt_token_ids=PROMPT, sampling=greedy))
-        cont = await c.generate(GenerateRequest(request_id="vp-cont", prompt_token_ids=PROMPT, sampling=greedy,
-                                                prefix_token_ids=full.token_ids[:4]))
+        cont = await c.generate(
+            GenerateRequest(
+                request_id="vp-cont", prompt_token_ids=PROMPT, sampling=greedy, prefix_token_ids=full.token_ids[:4]
+            )
+        )
     assert cont.token_ids == full.token_ids[4:]
     assert cont.logprobs == pytest.approx(full.logprobs[4:], abs=1e-3)
 
@@ -60,17 +75,26 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(vllm_servers, path, body,
     url = vllm_servers.rollout_urls[0]
     r = httpx.post(url + path, json=body, timeout=60)
     assert r.status_code == status and message in r.json()["error"], r.text
-    ok = httpx.post(url + "/generate", json={"request_id": "ok", "prompt_token_ids": PROMPT,
-                                             "sampling": {"max_tokens": 2}}, timeout=60)
+    ok = httpx.post(
+        url + "/generate",
+        json={"request_id": "ok", "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 2}},
+        timeout=60,
+    )
     assert ok.status_code == 200
 
 
 async def _abort_mid_generation(c: RolloutClient, request_id: str, max_tokens: int):
     """Start a long greedy generation and abort it as soon as the server knows it. Returns (the
     generate result, the abort result), the latter None if the generation finished first."""
-    gen = asyncio.create_task(c.generate(GenerateRequest(
-        request_id=request_id, prompt_token_ids=PROMPT,
-        sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))))
+    gen = asyncio.create_task(
+        c.generate(
+            GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=PROMPT,
+                sampling=Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            )
+        )
+    )
     aborted = None
     while aborted is None and not gen.done():
         try:  # 404 until the request is in flight
@@ -101,8 +125,9 @@ async def test_abort_returns_the_partial_output(vllm_servers) -> None:
 async def test_teacher_scores_with_top_k(vllm_servers, tiny_models) -> None:
     tokens, prompt_len = PROMPT + [8, 9, 10, 11, 12], len(PROMPT)
     async with TeacherClient(vllm_servers.teacher.url) as c:
-        outs = await asyncio.gather(*(c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4))
-                                      for _ in range(3)))
+        outs = await asyncio.gather(
+            *(c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4)) for _ in range(3))
+        )
         with pytest.raises(ServerError, match="text-only") as e:
             await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4, images=["aGk="]))
         assert e.value.status == 400
@@ -111,7 +136,7 @@ async def test_teacher_scores_with_top_k(vllm_servers, tiny_models) -> None:
     model = hf_model(tiny_models["teacher"])
     assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=2e-3)
     with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[prompt_len - 1:-1]
+        lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[prompt_len - 1 : -1]
     top = lp.topk(4, -1)
     assert out.topk_ids == top.indices.tolist()
     assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=2e-3)
@@ -129,8 +154,15 @@ def test_weight_sync_is_bit_exact_on_vllm_and_hf(vllm_servers, tiny_models) -> N
         assert {n for n in want if got.get(n) != want[n]} == set(), url
     last = httpx.get(urls[0] + "/weights/last").json()
     assert last["loaded"] and last["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
-    out = httpx.post(urls[0] + "/generate", json={"request_id": "v-after", "prompt_token_ids": PROMPT,
-                     "sampling": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=120).json()
+    out = httpx.post(
+        urls[0] + "/generate",
+        json={
+            "request_id": "v-after",
+            "prompt_token_ids": PROMPT,
+            "sampling": {"max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=120,
+    ).json()
     assert out["versions"] == [v] * 8
     ref = reference_logprobs(model_with(tiny_models["student"], named), PROMPT, out["token_ids"])
     assert out["logprobs"] == pytest.approx(ref, abs=2e-3)
@@ -141,11 +173,16 @@ def test_manifest_mismatch_gets_409_and_keeps_serving(vllm_servers, tiny_models)
     before = [httpx.get(u + "/version").json()["version"] for u in urls]
     named = perturbed(tiny_models["student"], seed=12)
     renamed = [("model.layers.9.bogus.weight" if i == 0 else n, t) for i, (n, t) in enumerate(named)]
-    with pytest.raises(WeightSyncError, match="unknown tensors model.layers.9.bogus.weight; missing tensors model.embed_tokens.weight"):
+    with pytest.raises(
+        WeightSyncError, match="unknown tensors model.layers.9.bogus.weight; missing tensors model.embed_tokens.weight"
+    ):
         vllm_servers.sender.sync(before[0] + 50, renamed)
     assert [httpx.get(u + "/version").json()["version"] for u in urls] == before
-    r = httpx.post(urls[0] + "/generate", json={"request_id": "after-409", "prompt_token_ids": PROMPT,
-                   "sampling": {"max_tokens": 2}}, timeout=60)
+    r = httpx.post(
+        urls[0] + "/generate",
+        json={"request_id": "after-409", "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 2}},
+        timeout=60,
+    )
     assert r.status_code == 200
 
 

@@ -13,8 +13,8 @@ from kubedistill.runtime.batch import TrainBatch
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.trainer import Trainer
 from kubedistill.runtime.trainer.plan import collate, micro_batches, pack_rows, shard_samples
-from kubedistill.runtime.trainer.trainer import packing_is_exact
 from kubedistill.runtime.trainer.schedule import lr_factor
+from kubedistill.runtime.trainer.trainer import packing_is_exact
 from trainer_cases import make_batch, make_spec
 
 torch.set_num_threads(1)
@@ -27,8 +27,9 @@ def trainer(tiny_models: dict[str, Path], tmp_path: Path):
     t.close()
 
 
-@pytest.mark.parametrize("rows", [[[0], [1], [2], [3], [4]], [[0, 3], [2], [1, 4]], [[4, 0, 2, 1, 3]]],
-                         ids=["padded", "packed", "one-row"])
+@pytest.mark.parametrize(
+    "rows", [[[0], [1], [2], [3], [4]], [[0, 3], [2], [1, 4]], [[4, 0, 2, 1, 3]]], ids=["padded", "packed", "one-row"]
+)
 def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[str, Path], rows) -> None:
     """Each sample alone through the HF model gives the log-probs the trainer computes, whether
     samples are padded to rows of their own or packed end to end (no sample sees another)."""
@@ -60,9 +61,17 @@ def test_micro_batch_split_does_not_change_the_step(tiny_models: dict[str, Path]
     """Tiny micro-batches vs one micro-batch, padded or packed: the same loss, gradient and weights."""
     results = []
     for tokens, packed in ((16, False), (100000, pack)):
-        t = Trainer(make_spec(tiny_models["student"], tmp_path / "c", **{"trainer.microBatchTokens": tokens,
-                                                                         "trainer.packSequences": packed,
-                                                                         "algorithm.lossAggregation": "seqMeanTokenMean"}))
+        t = Trainer(
+            make_spec(
+                tiny_models["student"],
+                tmp_path / "c",
+                **{
+                    "trainer.microBatchTokens": tokens,
+                    "trainer.packSequences": packed,
+                    "algorithm.lossAggregation": "seqMeanTokenMean",
+                },
+            )
+        )
         assert t.pack == packed
         try:
             stats = t.step(make_batch())
@@ -94,14 +103,18 @@ def test_steps_learn_and_report_metrics(tiny_models: dict[str, Path], tmp_path: 
     labels = {"job": "job", "role": "trainer", "replica": "0"}
     assert reg.get_sample_value("kubedistill_step", labels) == 6
     assert reg.get_sample_value("kubedistill_loss", {**labels, "kind": "total"}) == pytest.approx(stats[-1].loss_total)
-    assert reg.get_sample_value("kubedistill_loss", {**labels, "kind": "distill"}) == pytest.approx(stats[-1].loss_distill)
+    assert reg.get_sample_value("kubedistill_loss", {**labels, "kind": "distill"}) == pytest.approx(
+        stats[-1].loss_distill
+    )
     assert reg.get_sample_value("kubedistill_grad_norm", labels) == pytest.approx(stats[-1].grad_norm)
     assert reg.get_sample_value("kubedistill_learning_rate", labels) == pytest.approx(stats[-1].lr)
     assert reg.get_sample_value("kubedistill_kl_student_teacher", labels) == pytest.approx(stats[-1].kl)
     assert reg.get_sample_value("kubedistill_step_seconds_count", {**labels, "phase": "train"}) == 6
 
 
-def test_full_weights_have_hf_names_and_export_round_trips(trainer: Trainer, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_full_weights_have_hf_names_and_export_round_trips(
+    trainer: Trainer, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,10 +134,20 @@ def test_full_weights_have_hf_names_and_export_round_trips(trainer: Trainer, tin
 
 
 def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    spec = make_spec(tiny_models["student"], tmp_path / "c", **{
-        "algorithm.distillation": {"lossMode": "k1", "usePolicyGradient": True, "useTaskRewards": True, "coef": 0.5},
-        "rollout.sampling.samplesPerPrompt": 2, "trainer.miniBatchSize": 4,
-    })
+    spec = make_spec(
+        tiny_models["student"],
+        tmp_path / "c",
+        **{
+            "algorithm.distillation": {
+                "lossMode": "k1",
+                "usePolicyGradient": True,
+                "useTaskRewards": True,
+                "coef": 0.5,
+            },
+            "rollout.sampling.samplesPerPrompt": 2,
+            "trainer.miniBatchSize": 4,
+        },
+    )
     t = Trainer(spec)
     try:
         s = t.step(make_batch())
@@ -146,7 +169,10 @@ def test_missing_teacher_signal_is_a_clear_error(trainer: Trainer) -> None:
     [
         (lambda b: b.prompt_lens.pop(), r"TrainBatch.prompt_lens: has 4 entries, expected one per sample \(5\)"),
         (lambda b: b.prompt_lens.__setitem__(0, 99), r"TrainBatch.prompt_lens\[0\]: 99 must be >= 1"),
-        (lambda b: b.rollout_logprobs[1].pop(), r"TrainBatch.rollout_logprobs\[1\]: has \d+ entries, expected \d+ response tokens"),
+        (
+            lambda b: b.rollout_logprobs[1].pop(),
+            r"TrainBatch.rollout_logprobs\[1\]: has \d+ entries, expected \d+ response tokens",
+        ),
         (lambda b: setattr(b, "group_ids", None), "rewards and group_ids must be given together"),
     ],
 )
@@ -210,8 +236,11 @@ def test_lr_schedule() -> None:
 
 def test_short_top_k_rows_are_masked() -> None:
     batch = TrainBatch(
-        token_ids=[[1, 5, 6, 7]], prompt_lens=[2], rollout_logprobs=[[-1.0, -1.0]],
-        teacher_topk_ids=[[[5, 6], [7]]], teacher_topk_logprobs=[[[-0.1, -2.0], [-0.01]]],
+        token_ids=[[1, 5, 6, 7]],
+        prompt_lens=[2],
+        rollout_logprobs=[[-1.0, -1.0]],
+        teacher_topk_ids=[[[5, 6], [7]]],
+        teacher_topk_logprobs=[[[-0.1, -2.0], [-0.01]]],
     )
     batch.validate()
     mb = collate(batch, [[0]], [torch.ones(2)], None, 0)

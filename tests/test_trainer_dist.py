@@ -32,8 +32,20 @@ def run_ranks(world: int, spec_json: str, tmp: Path, scenario: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "trainer_cases.py"), str(r), str(world), str(port), str(spec_file), str(out), scenario],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                str(HERE / "trainer_cases.py"),
+                str(r),
+                str(world),
+                str(port),
+                str(spec_file),
+                str(out),
+                scenario,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(world)
     ]
@@ -45,15 +57,28 @@ def run_ranks(world: int, spec_json: str, tmp: Path, scenario: str) -> dict:
 
 def test_two_ranks_match_one_rank_and_resume_replays_a_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     spec = make_spec(
-        tiny_models["student"], tmp_path / "ckpt",
-        **{"algorithm.distillation.useTaskRewards": True, "rollout.sampling.samplesPerPrompt": 2, "trainer.miniBatchSize": 4},
+        tiny_models["student"],
+        tmp_path / "ckpt",
+        **{
+            "algorithm.distillation.useTaskRewards": True,
+            "rollout.sampling.samplesPerPrompt": 2,
+            "trainer.miniBatchSize": 4,
+        },
     )
     two = run_ranks(2, spec.model_dump_json(by_alias=True), tmp_path, "step_resume")
 
     # The same global batch on one rank (in this process).
-    reference = Trainer(make_spec(tiny_models["student"], tmp_path / "ckpt-1", **{
-        "algorithm.distillation.useTaskRewards": True, "rollout.sampling.samplesPerPrompt": 2, "trainer.miniBatchSize": 4,
-    }))
+    reference = Trainer(
+        make_spec(
+            tiny_models["student"],
+            tmp_path / "ckpt-1",
+            **{
+                "algorithm.distillation.useTaskRewards": True,
+                "rollout.sampling.samplesPerPrompt": 2,
+                "trainer.miniBatchSize": 4,
+            },
+        )
+    )
     try:
         s1 = reference.step(make_batch())
         one = {n: t.clone() for n, t in reference.named_full_weights()}

@@ -33,8 +33,9 @@ class RecordingEngine:
 
 
 def _membership(engine: RecordingEngine, sync: dict) -> WeightGroupMembership:
-    return WeightGroupMembership(engine, lambda epoch: GroupAddress("127.0.0.1", 1, 1, 2, "gloo", 5, epoch),
-                                 lambda: sync.get("task"))
+    return WeightGroupMembership(
+        engine, lambda epoch: GroupAddress("127.0.0.1", 1, 1, 2, "gloo", 5, epoch), lambda: sync.get("task")
+    )
 
 
 async def test_switch_waits_for_the_old_sync_then_leaves_then_joins() -> None:
@@ -64,7 +65,14 @@ async def test_a_newer_epoch_supersedes_one_still_joining() -> None:
     m.switch("e3")
     await m.wait_switched(5)
     # e1's join completes first (one switch at a time), e2 never starts, e3 releases e1's group
-    assert [c for c in engine.calls if c != "abort"] == ["leave", "join e1", "joined e1", "leave", "join e3", "joined e3"]
+    assert [c for c in engine.calls if c != "abort"] == [
+        "leave",
+        "join e1",
+        "joined e1",
+        "leave",
+        "join e3",
+        "joined e3",
+    ]
     assert m.status().epoch == "e3" and m.status().state == "ready"
 
 

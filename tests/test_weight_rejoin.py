@@ -60,23 +60,32 @@ def _open_sockets(pid: int) -> int:
 def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Path) -> None:
     port, wport = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    cfg = job_config(tiny_models["student"], tiny_models["teacher"], engine="hf", rollout_urls=[url],
-                     teacher_urls=["http://127.0.0.1:1"], weight_sync_port=wport)
+    cfg = job_config(
+        tiny_models["student"],
+        tiny_models["teacher"],
+        engine="hf",
+        rollout_urls=[url],
+        teacher_urls=["http://127.0.0.1:1"],
+        weight_sync_port=wport,
+    )
     config = tmp_path / "config.json"
     cfg.dump(config)
     server = Server("rollout", config, port)
     sender_proc = None
     try:
-        code = SENDER.format(tests=str(Path(__file__).parent), config=str(config),
-                             student=str(tiny_models["student"]), seed=11)
-        sender_proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+        code = SENDER.format(
+            tests=str(Path(__file__).parent), config=str(config), student=str(tiny_models["student"]), seed=11
+        )
+        sender_proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
         line = sender_proc.stdout.readline()  # the server is inside the version-2 broadcast now
         assert line, f"sender failed; server log:\n{server.log()[-3000:]}"
         first_epoch = json.loads(line)["epoch"]
         assert httpx.get(url + "/version").json()["version"] == 1
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(
-            perturbed(tiny_models["student"], seed=11))
+            perturbed(tiny_models["student"], seed=11)
+        )
         assert httpx.get(url + "/weights/group").json() == {"epoch": first_epoch, "state": "ready", "error": None}
         os.kill(sender_proc.pid, signal.SIGKILL)
         sender_proc.wait(30)
@@ -99,8 +108,14 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
         assert rejoin_seconds < 30, rejoin_seconds
 
         # A begin carrying another group's epoch is refused without entering a collective.
-        stale = httpx.post(url + "/weights/begin", json={"version": 4, "manifest": {
-            "bucket_bytes": 1, "tensors": [], "buckets": []}, "group_epoch": first_epoch})
+        stale = httpx.post(
+            url + "/weights/begin",
+            json={
+                "version": 4,
+                "manifest": {"bucket_bytes": 1, "tensors": [], "buckets": []},
+                "group_epoch": first_epoch,
+            },
+        )
         assert stale.status_code == 503 and first_epoch in stale.json()["error"]
 
         # Many trainer restarts: each re-join releases the previous group's sockets.
@@ -116,7 +131,8 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
         sender = WeightSender(cfg.spec, cfg.endpoints)
         sender.sync(9, perturbed(tiny_models["student"], seed=25))
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(
-            perturbed(tiny_models["student"], seed=25))
+            perturbed(tiny_models["student"], seed=25)
+        )
         assert httpx.get(url + "/health").json()["status"] == "ok"
 
         # The other way round: the rollout server is replaced (a new pod behind the same Service)

@@ -23,8 +23,10 @@ def metas(*specs: tuple[str, str, list[int]]) -> list[TensorMeta]:
 
 
 def test_plan_fills_buckets_in_order_and_groups_dtypes() -> None:
-    m = plan(metas(("a", "float32", [4]), ("b", "bfloat16", [8]), ("c", "float32", [4]), ("d", "float32", [4])),
-             bucket_bytes=32)
+    m = plan(
+        metas(("a", "float32", [4]), ("b", "bfloat16", [8]), ("c", "float32", [4]), ("d", "float32", [4])),
+        bucket_bytes=32,
+    )
     # a and c share the first fp32 bucket (32 bytes); d opens a second; b has its own dtype.
     layout = [(b.dtype, [(m.tensors[e.index].name, e.offset) for e in b.entries]) for b in m.buckets]
     assert layout == [("float32", [("a", 0), ("c", 4)]), ("float32", [("d", 0)]), ("bfloat16", [("b", 0)])]
@@ -33,8 +35,9 @@ def test_plan_fills_buckets_in_order_and_groups_dtypes() -> None:
 
 
 def test_plan_sends_large_tensors_alone() -> None:
-    m = plan(metas(("a", "float32", [2]), ("big", "float32", [8]), ("b", "float32", [2])), bucket_bytes=1024,
-             direct_bytes=32)
+    m = plan(
+        metas(("a", "float32", [2]), ("big", "float32", [8]), ("b", "float32", [2])), bucket_bytes=1024, direct_bytes=32
+    )
     assert [[m.tensors[e.index].name for e in b.entries] for b in m.buckets] == [["big"], ["a", "b"]]
 
 
@@ -91,9 +94,12 @@ def test_gloo_broadcast_is_bit_exact_across_buckets_and_dtypes() -> None:
         try:
             group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
             # The views die with their bucket: keep copies, as an engine's load would.
-            receive(group, Manifest.model_validate_json(manifest.model_dump_json()),
-                    lambda batch: got.update({n: t.clone() for n, t in batch}),
-                    destination=lambda name: landing if name == "w2" else None)
+            receive(
+                group,
+                Manifest.model_validate_json(manifest.model_dump_json()),
+                lambda batch: got.update({n: t.clone() for n, t in batch}),
+                destination=lambda name: landing if name == "w2" else None,
+            )
         except BaseException as e:
             errors.append(e)
 

@@ -133,7 +133,11 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     for name, info in model.model_fields.items():
         key = info.alias or name
         prop = type_schema(info.annotation, list(info.metadata))
-        if info.json_schema_extra and isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get(FREE_FORM):
+        if (
+            info.json_schema_extra
+            and isinstance(info.json_schema_extra, dict)
+            and info.json_schema_extra.get(FREE_FORM)
+        ):
             prop = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
         description = info.description
         if not description:
@@ -182,9 +186,7 @@ def openapi_schema() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
-        "x-kubernetes-validations": [
-            {"rule": r.cel, "message": f"metadata.name {r.message}"} for r in NAME_RULES
-        ],
+        "x-kubernetes-validations": [{"rule": r.cel, "message": f"metadata.name {r.message}"} for r in NAME_RULES],
     }
 
 

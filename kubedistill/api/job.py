@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -28,9 +28,9 @@ class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: Annotated[str, Field(min_length=1)]
-    namespace: Optional[str] = None
-    uid: Optional[str] = None
-    generation: Optional[int] = None
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
 
@@ -56,7 +56,7 @@ class DistillationJob(BaseModel):
     kind: Literal["DistillationJob"]
     metadata: ObjectMeta
     spec: DistillationJobSpec
-    status: Optional[DistillationJobStatus] = None
+    status: DistillationJobStatus | None = None
 
     def to_api(self) -> dict[str, Any]:
         out: dict[str, Any] = {

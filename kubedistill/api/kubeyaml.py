@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -54,7 +54,7 @@ _GO_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
 _INT64_MIN, _INT64_MAX, _UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 
 
-def _go_int(plain: str) -> Optional[int]:
+def _go_int(plain: str) -> int | None:
     m = _GO_INT.fullmatch(plain)
     if m is None:
         return None
@@ -69,7 +69,7 @@ def _go_int(plain: str) -> Optional[int]:
     return None
 
 
-def _go_float(plain: str) -> Optional[float]:
+def _go_float(plain: str) -> float | None:
     if not _GO_FLOAT.fullmatch(plain):
         return None
     value = float(plain)
@@ -200,7 +200,7 @@ def check_shape(text: str, limits: Limits = Limits()) -> None:
     depth = 0
     nodes = 0
     anchored: dict[str, int] = {}
-    open_at: list[tuple[int, Optional[str]]] = []
+    open_at: list[tuple[int, str | None]] = []
     try:
         for ev in yaml.parse(text, Loader=KubeLoader):
             if isinstance(ev, yaml.AliasEvent):

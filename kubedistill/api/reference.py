@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from kubedistill.api import kubeyaml
 from kubedistill.api.crd import crd
@@ -64,7 +65,9 @@ def api_reference() -> str:
             out.append("| field | type | default | description |\n| --- | --- | --- | --- |")
             required = set(node.get("required", []))
             for key, prop in node["properties"].items():
-                default = f"`{json.dumps(prop['default'])}`" if "default" in prop else ("required" if key in required else "")
+                default = (
+                    f"`{json.dumps(prop['default'])}`" if "default" in prop else ("required" if key in required else "")
+                )
                 desc = prop.get("description", "").replace("|", "\\|")
                 out.append(f"| `{key}` | {_type(prop)} | {default} | {desc} |")
     out.append("\n## Cross-field rules\n")

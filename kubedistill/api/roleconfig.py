@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 from pydantic import Field
 
@@ -81,11 +81,11 @@ class Identity(ApiModel):
     role: Role
     replica: Annotated[int, Field(ge=0)] = 0
     """Index within the role (trainer rank for the trainer)."""
-    teacher: Optional[str] = None
+    teacher: str | None = None
     """Teacher name (teacher role only)."""
 
     @classmethod
-    def from_env(cls, role: Role, replica: Optional[int] = None, teacher: Optional[str] = None) -> Identity:
+    def from_env(cls, role: Role, replica: int | None = None, teacher: str | None = None) -> Identity:
         if replica is None:
             replica = int(os.environ.get("KUBEDISTILL_REPLICA", os.environ.get("RANK", "0")))
         return cls(role=role, replica=replica, teacher=teacher or os.environ.get("KUBEDISTILL_TEACHER"))
@@ -106,7 +106,7 @@ def trainer_world_size(spec: DistillationJobSpec) -> int:
     return spec.trainer.replicas * max(spec.gpus_of(spec.trainer.gpus_per_replica), 1)
 
 
-def role_overrides(spec: DistillationJobSpec, role: Role, teacher: Optional[str] = None) -> RoleOverrides:
+def role_overrides(spec: DistillationJobSpec, role: Role, teacher: str | None = None) -> RoleOverrides:
     """The spec's per-role settings for one role (a teacher's by name)."""
     if role is Role.trainer:
         return spec.trainer.overrides
@@ -115,13 +115,19 @@ def role_overrides(spec: DistillationJobSpec, role: Role, teacher: Optional[str]
     return spec.teacher(teacher or "").overrides
 
 
-def user_env(spec: DistillationJobSpec, role: Role, teacher: Optional[str] = None) -> list[EnvVar]:
+def user_env(spec: DistillationJobSpec, role: Role, teacher: str | None = None) -> list[EnvVar]:
     """The user's variables for one role: the job's, then the role's (a later one wins)."""
     return [*spec.env, *role_overrides(spec, role, teacher).env]
 
 
-def role_env(spec: DistillationJobSpec, job: str, namespace: str, identity: Identity,
-             master_addr: str, master_port: int = Ports.DIST) -> dict[str, str]:
+def role_env(
+    spec: DistillationJobSpec,
+    job: str,
+    namespace: str,
+    identity: Identity,
+    master_addr: str,
+    master_port: int = Ports.DIST,
+) -> dict[str, str]:
     """Environment of one role process, the same for a pod and for a local (Ray) process (the
     operator adds what only a pod has; the user's variables go on top of both)."""
     env = {

@@ -8,8 +8,9 @@ manifests as the Python checks and requires both to report the same violations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kubedistill.api.spec import DistillationJobSpec
@@ -139,9 +140,11 @@ SPEC_RULES: list[Rule] = [
         " || self.rollout.sampling.samplesPerPrompt >= 2",
         "must be at least 2 for GRPO task-reward advantages (normalised within each prompt's group)",
         ".rollout.sampling.samplesPerPrompt",
-        lambda s: not s.algorithm.distillation.use_task_rewards
-        or s.algorithm.advantage.value != "grpo"
-        or s.rollout.sampling.samples_per_prompt >= 2,
+        lambda s: (
+            not s.algorithm.distillation.use_task_rewards
+            or s.algorithm.advantage.value != "grpo"
+            or s.rollout.sampling.samples_per_prompt >= 2
+        ),
     ),
     Rule(
         "spec",

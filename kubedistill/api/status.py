@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 from pydantic import Field
 
@@ -49,7 +49,7 @@ class Condition(ApiModel):
     """CamelCase machine-readable reason."""
     message: Annotated[str, Field(max_length=32768)] = ""
     """Human-readable detail."""
-    last_transition_time: Optional[str] = None
+    last_transition_time: str | None = None
     """RFC 3339 time the status last changed."""
 
 
@@ -92,13 +92,13 @@ class DistillationJobStatus(ApiModel):
     """Last completed train step (reported by the trainer)."""
     weight_version: Annotated[int, Field(ge=0)] = 0
     """Weight version the rollout servers serve."""
-    last_checkpoint: Optional[str] = None
+    last_checkpoint: str | None = None
     """Path of the newest complete checkpoint."""
     restarts: Annotated[int, Field(ge=0)] = 0
     """Trainer gang restarts so far (bounded by spec.backoffLimit)."""
     observed_generation: Annotated[int, Field(ge=0)] = 0
     """metadata.generation the status reflects."""
-    start_time: Optional[str] = None
+    start_time: str | None = None
     """RFC 3339 time the job's pods were first created."""
-    completion_time: Optional[str] = None
+    completion_time: str | None = None
     """RFC 3339 time the job succeeded or failed."""

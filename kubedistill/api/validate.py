@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 

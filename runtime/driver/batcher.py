@@ -9,8 +9,8 @@ order; `to_train_batch` turns samples into the trainer's TrainBatch (runtime/bat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kubedistill.runtime.batch import TrainBatch
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
@@ -69,8 +69,10 @@ class StepSamples:
 
     def staleness(self) -> list[int]:
         """trainer_version - min_version of each sample."""
-        return [self.trainer_version - (s.min_version if s.min_version is not None else self.trainer_version)
-                for s in self.samples]
+        return [
+            self.trainer_version - (s.min_version if s.min_version is not None else self.trainer_version)
+            for s in self.samples
+        ]
 
 
 def check_sample(s: Sample, req: BatchRequirements) -> None:
@@ -105,14 +107,14 @@ def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_vers
     """One step's mini-batches from whole groups (as SampleBuffer.take returns them)."""
     for g in groups:
         if len(g) != req.group_size:
-            raise ValueError(f"group {g.group_id} has {len(g)} samples, rollout.sampling.samplesPerPrompt is {req.group_size}")
+            raise ValueError(
+                f"group {g.group_id} has {len(g)} samples, rollout.sampling.samplesPerPrompt is {req.group_size}"
+            )
         for s in g.samples:
             check_sample(s, req)
     flat = [s for g in groups for s in g.samples]
     if len(flat) != req.step_samples:
-        raise ValueError(
-            f"a step needs requireBatches x miniBatchSize = {req.step_samples} samples, got {len(flat)}"
-        )
+        raise ValueError(f"a step needs requireBatches x miniBatchSize = {req.step_samples} samples, got {len(flat)}")
     mb = req.mini_batch_size
     return StepSamples(trainer_version, [flat[i : i + mb] for i in range(0, len(flat), mb)])
 

@@ -17,7 +17,7 @@ repeats no prompt: after `load_state_dict()` the driver resubmits `in_flight_gro
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional
+from typing import Any
 
 from kubedistill.runtime.driver.samples import SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy, version_lag
@@ -93,8 +93,9 @@ class SampleBuffer:
     async def reserve(self, group: SampleGroup) -> None:
         """Wait until the staleness rule lets `group` start, then register it as in flight."""
         async with self._cond:
-            await self._cond.wait_for(lambda: self._closed or self.policy.may_submit(
-                self.stale_count, self.capped, len(group)))
+            await self._cond.wait_for(
+                lambda: self._closed or self.policy.may_submit(self.stale_count, self.capped, len(group))
+            )
             self.try_reserve(group)
 
     async def sample_finished(self) -> None:
@@ -119,8 +120,7 @@ class SampleBuffer:
             if not group.finished:
                 self._in_flight[group.group_id] = group
                 raise ValueError(
-                    f"group {group.group_id} is not finished: finish reasons "
-                    f"{[s.finish_reason for s in group.samples]}"
+                    f"group {group.group_id} is not finished: finish reasons {[s.finish_reason for s in group.samples]}"
                 )
             self._count("generated", len(group))
             self._count("resumed", sum(s.resumed for s in group.samples))
@@ -137,7 +137,7 @@ class SampleBuffer:
             return kept
 
     # ---- trainer side ----------------------------------------------------------------------
-    async def take(self, samples: Optional[int] = None) -> list[SampleGroup]:
+    async def take(self, samples: int | None = None) -> list[SampleGroup]:
         """Wait for and remove the next step's groups (`policy.required` samples by default).
 
         Oldest weight version first (then arrival order), so the stalest usable samples are
@@ -255,7 +255,7 @@ class SampleBuffer:
             self.metrics["buffer_size"].set(self.buffered)
 
 
-def _oldest_sample(min_version: Optional[int], current: int) -> int:
+def _oldest_sample(min_version: int | None, current: int) -> int:
     # A sample with no tokens yet has no version; it cannot be stale.
     return current if min_version is None else min_version
 

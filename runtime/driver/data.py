@@ -17,9 +17,10 @@ from __future__ import annotations
 import base64
 import json
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 STATE_FORMAT = 1
 
@@ -39,11 +40,11 @@ class PromptItem:
     route_value: str
     """Value of the routing column (spec.routing.key)."""
     ground_truth: Any = None
-    reward_fn: Optional[str] = None
-    images: Optional[list[Any]] = None
+    reward_fn: str | None = None
+    images: list[Any] | None = None
     extra_info: dict[str, Any] = field(default_factory=dict)
 
-    def images_base64(self) -> Optional[list[str]]:
+    def images_base64(self) -> list[str] | None:
         """The images as base64 strings (the teacher /score wire format), or None."""
         if not self.images:
             return None
@@ -145,7 +146,7 @@ class PromptSource:
         self.position = 0
         self.dropped = 0
         """Prompts skipped for exceeding maxPromptLength (every time one is met)."""
-        self._order: Optional[list[int]] = None
+        self._order: list[int] | None = None
         self._too_long: set[int] = set()
 
     @classmethod
@@ -211,7 +212,7 @@ class PromptSource:
     def take(self, count: int) -> list[PromptItem]:
         return [self.next() for _ in range(count)]
 
-    def _item(self, r: int, pos: int) -> Optional[PromptItem]:
+    def _item(self, r: int, pos: int) -> PromptItem | None:
         row = self.rows[r]
         messages = row[self.prompt_key]
         ids = self.tokenize(messages)

@@ -23,8 +23,9 @@ import concurrent.futures as cf
 import logging
 import pickle
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Protocol
 
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
@@ -49,14 +50,14 @@ class TrainerLike(Protocol):
     def step(self, batch: Any) -> Any: ...
     def named_full_weights(self) -> Iterable[tuple[str, Any]]: ...
     def save_checkpoint(self, step: int, weight_version: int, driver_state: Any) -> Path: ...
-    def export_hf(self, out_dir: str | Path) -> Optional[Path]: ...
+    def export_hf(self, out_dir: str | Path) -> Path | None: ...
 
 
 class SenderLike(Protocol):
     def sync(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> Any: ...
 
 
-def request_seed(base: Optional[int], sample: Sample) -> Optional[int]:
+def request_seed(base: int | None, sample: Sample) -> int | None:
     """A distinct, reproducible seed per /generate call (the n samples of a prompt must differ)."""
     if base is None:
         return None
@@ -74,8 +75,8 @@ class Driver:
         teacher_urls: dict[str, list[str]],
         tokenizer: Any,
         metrics: Any = None,
-        history: Optional[HistoryWriter] = None,
-        status: Optional[DriverStatus] = None,
+        history: HistoryWriter | None = None,
+        status: DriverStatus | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
@@ -97,11 +98,11 @@ class Driver:
         self._teacher_urls = [u for urls in teacher_urls.values() for u in urls]
         self.step = 0
         self.version = 0
-        self._pending_cursor: Optional[dict[str, Any]] = None
+        self._pending_cursor: dict[str, Any] | None = None
         """Data cursor before a prompt drawn but not yet reserved in the buffer (a checkpoint
         taken then must not skip it)."""
         self._tasks: set[asyncio.Task] = set()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._started = clock()
         self._wait_seconds = 0.0
@@ -113,13 +114,15 @@ class Driver:
     def driver_state(self) -> bytes:
         """Data cursor + every sample generated but not trained on (buffered or in flight)."""
         cursor = self._pending_cursor if self._pending_cursor is not None else self.src.state_dict()
-        return pickle.dumps({
-            "format": DRIVER_STATE_FORMAT,
-            "step": self.step,
-            "version": self.version,
-            "data": cursor,
-            "buffer": self.buffer.to_bytes(),
-        })
+        return pickle.dumps(
+            {
+                "format": DRIVER_STATE_FORMAT,
+                "step": self.step,
+                "version": self.version,
+                "data": cursor,
+                "buffer": self.buffer.to_bytes(),
+            }
+        )
 
     def restore(self, step: int, weight_version: int, driver_state: Any) -> None:
         state = pickle.loads(driver_state) if isinstance(driver_state, (bytes, bytearray)) else driver_state
@@ -135,8 +138,13 @@ class Driver:
                     if not s.finished:
                         s.restart()
             self._resumed_groups.append(g)
-        log.info("resumed at step %d, weight version %d: %d groups buffered, %d in flight",
-                 step, weight_version, len(self.buffer.ready_groups()), len(self._resumed_groups))
+        log.info(
+            "resumed at step %d, weight version %d: %d groups buffered, %d in flight",
+            step,
+            weight_version,
+            len(self.buffer.ready_groups()),
+            len(self._resumed_groups),
+        )
 
     # ---- trainer thread --------------------------------------------------------------------
     async def _on_trainer(self, fn: Callable, *args: Any) -> Any:
@@ -209,8 +217,9 @@ class Driver:
                     break
                 except Exception as e:  # connection refused / 503 while the engine loads
                     if self.clock() > deadline:
-                        raise RuntimeError(f"{c.base_url} is not healthy after "
-                                           f"{self.spec.weight_sync.timeout_seconds} s: {e!r}") from e
+                        raise RuntimeError(
+                            f"{c.base_url} is not healthy after {self.spec.weight_sync.timeout_seconds} s: {e!r}"
+                        ) from e
                     await asyncio.sleep(0.5)
 
     async def _checkpoint(self) -> None:
@@ -261,29 +270,31 @@ class Driver:
             if st.reward_mean is not None:
                 self.metrics["reward_mean"].set(st.reward_mean)
             self.metrics["weight_version"].set(self.version)
-        self.history.write({
-            **st.to_json(),
-            "time": round(now - self._started, 3),
-            "trainerVersion": trainer_version,
-            "synced": synced,
-            "rolloutVersions": served,
-            "lossTotal": sum(s.loss_total for s in stats) / len(stats),
-            "lossDistill": sum(s.loss_distill for s in stats) / len(stats),
-            "lossPg": sum(s.loss_pg for s in stats) / len(stats),
-            "gradNorm": last.grad_norm,
-            "lr": last.lr,
-            "stalenessMax": max(staleness) if staleness else 0,
-            "groups": [g.group_id for g in groups],
-            "resumedSamples": sum(s.resumed for s in step_samples.samples),
-            # [first, last] weight version of the tokens of each trained sample that was resumed
-            # across a sync (partialRollout: resume), and the run's samples_total counters.
-            "resumedVersionRanges": [[s.min_version, s.max_version] for s in step_samples.samples if s.resumed],
-            "samplesTotal": dict(self.buffer.counters),
-            "waitSeconds": round(waited, 4),
-            "trainSeconds": round(sum(s.seconds for s in stats), 4),
-            "syncSeconds": round(sync_seconds, 4),
-            "droppedStale": self.buffer.counters["dropped_stale"],
-        })
+        self.history.write(
+            {
+                **st.to_json(),
+                "time": round(now - self._started, 3),
+                "trainerVersion": trainer_version,
+                "synced": synced,
+                "rolloutVersions": served,
+                "lossTotal": sum(s.loss_total for s in stats) / len(stats),
+                "lossDistill": sum(s.loss_distill for s in stats) / len(stats),
+                "lossPg": sum(s.loss_pg for s in stats) / len(stats),
+                "gradNorm": last.grad_norm,
+                "lr": last.lr,
+                "stalenessMax": max(staleness) if staleness else 0,
+                "groups": [g.group_id for g in groups],
+                "resumedSamples": sum(s.resumed for s in step_samples.samples),
+                # [first, last] weight version of the tokens of each trained sample that was resumed
+                # across a sync (partialRollout: resume), and the run's samples_total counters.
+                "resumedVersionRanges": [[s.min_version, s.max_version] for s in step_samples.samples if s.resumed],
+                "samplesTotal": dict(self.buffer.counters),
+                "waitSeconds": round(waited, 4),
+                "trainSeconds": round(sum(s.seconds for s in stats), 4),
+                "syncSeconds": round(sync_seconds, 4),
+                "droppedStale": self.buffer.counters["dropped_stale"],
+            }
+        )
 
     # ---- generation ------------------------------------------------------------------------
     async def _produce(self) -> None:
@@ -324,9 +335,12 @@ class Driver:
                 s.restart()
             c = s.continuation()
             req = GenerateRequest(
-                request_id=c.request_id, prompt_token_ids=c.prompt_token_ids, prefix_token_ids=c.prefix_token_ids,
-                sampling=Sampling(max_tokens=c.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                  seed=request_seed(sp.seed, s)),
+                request_id=c.request_id,
+                prompt_token_ids=c.prompt_token_ids,
+                prefix_token_ids=c.prefix_token_ids,
+                sampling=Sampling(
+                    max_tokens=c.max_tokens, temperature=sp.temperature, top_p=sp.top_p, seed=request_seed(sp.seed, s)
+                ),
             )
             url = self.pool.acquire()
             try:
@@ -353,8 +367,9 @@ class Driver:
 
         t0 = self.clock()
         ids, prompt_len = s.score_input()
-        req = ScoreRequest(token_ids=ids, prompt_len=prompt_len, top_k=self.spec.algorithm.distillation.top_k,
-                           images=group.images)
+        req = ScoreRequest(
+            token_ids=ids, prompt_len=prompt_len, top_k=self.spec.algorithm.distillation.top_k, images=group.images
+        )
         while True:
             name, url = self.router.acquire(s.route_value)
             try:

@@ -30,8 +30,9 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import re
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Optional
+from typing import Any
 
 RewardFn = Callable[[str, Any], float]
 ENTRY_POINT_GROUP = "kubedistill.rewards"
@@ -39,7 +40,7 @@ ENTRY_POINT_GROUP = "kubedistill.rewards"
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
-def _to_decimal(text: str) -> Optional[Decimal]:
+def _to_decimal(text: str) -> Decimal | None:
     cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
     try:
         return Decimal(cleaned)
@@ -47,7 +48,7 @@ def _to_decimal(text: str) -> Optional[Decimal]:
         return None
 
 
-def gsm8k_answer(response: str) -> Optional[str]:
+def gsm8k_answer(response: str) -> str | None:
     """The answer a response gives: the number after the last `####`, else its last number."""
     if "####" in response:
         tail = response.rsplit("####", 1)[1]
@@ -69,7 +70,7 @@ def exact_match_reward(response: str, ground_truth: Any) -> float:
     return 1.0 if ground_truth is not None and response.strip() == str(ground_truth).strip() else 0.0
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` (nested braces allowed), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -150,8 +151,7 @@ class UnknownDataSource(LookupError):
 class RewardRegistry:
     """Resolves a data_source to its reward function and scores responses."""
 
-    def __init__(self, strict: bool, extra: Optional[list[tuple[str, RewardFn]]] = None,
-                 entry_points: bool = True):
+    def __init__(self, strict: bool, extra: list[tuple[str, RewardFn]] | None = None, entry_points: bool = True):
         self.strict = strict
         """True when task rewards train the model: an unknown data_source is an error."""
         ordered = list(BUILTINS)
@@ -175,7 +175,7 @@ class RewardRegistry:
                 seen.append(p)
         return seen
 
-    def resolve(self, data_source: str, fn_path: Optional[str] = None) -> Optional[RewardFn]:
+    def resolve(self, data_source: str, fn_path: str | None = None) -> RewardFn | None:
         if fn_path:
             if fn_path not in self._dotted:
                 self._dotted[fn_path] = load_dotted(fn_path)
@@ -185,7 +185,7 @@ class RewardRegistry:
                 return fn
         return None
 
-    def score(self, data_source: str, response: str, ground_truth: Any, fn_path: Optional[str] = None) -> Optional[float]:
+    def score(self, data_source: str, response: str, ground_truth: Any, fn_path: str | None = None) -> float | None:
         fn = self.resolve(data_source, fn_path)
         if fn is None:
             if self.strict:
@@ -198,7 +198,7 @@ class RewardRegistry:
             return None
         return float(fn(response, ground_truth))
 
-    def score_sample(self, sample: Any, response_text: str) -> Optional[float]:
+    def score_sample(self, sample: Any, response_text: str) -> float | None:
         """Score a Sample (kubedistill.runtime.driver.samples) from its decoded response text
         (`tokenizer.decode(sample.response_ids, skip_special_tokens=True)`) and store the reward."""
         sample.reward = self.score(sample.data_source, response_text, sample.ground_truth, sample.reward_fn)

@@ -9,9 +9,10 @@ the HTTP clients (runtime/clients.py) send the request and release the lease whe
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from kubedistill.api.spec import DistillationJobSpec
 

@@ -10,8 +10,9 @@ weight version of the request that sampled it, so the loss uses the right behavi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 FINISHED = ("stop", "length")
 FINISH_REASONS = ("stop", "length", "abort")
@@ -58,23 +59,23 @@ class Sample:
     route_value: str = ""
     """Value of the routing key (spec.routing.key) that selects the teacher."""
     ground_truth: Any = None
-    reward_fn: Optional[str] = None
+    reward_fn: str | None = None
     """Dotted path of the row's own reward function (reward_model.fn), if it names one."""
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     """Rollout (behaviour-policy) log-prob of each response token."""
     versions: list[int] = field(default_factory=list)
     """Weight version that sampled each response token."""
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     """None while generating; stop, length, or abort (interrupted, to be resumed)."""
     requests: int = 0
     """/generate calls made so far (1 + resumes)."""
-    reward: Optional[float] = None
-    teacher: Optional[str] = None
+    reward: float | None = None
+    teacher: str | None = None
     """Name of the teacher that scored the sample."""
-    teacher_logprobs: Optional[list[float]] = None
-    teacher_topk_ids: Optional[list[list[int]]] = None
-    teacher_topk_logprobs: Optional[list[list[float]]] = None
+    teacher_logprobs: list[float] | None = None
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
 
     @property
     def sample_id(self) -> str:
@@ -86,11 +87,11 @@ class Sample:
         return f"{self.sample_id}-r{self.requests}"
 
     @property
-    def min_version(self) -> Optional[int]:
+    def min_version(self) -> int | None:
         return min(self.versions) if self.versions else None
 
     @property
-    def max_version(self) -> Optional[int]:
+    def max_version(self) -> int | None:
         return max(self.versions) if self.versions else None
 
     @property
@@ -142,7 +143,8 @@ class Sample:
             )
         if len(self.response_ids) + len(ids) > self.max_tokens:
             raise ValueError(
-                f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens exceed maxTokens {self.max_tokens}"
+                f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens "
+                f"exceed maxTokens {self.max_tokens}"
             )
         self.response_ids.extend(ids)
         self.logprobs.extend(float(x) for x in lps)
@@ -200,7 +202,7 @@ class SampleGroup:
 
     group_id: int
     samples: list[Sample]
-    images: Optional[list[str]] = None
+    images: list[str] | None = None
     """Base64 images of the prompt (vision teachers), kept once per group."""
     arrival: int = -1
     """Order in which the group entered the buffer (set by SampleBuffer)."""
@@ -216,8 +218,8 @@ class SampleGroup:
         data_source: str = "",
         route_value: str = "",
         ground_truth: Any = None,
-        reward_fn: Optional[str] = None,
-        images: Optional[list[str]] = None,
+        reward_fn: str | None = None,
+        images: list[str] | None = None,
     ) -> SampleGroup:
         return cls(
             group_id=group_id,
@@ -260,12 +262,12 @@ class SampleGroup:
         return all(s.finished for s in self.samples)
 
     @property
-    def min_version(self) -> Optional[int]:
+    def min_version(self) -> int | None:
         known = [v for v in (s.min_version for s in self.samples) if v is not None]
         return min(known) if known else None
 
     @property
-    def max_version(self) -> Optional[int]:
+    def max_version(self) -> int | None:
         known = [v for v in (s.max_version for s in self.samples) if v is not None]
         return max(known) if known else None
 

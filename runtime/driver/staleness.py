@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kubedistill.api.spec import DistillationJobSpec
@@ -34,9 +34,7 @@ if TYPE_CHECKING:
 def required_samples(mini_batch_size: int, require_batches: int = 1) -> int:
     """Samples the trainer consumes per train step."""
     if mini_batch_size < 1 or require_batches < 1:
-        raise ValueError(
-            f"miniBatchSize ({mini_batch_size}) and requireBatches ({require_batches}) must be >= 1"
-        )
+        raise ValueError(f"miniBatchSize ({mini_batch_size}) and requireBatches ({require_batches}) must be >= 1")
     return mini_batch_size * require_batches
 
 
@@ -140,7 +138,8 @@ class StalenessPolicy:
             raise ValueError(f"rollout.sampling.samplesPerPrompt must be >= 1, got {group_size}")
         if mini_batch_size % group_size:
             raise ValueError(
-                f"trainer.miniBatchSize ({mini_batch_size}) must be a multiple of rollout.sampling.samplesPerPrompt ({group_size})"
+                f"trainer.miniBatchSize ({mini_batch_size}) must be a multiple of "
+                f"rollout.sampling.samplesPerPrompt ({group_size})"
             )
         if mode == "sync":
             staleness_threshold, trigger_parameter_sync_step, oversample, partial_rollout = 0.0, 1, 1.0, False
@@ -176,10 +175,8 @@ class StalenessPolicy:
             partial_rollout=a.partial_rollout if a is not None else False,
         )
 
-    def may_submit(self, stale_count: int, in_flight: int, group_size: Optional[int] = None) -> bool:
-        return may_submit(
-            stale_count, in_flight, group_size or self.group_size, self.max_required, self.in_flight_cap
-        )
+    def may_submit(self, stale_count: int, in_flight: int, group_size: int | None = None) -> bool:
+        return may_submit(stale_count, in_flight, group_size or self.group_size, self.max_required, self.in_flight_cap)
 
     def is_too_stale(self, trainer_version: int, min_version: int) -> bool:
         return is_too_stale(trainer_version, min_version, self.max_lag)

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 PHASES = ("starting", "running", "done", "failed")
 HISTORY_ENV = "KUBEDISTILL_HISTORY"
@@ -18,17 +18,17 @@ class DriverStatus:
     total_steps: int
     step: int = 0
     weight_version: int = 0
-    last_checkpoint: Optional[str] = None
+    last_checkpoint: str | None = None
     phase: str = "starting"
-    samples_per_second: Optional[float] = None
-    reward_mean: Optional[float] = None
-    kl_student_teacher: Optional[float] = None
-    staleness_mean: Optional[float] = None
-    trainer_idle_ratio: Optional[float] = None
-    message: Optional[str] = None
+    samples_per_second: float | None = None
+    reward_mean: float | None = None
+    kl_student_teacher: float | None = None
+    staleness_mean: float | None = None
+    trainer_idle_ratio: float | None = None
+    message: str | None = None
     """Why the run failed (phase failed)."""
 
-    def set_phase(self, phase: str, message: Optional[str] = None) -> None:
+    def set_phase(self, phase: str, message: str | None = None) -> None:
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} is not one of {PHASES}")
         self.phase = phase
@@ -56,7 +56,7 @@ class DriverStatus:
 class HistoryWriter:
     """Appends one JSON line per train step to a file (nothing when path is None)."""
 
-    path: Optional[Path] = None
+    path: Path | None = None
     _lines: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod

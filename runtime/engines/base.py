@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Optional, Sequence
+from typing import Literal
 
 from kubedistill.runtime.protocol import GenerateRequest, GenerateResponse, Manifest, ScoreRequest, ScoreResponse
 from kubedistill.runtime.weight_sync.group import GroupAddress
@@ -39,8 +40,11 @@ class InFlight:
 
     def response(self, finish_reason: str) -> GenerateResponse:
         return GenerateResponse(
-            request_id=self.request_id, token_ids=list(self.token_ids), logprobs=list(self.logprobs),
-            versions=list(self.versions), finish_reason="abort" if self.aborted else finish_reason,
+            request_id=self.request_id,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason="abort" if self.aborted else finish_reason,
         )
 
 
@@ -76,7 +80,9 @@ def check_score(req: ScoreRequest, max_model_len: int, vocab_size: int) -> None:
             "there is no response token to score"
         )
     if len(req.token_ids) > max_model_len:
-        raise BadRequest(f"token_ids has {len(req.token_ids)} tokens; the model's limit (max_model_len) is {max_model_len}")
+        raise BadRequest(
+            f"token_ids has {len(req.token_ids)} tokens; the model's limit (max_model_len) is {max_model_len}"
+        )
     if req.top_k > vocab_size:
         raise BadRequest(f"top_k ({req.top_k}) exceeds the vocabulary size ({vocab_size})")
     _check_vocab(req.token_ids, vocab_size, "token_ids")
@@ -85,7 +91,9 @@ def check_score(req: ScoreRequest, max_model_len: int, vocab_size: int) -> None:
 def _check_vocab(ids: Sequence[int], vocab_size: int, field_name: str) -> None:
     bad = [i for i in ids if i >= vocab_size]
     if bad:
-        raise BadRequest(f"{field_name} holds token id {bad[0]}; the vocabulary has {vocab_size} ids (0..{vocab_size - 1})")
+        raise BadRequest(
+            f"{field_name} holds token id {bad[0]}; the vocabulary has {vocab_size} ids (0..{vocab_size - 1})"
+        )
 
 
 class Engine(ABC):
@@ -134,7 +142,7 @@ class Engine(ABC):
         """Generate into `state` (appending tokens, log-probs and self.version per token);
         return the finish reason. Must end promptly once `state.aborted` is set."""
 
-    async def abort(self, request_ids: Optional[Sequence[str]]) -> dict[str, GenerateResponse]:
+    async def abort(self, request_ids: Sequence[str] | None) -> dict[str, GenerateResponse]:
         """Abort requests in flight (all when None); returns each one's partial output."""
         if request_ids is None:
             request_ids = list(self.inflight)

@@ -6,18 +6,32 @@ from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, ModelSpec
 from kubedistill.runtime.engines.base import Engine
 
 
-def make_engine(spec: DistillationJobSpec, model: ModelSpec, inference: InferenceSpec, *, max_logprobs: int = 20) -> Engine:
+def make_engine(
+    spec: DistillationJobSpec, model: ModelSpec, inference: InferenceSpec, *, max_logprobs: int = 20
+) -> Engine:
     if inference.engine.value == "hf":
         from kubedistill.runtime.engines.hf import HFEngine
 
-        return HFEngine(model.model, dtype=inference.dtype.value, max_model_len=inference.max_model_len,
-                        trust_remote_code=model.trust_remote_code, max_num_seqs=inference.max_num_seqs)
+        return HFEngine(
+            model.model,
+            dtype=inference.dtype.value,
+            max_model_len=inference.max_model_len,
+            trust_remote_code=model.trust_remote_code,
+            max_num_seqs=inference.max_num_seqs,
+        )
     from kubedistill.runtime.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(
-        model.model, tokenizer=model.tokenizer, device=spec.device.value, dtype=inference.dtype.value,
-        max_model_len=inference.max_model_len, tensor_parallel_size=inference.tensor_parallel_size,
-        gpu_memory_utilization=inference.gpu_memory_utilization, enforce_eager=inference.enforce_eager,
-        kv_cache_gib=inference.kv_cache_gib, max_num_seqs=inference.max_num_seqs,
-        max_logprobs=max(max_logprobs, 20), trust_remote_code=model.trust_remote_code,
+        model.model,
+        tokenizer=model.tokenizer,
+        device=spec.device.value,
+        dtype=inference.dtype.value,
+        max_model_len=inference.max_model_len,
+        tensor_parallel_size=inference.tensor_parallel_size,
+        gpu_memory_utilization=inference.gpu_memory_utilization,
+        enforce_eager=inference.enforce_eager,
+        kv_cache_gib=inference.kv_cache_gib,
+        max_num_seqs=inference.max_num_seqs,
+        max_logprobs=max(max_logprobs, 20),
+        trust_remote_code=model.trust_remote_code,
     )

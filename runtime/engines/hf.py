@@ -23,8 +23,8 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -51,10 +51,10 @@ class _Request:
     max_new: int
     temperature: float
     top_p: float
-    generator: Optional[torch.Generator]
+    generator: torch.Generator | None
     stop_ids: frozenset[int]
     finished: asyncio.Future
-    reason: Optional[str] = None  # set when it leaves the batch
+    reason: str | None = None  # set when it leaves the batch
 
     def finish(self, reason: str) -> None:
         self.reason = reason
@@ -83,8 +83,14 @@ class _StepResult:
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, model_path: str, dtype: str = "auto", max_model_len: Optional[int] = None,
-                 trust_remote_code: bool = False, max_num_seqs: Optional[int] = None):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        trust_remote_code: bool = False,
+        max_num_seqs: int | None = None,
+    ):
         super().__init__()
         self.model_path = model_path
         self.dtype = dtype
@@ -92,19 +98,19 @@ class HFEngine(Engine):
         self.trust_remote_code = trust_remote_code
         self.max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.model = None
-        self.group: Optional[WeightSyncGroup] = None
+        self.group: WeightSyncGroup | None = None
         self._lock = threading.Lock()  # forwards vs weight copies and checksums
         self._rows: list[_Request] = []  # aligned with the batch's rows (finished ones until compacted)
-        self._batch: Optional[PaddedKVBatch] = None
+        self._batch: PaddedKVBatch | None = None
         self._queue: list[_Request] = []  # waiting to join
         self._join_wait = 0  # iterations the queue has waited to join a running batch
         self._scores: list[_Score] = []
-        self._pause: Optional[PauseMode] = None
-        self._task: Optional[asyncio.Task] = None
-        self._forwards: Optional[cf.ThreadPoolExecutor] = None  # made by start()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._wake: Optional[asyncio.Event] = None
-        self._parked: Optional[asyncio.Event] = None
+        self._pause: PauseMode | None = None
+        self._task: asyncio.Task | None = None
+        self._forwards: cf.ThreadPoolExecutor | None = None  # made by start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._parked: asyncio.Event | None = None
         self.forwards = {"decode": 0, "prefill": 0, "score": 0}  # forwards run, by kind
         self.decoded_rows = 0  # rows over all decode forwards (/ forwards["decode"] = mean batch)
 
@@ -192,7 +198,8 @@ class HFEngine(Engine):
             version = self.version
             try:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    self._forwards, self._iteration, keep, active + joiners, len(joiners), scores)
+                    self._forwards, self._iteration, keep, active + joiners, len(joiners), scores
+                )
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # the batch is unusable: fail its requests, keep serving
@@ -280,7 +287,7 @@ class HFEngine(Engine):
                 if self._batch is not None:
                     self._batch.last = tokens[: self._batch.rows]
                 if joined is not None:
-                    joined.last = tokens[len(rows) - joining:]
+                    joined.last = tokens[len(rows) - joining :]
                     self._batch = joined if self._batch is None else self._batch.extend(joined)
             result.scores = self._score_all([s.req for s in scores]) if scores else []
         return result
@@ -290,10 +297,14 @@ class HFEngine(Engine):
         self._ensure_scheduler()
         s = req.sampling
         r = _Request(
-            state=state, context=list(req.prompt_token_ids) + list(req.prefix_token_ids), max_new=max_new,
-            temperature=s.temperature, top_p=s.top_p,
+            state=state,
+            context=list(req.prompt_token_ids) + list(req.prefix_token_ids),
+            max_new=max_new,
+            temperature=s.temperature,
+            top_p=s.top_p,
             generator=torch.Generator().manual_seed(s.seed) if s.seed is not None else None,
-            stop_ids=frozenset() if s.ignore_eos else self._eos, finished=asyncio.get_running_loop().create_future(),
+            stop_ids=frozenset() if s.ignore_eos else self._eos,
+            finished=asyncio.get_running_loop().create_future(),
         )
         self._queue.append(r)
         self._wake.set()
@@ -311,7 +322,9 @@ class HFEngine(Engine):
     # --- scoring ----------------------------------------------------------------------------
     async def _score(self, req: ScoreRequest) -> ScoreResponse:
         if req.images:
-            raise BadRequest("images: the hf engine serves text-only models; use inference.engine vllm for a vision teacher")
+            raise BadRequest(
+                "images: the hf engine serves text-only models; use inference.engine vllm for a vision teacher"
+            )
         self._ensure_scheduler()
         job = _Score(req, asyncio.get_running_loop().create_future())
         self._scores.append(job)
@@ -400,7 +413,7 @@ class HFEngine(Engine):
         self._wake.set()
         try:
             await asyncio.wait_for(asyncio.shield(self._parked.wait()), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # The trainer is already blocked in the broadcast: freeze what still runs instead.
             log.warning("requests still running after %.0f s of 'wait': freezing them for the weight load", timeout)
             self._pause = "keep"
@@ -438,8 +451,12 @@ class HFEngine(Engine):
         failed = self.group.all_reduce_sum(1 if (errors or not load) else 0)
         if errors:
             raise RuntimeError(errors[0])
-        return {"bytes": stats.bytes, "transport_wait_seconds": stats.wait_seconds,
-                "load_seconds": stats.consume_seconds, "group_failures": failed}
+        return {
+            "bytes": stats.bytes,
+            "transport_wait_seconds": stats.wait_seconds,
+            "load_seconds": stats.consume_seconds,
+            "group_failures": failed,
+        }
 
 
 def _log_crash(task: asyncio.Task) -> None:
@@ -449,8 +466,8 @@ def _log_crash(task: asyncio.Task) -> None:
 
 def _score_response(req: ScoreRequest, lp: torch.Tensor) -> ScoreResponse:
     # Position t's token is predicted by the log-probs at t - 1.
-    lp = lp[req.prompt_len - 1:-1]
-    targets = torch.tensor(req.token_ids[req.prompt_len:], dtype=torch.long, device=lp.device)
+    lp = lp[req.prompt_len - 1 : -1]
+    targets = torch.tensor(req.token_ids[req.prompt_len :], dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, targets[:, None])[:, 0]
     top = lp.topk(req.top_k, dim=-1)
     return ScoreResponse(logprobs=chosen.tolist(), topk_ids=top.indices.tolist(), topk_logprobs=top.values.tolist())

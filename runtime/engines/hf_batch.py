@@ -22,8 +22,8 @@ the mask enforces the window, the cache just keeps more). All tensors live on th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ class PaddedKVBatch:
 
     # --- forwards (call under torch.no_grad) ----------------------------------------------------
     @classmethod
-    def prefill(cls, model, contexts: Sequence[Sequence[int]]) -> tuple["PaddedKVBatch", torch.Tensor]:
+    def prefill(cls, model, contexts: Sequence[Sequence[int]]) -> tuple[PaddedKVBatch, torch.Tensor]:
         """Run the contexts (prompt + prefix each) left-padded in one forward. Returns the batch
         holding every context token in its cache, and the logits [rows, vocab] that predict each
         row's next token. `last` is left for the caller to set to the sampled tokens."""
@@ -58,22 +58,35 @@ class PaddedKVBatch:
         ids = torch.full((len(contexts), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(contexts), width), dtype=torch.long)
         for i, c in enumerate(contexts):
-            ids[i, width - len(c):] = torch.tensor(list(c), dtype=torch.long)
-            mask[i, width - len(c):] = 1
+            ids[i, width - len(c) :] = torch.tensor(list(c), dtype=torch.long)
+            mask[i, width - len(c) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
-        batch = cls(cache=out.past_key_values, mask=mask, last=torch.zeros(len(contexts), dtype=torch.long, device=device))
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch = cls(
+            cache=out.past_key_values, mask=mask, last=torch.zeros(len(contexts), dtype=torch.long, device=device)
+        )
         return batch, out.logits[:, -1]
 
     def step(self, model) -> torch.Tensor:
         """Feed every row's `last` token; returns the logits [rows, vocab] for the next token."""
         positions = self.lengths[:, None]
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
-        out = model(input_ids=self.last[:, None], attention_mask=self.mask, position_ids=positions,
-                    past_key_values=self.cache, use_cache=True)
+        out = model(
+            input_ids=self.last[:, None],
+            attention_mask=self.mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.cache = out.past_key_values
         return out.logits[:, -1]
 
@@ -81,7 +94,7 @@ class PaddedKVBatch:
     def layers(self) -> list:
         return list(self.cache.layers)
 
-    def select(self, keep: Sequence[int]) -> Optional["PaddedKVBatch"]:
+    def select(self, keep: Sequence[int]) -> PaddedKVBatch | None:
         """Keep these rows (in this order); None when no row is left. Columns that became padding
         for every remaining row are cut off the left."""
         if not keep:
@@ -97,7 +110,7 @@ class PaddedKVBatch:
         self.last = self.last.index_select(0, idx)
         return self
 
-    def extend(self, other: "PaddedKVBatch") -> "PaddedKVBatch":
+    def extend(self, other: PaddedKVBatch) -> PaddedKVBatch:
         """Append `other`'s rows after this batch's; the narrower one is left-padded first."""
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.layers(), other.layers()):
@@ -127,6 +140,6 @@ def score_batch(model, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), PAD_ID, dtype=torch.long)
     for i, s in enumerate(sequences):
-        ids[i, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+        ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
     logits = model(input_ids=ids.to(model.device), use_cache=False).logits
-    return [torch.log_softmax(logits[i, :len(s)].float(), -1) for i, s in enumerate(sequences)]
+    return [torch.log_softmax(logits[i, : len(s)].float(), -1) for i, s in enumerate(sequences)]

@@ -7,8 +7,9 @@ import base64
 import io
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
 from kubedistill.runtime.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
@@ -18,7 +19,7 @@ WORKER_EXTENSION = "kubedistill.runtime.engines.vllm_worker.WeightSyncWorkerExte
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def engine_env(device: str, kv_cache_gib: Optional[int]) -> dict[str, str]:
+def engine_env(device: str, kv_cache_gib: int | None) -> dict[str, str]:
     """Environment vLLM must see before it starts (inference.kvCacheGiB on cpu)."""
     env = {}
     if device == "cpu" and kv_cache_gib is not None:
@@ -62,7 +63,7 @@ def decode_images(images: Sequence[str]) -> list[Any]:
     return out
 
 
-def build_prompt(token_ids: Sequence[int], images: Optional[Sequence[str]] = None) -> dict:
+def build_prompt(token_ids: Sequence[int], images: Sequence[str] | None = None) -> dict:
     """The vLLM prompt for token ids, with images as multi-modal data when present."""
     prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
     if images:
@@ -82,26 +83,45 @@ def resolve_dtype(dtype: str, device: str) -> str:
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, model_path: str, *, device: str = "cuda", dtype: str = "auto",
-                 max_model_len: Optional[int] = None, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
-                 kv_cache_gib: Optional[int] = None, max_num_seqs: Optional[int] = None,
-                 max_logprobs: int = 20, trust_remote_code: bool = False, seed: int = 0,
-                 tokenizer: Optional[str] = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cuda",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        enforce_eager: bool = False,
+        kv_cache_gib: int | None = None,
+        max_num_seqs: int | None = None,
+        max_logprobs: int = 20,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        tokenizer: str | None = None,
+    ):
         super().__init__()
         self.model_path = model_path
         self.device = device
         self.kwargs: dict[str, Any] = dict(
-            model=model_path, tokenizer=tokenizer or model_path, dtype=dtype, max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager or device == "cpu", max_logprobs=max_logprobs,
-            trust_remote_code=trust_remote_code, seed=seed, worker_extension_cls=WORKER_EXTENSION,
+            model=model_path,
+            tokenizer=tokenizer or model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager or device == "cpu",
+            max_logprobs=max_logprobs,
+            trust_remote_code=trust_remote_code,
+            seed=seed,
+            worker_extension_cls=WORKER_EXTENSION,
             # TP 1 runs the model in the engine-core process ('uni'): the 'mp' executor's extra worker
             # busy-polls its shared-memory queue (sched_yield) for a second after every step, which
             # on a small CPU machine takes a core from the other roles (vLLM-CPU generate+score of
             # 32 samples: 0.3 s with 'mp', 0.2 s with 'uni'). 'ray' is refused on CPU and the engine
             # may itself run inside a Ray actor.
-            distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni", skip_tokenizer_init=False,
+            distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+            skip_tokenizer_init=False,
         )
         if max_num_seqs is not None:
             self.kwargs["max_num_seqs"] = max_num_seqs
@@ -140,20 +160,27 @@ class VLLMEngine(Engine):
 
         s = req.sampling
         params = SamplingParams(
-            n=1, max_tokens=max_new, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            logprobs=0, detokenize=False, ignore_eos=s.ignore_eos,
+            n=1,
+            max_tokens=max_new,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            logprobs=0,
+            detokenize=False,
+            ignore_eos=s.ignore_eos,
         )
         finish = "abort"
         abort_sent = False
-        async for out in self.llm.generate(build_prompt(req.prompt_token_ids + req.prefix_token_ids),
-                                           params, req.request_id):
+        async for out in self.llm.generate(
+            build_prompt(req.prompt_token_ids + req.prefix_token_ids), params, req.request_id
+        ):
             if state.aborted and not abort_sent:
                 # /abort arrived before vLLM knew the request: abort it now.
                 abort_sent = True
                 await self.llm.abort(req.request_id)
             comp = out.outputs[0]
-            new = comp.token_ids[len(state.token_ids):]
-            lps = comp.logprobs[len(state.logprobs):] if comp.logprobs is not None else []
+            new = comp.token_ids[len(state.token_ids) :]
+            lps = comp.logprobs[len(state.logprobs) :] if comp.logprobs is not None else []
             for tok, lp in zip(new, lps):
                 state.token_ids.append(int(tok))
                 state.logprobs.append(float(lp[tok].logprob))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
 
 import torch
 
@@ -19,12 +18,20 @@ import torch
 class WeightSyncWorkerExtension:
     _kd_group = None
     _kd_state = "none"
-    _kd_error: Optional[str] = None
-    _kd_epoch: Optional[str] = None
+    _kd_error: str | None = None
+    _kd_epoch: str | None = None
 
     # --- group --------------------------------------------------------------------------------
-    def kd_ws_join(self, host: str, port: int, base_rank: int, world_size: int, backend: str,
-                   timeout_seconds: float, epoch: str = "0") -> None:
+    def kd_ws_join(
+        self,
+        host: str,
+        port: int,
+        base_rank: int,
+        world_size: int,
+        backend: str,
+        timeout_seconds: float,
+        epoch: str = "0",
+    ) -> None:
         """Join in a thread: the rendezvous waits for the trainer, and the worker must keep serving."""
         from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 
@@ -56,7 +63,7 @@ class WeightSyncWorkerExtension:
 
         threading.Thread(target=join, name="kd-weight-sync-join", daemon=True).start()
 
-    def kd_ws_state(self) -> tuple[str, Optional[str]]:
+    def kd_ws_state(self) -> tuple[str, str | None]:
         return self._kd_state, self._kd_error
 
     def kd_ws_leave(self) -> None:

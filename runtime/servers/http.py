@@ -4,7 +4,8 @@ errors turned into 4xx JSON `{"error": "..."}` that leave the server serving."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,8 +67,9 @@ def make_app(role: str, engine: Engine, metrics: RoleMetrics, lifespan=None) -> 
 
     @app.get("/health", response_model=HealthResponse)
     async def health() -> HealthResponse:
-        return HealthResponse(role=role, engine=engine.name, version=engine.version,
-                              weight_sync=engine.weight_group_state)
+        return HealthResponse(
+            role=role, engine=engine.name, version=engine.version, weight_sync=engine.weight_group_state
+        )
 
     @app.get("/metrics")
     async def prom() -> Response:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -17,8 +16,15 @@ from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.engines.base import Engine, PauseMode
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.protocol import (
-    AbortRequest, AbortResponse, GenerateRequest, GenerateResponse, VersionResponse,
-    WeightsBeginRequest, WeightsBeginResponse, WeightsGroupRequest, WeightsGroupResponse,
+    AbortRequest,
+    AbortResponse,
+    GenerateRequest,
+    GenerateResponse,
+    VersionResponse,
+    WeightsBeginRequest,
+    WeightsBeginResponse,
+    WeightsGroupRequest,
+    WeightsGroupResponse,
 )
 from kubedistill.runtime.servers.http import make_app
 from kubedistill.runtime.servers.weight_group import WeightGroupMembership
@@ -41,20 +47,25 @@ def pause_mode(spec: DistillationJobSpec) -> PauseMode:
 def group_address(config: JobConfig, replica: int, epoch: str = "0") -> GroupAddress:
     spec = config.spec
     return GroupAddress(
-        host=config.endpoints.master_addr, port=config.endpoints.weight_sync_port,
-        rank=weight_sync_rank(spec, replica), world_size=weight_sync_world_size(spec),
+        host=config.endpoints.master_addr,
+        port=config.endpoints.weight_sync_port,
+        rank=weight_sync_rank(spec, replica),
+        world_size=weight_sync_world_size(spec),
         backend=resolve_backend(spec.weight_sync.backend.value, spec.device.value),
-        timeout_seconds=float(spec.weight_sync.timeout_seconds), epoch=epoch,
+        timeout_seconds=float(spec.weight_sync.timeout_seconds),
+        epoch=epoch,
     )
 
 
-def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
-                      metrics: Optional[RoleMetrics] = None) -> FastAPI:
+def build_rollout_app(
+    config: JobConfig, identity: Identity, engine: Engine, metrics: RoleMetrics | None = None
+) -> FastAPI:
     metrics = metrics or RoleMetrics(config.job, "rollout", identity.replica)
     spec = config.spec
     state: dict = {"sync": None, "last_sync": None}
-    membership = WeightGroupMembership(engine, lambda epoch: group_address(config, identity.replica, epoch),
-                                       lambda: state["sync"])
+    membership = WeightGroupMembership(
+        engine, lambda epoch: group_address(config, identity.replica, epoch), lambda: state["sync"]
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,17 +93,23 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
     async def weights_group_status() -> WeightsGroupResponse:
         return membership.status()
 
-    async def _group_refusal(epoch: Optional[str]) -> Optional[JSONResponse]:
+    async def _group_refusal(epoch: str | None) -> JSONResponse | None:
         """503 unless this server is in the sender's group (and it is formed)."""
         if epoch is not None and epoch == membership.epoch:
             with contextlib.suppress(asyncio.TimeoutError):
                 await membership.wait_switched(timeout=30)
         if epoch is not None and epoch != membership.epoch:
-            return JSONResponse({"error": f"this server is in weight-sync group epoch {membership.epoch}, "
-                                          f"not the sender's {epoch}; POST /weights/group first"}, status_code=503)
+            return JSONResponse(
+                {
+                    "error": f"this server is in weight-sync group epoch {membership.epoch}, "
+                    f"not the sender's {epoch}; POST /weights/group first"
+                },
+                status_code=503,
+            )
         if engine.weight_group_state != "ready":
-            return JSONResponse({"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"},
-                                status_code=503)
+            return JSONResponse(
+                {"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"}, status_code=503
+            )
         return None
 
     @app.post("/generate", response_model=GenerateResponse)
@@ -166,7 +183,7 @@ def build_rollout_app(config: JobConfig, identity: Identity, engine: Engine,
             return True
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout=30)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         except Exception:
             pass

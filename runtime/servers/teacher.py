@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 from fastapi import FastAPI
 
@@ -15,13 +14,14 @@ from kubedistill.runtime.protocol import ScoreRequest, ScoreResponse
 from kubedistill.runtime.servers.http import make_app
 
 
-def find_teacher(config: JobConfig, name: Optional[str]) -> TeacherSpec:
+def find_teacher(config: JobConfig, name: str | None) -> TeacherSpec:
     teachers = config.spec.teachers
     if name is None:
         if len(teachers) == 1:
             return teachers[0]
         raise ValueError(
-            f"--teacher (or KUBEDISTILL_TEACHER) is required: the job has teachers {', '.join(t.name for t in teachers)}"
+            "--teacher (or KUBEDISTILL_TEACHER) is required: the job has teachers "
+            f"{', '.join(t.name for t in teachers)}"
         )
     for t in teachers:
         if t.name == name:
@@ -29,8 +29,9 @@ def find_teacher(config: JobConfig, name: Optional[str]) -> TeacherSpec:
     raise ValueError(f"--teacher {name!r}: the job's teachers are {', '.join(t.name for t in teachers)}")
 
 
-def build_teacher_app(config: JobConfig, identity: Identity, teacher: TeacherSpec, engine: Engine,
-                      metrics: Optional[RoleMetrics] = None) -> FastAPI:
+def build_teacher_app(
+    config: JobConfig, identity: Identity, teacher: TeacherSpec, engine: Engine, metrics: RoleMetrics | None = None
+) -> FastAPI:
     metrics = metrics or RoleMetrics(config.job, "teacher", identity.replica)
 
     @contextlib.asynccontextmanager

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from kubedistill.runtime.engines.base import Engine
 from kubedistill.runtime.protocol import WeightsGroupResponse
@@ -30,16 +30,17 @@ SYNC_DRAIN_SECONDS = 60.0
 
 
 class WeightGroupMembership:
-    def __init__(self, engine: Engine, address: Callable[[str], GroupAddress],
-                 current_sync: Callable[[], Optional[asyncio.Task]]):
+    def __init__(
+        self, engine: Engine, address: Callable[[str], GroupAddress], current_sync: Callable[[], asyncio.Task | None]
+    ):
         self.engine = engine
         self.address = address
         self.current_sync = current_sync
-        self.epoch: Optional[str] = None
-        self.error: Optional[str] = None
+        self.epoch: str | None = None
+        self.error: str | None = None
         self.switches = 0
         """Completed joins (for /weights/group and tests)."""
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
 
     def status(self) -> WeightsGroupResponse:
         state = self.engine.weight_group_state
@@ -72,7 +73,7 @@ class WeightGroupMembership:
             self._task.cancel()
         await self.engine.leave_weight_group()
 
-    async def _switch(self, epoch: str, previous: Optional[asyncio.Task]) -> None:
+    async def _switch(self, epoch: str, previous: asyncio.Task | None) -> None:
         if previous is not None and not previous.done():
             self.engine.abort_weight_group()  # the previous switch may be waiting on a sync
             await asyncio.gather(previous, return_exceptions=True)
@@ -83,9 +84,11 @@ class WeightGroupMembership:
         if sync is not None and not sync.done():
             try:
                 await asyncio.wait_for(asyncio.shield(sync), SYNC_DRAIN_SECONDS)
-            except asyncio.TimeoutError:
-                log.warning("a weight sync on the old group is still blocked after %.0f s; releasing the group",
-                            SYNC_DRAIN_SECONDS)
+            except TimeoutError:
+                log.warning(
+                    "a weight sync on the old group is still blocked after %.0f s; releasing the group",
+                    SYNC_DRAIN_SECONDS,
+                )
             except Exception:
                 pass  # its failure is recorded by the sync task itself
         await self.engine.leave_weight_group()

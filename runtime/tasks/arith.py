@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 ALPHABET = "0123456789+="
 DATA_SOURCE = "arith"
@@ -73,8 +74,17 @@ def encode(tokenizer, problems: list[Problem]):
     return ids, lab
 
 
-def train_supervised(model, tokenizer, problems: list[Problem], steps: int, *, lr: float = 2e-3,
-                     batch_size: int = 128, warmup: int = 100, seed: int = 0) -> None:
+def train_supervised(
+    model,
+    tokenizer,
+    problems: list[Problem],
+    steps: int,
+    *,
+    lr: float = 2e-3,
+    batch_size: int = 128,
+    warmup: int = 100,
+    seed: int = 0,
+) -> None:
     """AdamW with warm-up and cosine decay (a constant LR plateaus around 91-95 % here)."""
     import math
 
@@ -113,8 +123,12 @@ def greedy_answers(model, tokenizer, problems: list[Problem], batch_size: int = 
                 [tokenizer(tokenizer.bos_token + p.prompt, add_special_tokens=False).input_ids for p in chunk]
             )
             gen = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=4,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
             )
             out.extend(tokenizer.decode(g[ids.shape[1] :], skip_special_tokens=True) for g in gen)
     return out

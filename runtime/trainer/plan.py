@@ -10,7 +10,6 @@ ranks and micro-batches is exactly the loss of the batch whatever the split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -87,15 +86,15 @@ class MicroBatch:
     targets: torch.Tensor  # [N] response token ids
     behaviour_logprobs: torch.Tensor  # [N]
     weights: torch.Tensor  # [N] loss weight of each token (0 for a filler micro-batch)
-    teacher_logprobs: Optional[torch.Tensor] = None  # [N]
-    topk_ids: Optional[torch.Tensor] = None  # [N, k]
-    topk_logprobs: Optional[torch.Tensor] = None  # [N, k]
-    topk_valid: Optional[torch.Tensor] = None  # [N, k]
-    task_advantages: Optional[torch.Tensor] = None  # [N]
+    teacher_logprobs: torch.Tensor | None = None  # [N]
+    topk_ids: torch.Tensor | None = None  # [N, k]
+    topk_logprobs: torch.Tensor | None = None  # [N, k]
+    topk_valid: torch.Tensor | None = None  # [N, k]
+    task_advantages: torch.Tensor | None = None  # [N]
     real_tokens: int = 0  # prompt + response tokens (no padding), 0 for a filler
-    position_ids: Optional[torch.Tensor] = None  # [rows, L] when rows hold packed samples
+    position_ids: torch.Tensor | None = None  # [rows, L] when rows hold packed samples
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return MicroBatch(**kw)
 
@@ -104,7 +103,7 @@ def collate(
     batch: TrainBatch,
     rows: list[Row],
     token_weight: list[torch.Tensor],
-    sample_advantages: Optional[torch.Tensor],
+    sample_advantages: torch.Tensor | None,
     pad_id: int,
     filler: bool = False,
 ) -> MicroBatch:
@@ -127,9 +126,9 @@ def collate(
             tokens, p = batch.token_ids[i], batch.prompt_lens[i]
             n = len(tokens)
             real += n
-            ids[r, offset:offset + n] = torch.tensor(tokens, dtype=torch.long)
+            ids[r, offset : offset + n] = torch.tensor(tokens, dtype=torch.long)
             if positions is not None:
-                positions[r, offset:offset + n] = torch.arange(n)
+                positions[r, offset : offset + n] = torch.arange(n)
             # Logits at position t predict token t + 1.
             gather.append(torch.arange(p - 1, n - 1) + r * width + offset)
             targets.extend(tokens[p:])

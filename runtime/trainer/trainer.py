@@ -44,9 +44,10 @@ import logging
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,7 @@ class StepStats:
     tokens: int
     """Prompt + response tokens forwarded (no padding)."""
     response_tokens: int
-    kl: Optional[float]
+    kl: float | None
     """Mean k1 = s - T over response tokens: the reverse KL(student || teacher) estimate
     (None when the batch has no teacher log-probs of the sampled tokens)."""
     seconds: float
@@ -110,10 +111,16 @@ class _LogProbModel(nn.Module):
         self.lm = lm
 
     def forward(
-        self, input_ids: torch.Tensor, gather_index: torch.Tensor, targets: torch.Tensor, topk_ids: Optional[torch.Tensor],
-        position_ids: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        self,
+        input_ids: torch.Tensor,
+        gather_index: torch.Tensor,
+        targets: torch.Tensor,
+        topk_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_index)
         logits = self.lm.get_output_embeddings()(h).float()
         lse = torch.logsumexp(logits, dim=-1)
@@ -132,10 +139,12 @@ def packing_is_exact(model: _LogProbModel, device: torch.device, atol: float = 1
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randint(0, vocab, (n,), generator=g) for n in (7, 5))
     targets = torch.cat([a[1:], b[1:]]).to(device)
-    alone = torch.cat([
-        model(seq[None].to(device), torch.arange(len(seq) - 1, device=device), seq[1:].to(device), None)[0]
-        for seq in (a, b)
-    ])
+    alone = torch.cat(
+        [
+            model(seq[None].to(device), torch.arange(len(seq) - 1, device=device), seq[1:].to(device), None)[0]
+            for seq in (a, b)
+        ]
+    )
     ids = torch.cat([a, b])[None].to(device)
     positions = torch.cat([torch.arange(len(a)), torch.arange(len(b))])[None].to(device)
     index = torch.cat([torch.arange(len(a) - 1), torch.arange(len(b) - 1) + len(a)]).to(device)
@@ -173,7 +182,9 @@ class Trainer:
             self.device = torch.device("cpu")
 
         path = model_path or spec.student.model
-        lm = load_causal_lm(path, dtype="float32", what="spec.student.model", trust_remote_code=spec.student.trust_remote_code)
+        lm = load_causal_lm(
+            path, dtype="float32", what="spec.student.model", trust_remote_code=spec.student.trust_remote_code
+        )
         self.model_path = Path(path)
         self.hf_config = lm.config
         if spec.trainer.gradient_checkpointing:
@@ -183,8 +194,11 @@ class Trainer:
         self.model = _LogProbModel(lm).to(self.device)
         self.pack = spec.trainer.pack_sequences and packing_is_exact(self.model, self.device)
         if spec.trainer.pack_sequences and not self.pack:
-            log.warning("trainer.packSequences: %s does not keep packed samples apart (its attention ignores "
-                        "position-id packing); training on padded rows instead", type(lm).__name__)
+            log.warning(
+                "trainer.packSequences: %s does not keep packed samples apart (its attention ignores "
+                "position-id packing); training on padded rows instead",
+                type(lm).__name__,
+            )
         self._shard()
 
         o = spec.trainer.optim
@@ -275,11 +289,15 @@ class Trainer:
         """Refuse a batch lacking what the configured loss reads, before the followers get it."""
         d = self.spec.algorithm.distillation
         if d.enabled and d.loss_mode.value == "forwardKLTopK" and batch.teacher_topk_ids is None:
-            raise ValueError("TrainBatch.teacher_topk_ids: lossMode forwardKLTopK needs teacher top-k ids and log-probs")
+            raise ValueError(
+                "TrainBatch.teacher_topk_ids: lossMode forwardKLTopK needs teacher top-k ids and log-probs"
+            )
         if d.enabled and d.loss_mode.value in ("k1", "k3") and batch.teacher_logprobs is None:
             raise ValueError(f"TrainBatch.teacher_logprobs: lossMode {d.loss_mode.value} needs teacher log-probs")
         if d.use_task_rewards and batch.rewards is None:
-            raise ValueError("TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
+            raise ValueError(
+                "TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true"
+            )
 
     def _step(self, batch: TrainBatch) -> StepStats:
         start = time.perf_counter()
@@ -390,7 +408,7 @@ class Trainer:
         # named_parameters() yields a tied parameter once, under its first (embedding) name.
         for name, p in self.model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            yield name[len(_PREFIX):], full.detach()
+            yield name[len(_PREFIX) :], full.detach()
 
     def _full_model_state(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -406,7 +424,7 @@ class Trainer:
             self._lead("save", (step, weight_version, None))
         return self._save(step, weight_version, driver_state)
 
-    def _save(self, step: int, weight_version: int, driver_state: Any) -> Optional[Path]:
+    def _save(self, step: int, weight_version: int, driver_state: Any) -> Path | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         model_sd = self._full_model_state()
@@ -438,14 +456,14 @@ class Trainer:
             dist.barrier(group=self._ctrl)
         return path
 
-    def resume(self) -> Optional[Resumed]:
+    def resume(self) -> Resumed | None:
         """Load the newest complete checkpoint if spec.checkpoint.resume is auto (rank 0;
         collective). None when there is none (or resume: never): start fresh."""
         if self.world > 1:
             self._lead("resume")
         return self._resume()
 
-    def _resume(self) -> Optional[Resumed]:
+    def _resume(self) -> Resumed | None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -464,9 +482,7 @@ class Trainer:
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, state.get("model", {}), options=opts)
         set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
-        small = self._broadcast(
-            {k: state[k] for k in ("scheduler", "step_count", "rng")} if self.rank == 0 else None
-        )
+        small = self._broadcast({k: state[k] for k in ("scheduler", "step_count", "rng")} if self.rank == 0 else None)
         self.scheduler.load_state_dict(small["scheduler"])
         self.step_count = small["step_count"]
         torch.set_rng_state(small["rng"]["torch"])
@@ -477,19 +493,19 @@ class Trainer:
             return None
         return Resumed(info.step, info.weight_version, read_pickle(info.path / _DRIVER_FILE), info.path)
 
-    def export_hf(self, out_dir: str | Path) -> Optional[Path]:
+    def export_hf(self, out_dir: str | Path) -> Path | None:
         """Write the student as a plain HF directory (safetensors, config, tokenizer) loadable by
         transformers and vLLM. Rank 0; collective. Written to a temp dir and renamed."""
         if self.world > 1:
             self._lead("export", str(out_dir))
         return self._export(str(out_dir))
 
-    def _export(self, out_dir: str) -> Optional[Path]:
+    def _export(self, out_dir: str) -> Path | None:
         import shutil
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        sd = {k[len(_PREFIX):]: v for k, v in self._full_model_state().items()}
+        sd = {k[len(_PREFIX) :]: v for k, v in self._full_model_state().items()}
         out = None
         if self.rank == 0:
             out = Path(out_dir)

@@ -12,7 +12,7 @@ import logging
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -45,8 +45,14 @@ def open_store(addr: GroupAddress) -> Any:
     """The group's TCP store: rank 0 hosts it (listening from this call on), the others connect."""
     import torch.distributed as dist
 
-    return dist.TCPStore(addr.host, addr.port, addr.world_size, is_master=addr.rank == 0,
-                         timeout=timedelta(seconds=addr.timeout_seconds), wait_for_workers=False)
+    return dist.TCPStore(
+        addr.host,
+        addr.port,
+        addr.world_size,
+        is_master=addr.rank == 0,
+        timeout=timedelta(seconds=addr.timeout_seconds),
+        wait_for_workers=False,
+    )
 
 
 class WeightSyncGroup:
@@ -54,7 +60,7 @@ class WeightSyncGroup:
     the store first (`open_store`) and pass it in, so members can be told to join before the
     rendezvous blocks."""
 
-    def __init__(self, addr: GroupAddress, store: Optional[Any] = None):
+    def __init__(self, addr: GroupAddress, store: Any | None = None):
         import torch.distributed as dist
 
         if not EPOCH_PATTERN.match(addr.epoch):

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kubedistill.runtime.protocol import Bucket, BucketEntry, Manifest, TensorMeta
 
 _SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 
@@ -95,15 +105,19 @@ def check_against(manifest: Manifest, expected: Mapping[str, Sequence[int]]) -> 
         raise ValueError(
             "manifest mismatch: "
             + "; ".join(
-                part for part in (
+                part
+                for part in (
                     f"unknown tensors {_few(unknown)}" if unknown else "",
                     f"missing tensors {_few(missing)}" if missing else "",
-                ) if part
+                )
+                if part
             )
         )
     for t in manifest.tensors:
         if list(t.shape) != list(expected[t.name]):
-            raise ValueError(f"manifest mismatch: {t.name} has shape {list(t.shape)}, the engine's is {list(expected[t.name])}")
+            raise ValueError(
+                f"manifest mismatch: {t.name} has shape {list(t.shape)}, the engine's is {list(expected[t.name])}"
+            )
 
 
 def _few(names: Iterable[str], k: int = 3) -> str:

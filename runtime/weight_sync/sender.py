@@ -14,8 +14,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable, Optional
 
 import torch
 
@@ -35,8 +35,9 @@ DIRECT_BYTES = 1 << 20
 """Tensors of at least 1 MiB travel in buckets of their own, without packing copies."""
 
 
-def build_manifest(named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                   direct_bytes: Optional[int] = DIRECT_BYTES) -> Manifest:
+def build_manifest(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, direct_bytes: int | None = DIRECT_BYTES
+) -> Manifest:
     metas = [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
     return plan(metas, bucket_bytes, direct_bytes=min(direct_bytes, bucket_bytes) if direct_bytes else None)
 
@@ -48,8 +49,14 @@ def new_epoch() -> str:
 
 
 class WeightSender:
-    def __init__(self, spec: DistillationJobSpec, endpoints: Endpoints, metrics=None,
-                 bind_host: Optional[str] = None, epoch: Optional[str] = None):
+    def __init__(
+        self,
+        spec: DistillationJobSpec,
+        endpoints: Endpoints,
+        metrics=None,
+        bind_host: str | None = None,
+        epoch: str | None = None,
+    ):
         self.spec = spec
         self.endpoints = endpoints
         self.metrics = metrics
@@ -75,7 +82,7 @@ class WeightSender:
         store = open_store(addr)  # listening before any server is told to join
         self._tell_servers_to_join()
         self.group = WeightSyncGroup(addr, store=store)
-        self.last_stats: Optional[TransferStats] = None
+        self.last_stats: TransferStats | None = None
 
     def _tell_servers_to_join(self) -> None:
         """POST /weights/group to every rollout server, retrying while it is unreachable or
@@ -98,8 +105,10 @@ class WeightSender:
                 except httpx.TransportError as e:
                     last = repr(e)
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(f"{url}/weights/group: no answer within weightSync.timeoutSeconds "
-                                          f"({self.timeout:.0f} s); last: {last}")
+                    raise WeightSyncError(
+                        f"{url}/weights/group: no answer within weightSync.timeoutSeconds "
+                        f"({self.timeout:.0f} s); last: {last}"
+                    )
                 time.sleep(0.5)
 
         with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
@@ -148,15 +157,16 @@ class WeightSender:
         self.group.all_reduce_sum(0)
         return time.perf_counter() - t0
 
-    def sync(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             bucket_bytes: Optional[int] = None) -> TransferStats:
+    def sync(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int | None = None
+    ) -> TransferStats:
         t0 = time.perf_counter()
         self.ensure_group()
         named = [(n, t.to(self.group.device)) for n, t in named_tensors]
         manifest = build_manifest(named, bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024)
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch).model_dump(mode="json")
 
-        def begin(url: str) -> Optional[str]:
+        def begin(url: str) -> str | None:
             """None: the server will load; a message: it refused the manifest (409) but still
             takes part in the broadcast, discarding it, so the group stays in step."""
             r = self._http.post(f"{url.rstrip('/')}/weights/begin", json=body)

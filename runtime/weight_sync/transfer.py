@@ -8,8 +8,8 @@ because engines (vLLM's layerwise reload) may hold the tensors until a whole lay
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ def _pack(bucket: Bucket, manifest: Manifest, tensors: Sequence[torch.Tensor], o
     for e in bucket.entries:
         t = tensors[e.index]
         n = numel(manifest.tensors[e.index].shape)
-        out[e.offset:e.offset + n].copy_(t.detach().reshape(-1))
+        out[e.offset : e.offset + n].copy_(t.detach().reshape(-1))
 
 
 def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> TransferStats:
@@ -70,7 +70,7 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Ten
         pool = spare.setdefault(bucket.dtype, [])
         cap = max(b.numel for b in manifest.buckets if b.dtype == bucket.dtype)
         buf = pool.pop() if pool else torch.empty(cap, dtype=torch_dtype(bucket.dtype), device=group.device)
-        view = buf[:bucket.numel]
+        view = buf[: bucket.numel]
         tp = time.perf_counter()
         _pack(bucket, manifest, tensors, view)
         stats.consume_seconds += time.perf_counter() - tp
@@ -93,7 +93,7 @@ def receive(
     group: WeightSyncGroup,
     manifest: Manifest,
     consume: Callable[[list[tuple[str, torch.Tensor]]], None],
-    destination: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
+    destination: Callable[[str], torch.Tensor | None] | None = None,
 ) -> TransferStats:
     """Receive every bucket and hand its (name, tensor) views to `consume`, in manifest order.
     For a single-tensor bucket, `destination(name)` may return the engine's own tensor: if it is
@@ -106,8 +106,13 @@ def receive(
         if destination is not None and len(bucket.entries) == 1:
             meta = manifest.tensors[bucket.entries[0].index]
             dest = destination(meta.name)
-            if (dest is not None and dest.is_contiguous() and dest.numel() == bucket.numel
-                    and dtype_name_of(dest) == bucket.dtype and dest.device == group.device):
+            if (
+                dest is not None
+                and dest.is_contiguous()
+                and dest.numel() == bucket.numel
+                and dtype_name_of(dest) == bucket.dtype
+                and dest.device == group.device
+            ):
                 return group.broadcast(dest.view(-1)), None
         buf = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=group.device)
         return group.broadcast(buf), buf
@@ -125,7 +130,7 @@ def receive(
         named = []
         for e in bucket.entries:
             meta = manifest.tensors[e.index]
-            named.append((meta.name, buf[e.offset:e.offset + numel(meta.shape)].view(meta.shape)))
+            named.append((meta.name, buf[e.offset : e.offset + numel(meta.shape)].view(meta.shape)))
         tc = time.perf_counter()
         consume(named)
         stats.consume_seconds += time.perf_counter() - tc
