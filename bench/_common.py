@@ -160,7 +160,7 @@ def run_job(shape: JobShape, workdir: Path, log=print, pin: dict[str, set[int]] 
 
     import yaml
 
-    from kubedistill.runtime import local
+    from kubedistill.runtime.entrypoints import local
 
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = workdir / f"{shape.name}.yaml"

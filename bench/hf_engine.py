@@ -48,7 +48,7 @@ def old_engine_class(work: Path) -> type | None:
 
 
 async def generate_rate(engine, prompts: list[list[int]], tokens: int) -> float:
-    from kubedistill.runtime.protocol import GenerateRequest, Sampling
+    from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling
 
     sampling = Sampling(max_tokens=tokens, temperature=1.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -64,7 +64,7 @@ async def generate_rate(engine, prompts: list[list[int]], tokens: int) -> float:
 
 
 async def score_rate(engine, prompts: list[list[int]], tokens: int) -> float:
-    from kubedistill.runtime.protocol import ScoreRequest
+    from kubedistill.runtime.wire.protocol import ScoreRequest
 
     rng = random.Random(1)
     reqs = [

@@ -2,7 +2,7 @@
 at two-digit addition, in every mode and with two losses, through the real runtime (`kubedistill
 run`: rollout, teacher and trainer as separate local processes).
 
-* teacher: 4 layers, trained here for ~2 CPU minutes to ≥ 90 % held-out accuracy (runtime/quickstart.py);
+* teacher: 4 layers, trained here for ~2 CPU minutes to ≥ 90 % held-out accuracy (runtime/entrypoints/quickstart.py);
   student: 2 layers, warm-started with 300 supervised steps at a constant learning rate (≈ 30 %
   accuracy; both cached under .kubedistill/bench/arith). Not annealed on purpose: a student taken
   at the end of a decayed schedule loses its annealing gain as soon as any optimiser (SFT or
@@ -74,7 +74,7 @@ def warm_start(cache: Path, teacher_dir: Path, log=print) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kubedistill.runtime import quickstart
+    from kubedistill.runtime.entrypoints import quickstart
     from kubedistill.runtime.models.tiny import tiny_config
     from kubedistill.runtime.tasks import arith
 
@@ -117,7 +117,7 @@ def evaluate_run(
     init_point: dict[str, float],
 ) -> list[dict[str, Any]]:
     """One point per checkpoint (plus step 0 = the warm start): step, time, reverse KL, accuracy."""
-    from kubedistill.runtime import quickstart
+    from kubedistill.runtime.entrypoints import quickstart
 
     points = [{"step": 0, "time": 0.0, **init_point, "trainKL": None}]
     with tempfile.TemporaryDirectory(prefix="kd-bench-eval-") as tmp:
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--losses: unknown loss {loss!r}; allowed: {', '.join(LOSSES)}")
 
     single_thread()
-    from kubedistill.runtime import quickstart
+    from kubedistill.runtime.entrypoints import quickstart
 
     cache, work = Path(args.cache), Path(args.workdir)
     t0 = time.time()

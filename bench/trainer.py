@@ -43,7 +43,7 @@ def _spec(model: Path, ckpt: Path):
 def _batch(vocab: int, samples: int, prompt: int, response: int, k: int = 32):
     import torch
 
-    from kubedistill.runtime.batch import TrainBatch
+    from kubedistill.runtime.wire.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(4, vocab, (prompt + response,), generator=g).tolist() for _ in range(samples)]

@@ -68,9 +68,9 @@ def _plugins() -> list[Callable[[argparse._SubParsersAction], None]]:
 # (module, function) pairs; each function adds subcommands to the parser. The modules must be
 # cheap to import and need no optional extra (heavy imports go inside the command functions).
 COMMAND_MODULES: list[tuple[str, str]] = [
-    ("kubedistill.runtime.local", "add_commands"),
-    ("kubedistill.runtime.roles", "add_commands"),
-    ("kubedistill.runtime.quickstart", "add_commands"),
+    ("kubedistill.runtime.entrypoints.local", "add_commands"),
+    ("kubedistill.runtime.entrypoints.roles", "add_commands"),
+    ("kubedistill.runtime.entrypoints.quickstart", "add_commands"),
     ("kubedistill.operator.main", "add_commands"),
 ]
 

@@ -122,8 +122,8 @@ def test_status_json_and_history(tmp_path) -> None:
 
 
 async def test_status_server_serves_status_health_metrics() -> None:
+    from kubedistill.runtime.entrypoints.status_server import StatusServer
     from kubedistill.runtime.metrics import RoleMetrics
-    from kubedistill.runtime.status_server import StatusServer
     from server_fixtures import free_port
 
     st = DriverStatus(total_steps=3)

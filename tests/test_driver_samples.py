@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
-from kubedistill.runtime.protocol import GenerateRequest, GenerateResponse, Sampling
+from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, Sampling
 
 
 def response(req_id: str, ids, lps, version: int, reason: str) -> GenerateResponse:
@@ -71,7 +71,7 @@ def test_bad_generate_output_is_refused() -> None:
 
 
 def test_teacher_scores_are_checked_against_the_response() -> None:
-    from kubedistill.runtime.protocol import ScoreResponse
+    from kubedistill.runtime.wire.protocol import ScoreResponse
 
     s = Sample(group_id=2, index=0, prompt_ids=[1, 2], max_tokens=4)
     s.continuation()

@@ -12,7 +12,7 @@ import torch
 
 from kubedistill.runtime.engines.hf import HFEngine
 from kubedistill.runtime.engines.hf_batch import PaddedKVBatch
-from kubedistill.runtime.protocol import GenerateRequest, Sampling, ScoreRequest
+from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
 
 torch.set_num_threads(1)
 

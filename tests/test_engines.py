@@ -12,8 +12,8 @@ import pytest
 
 from kubedistill.runtime.engines.base import BadRequest, check_generate, check_score
 from kubedistill.runtime.engines.vllm_engine import build_prompt, checkpoint_tensors, engine_env, resolve_dtype
-from kubedistill.runtime.protocol import GenerateRequest, Sampling, ScoreRequest
 from kubedistill.runtime.servers.rollout import pause_mode
+from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
 from server_fixtures import job_config
 
 

@@ -9,7 +9,14 @@ import yaml
 
 from k8s_offline import read_manifest
 from kubedistill.api import DistillationJob
-from kubedistill.runtime.local import RAY_WORKER_PORTS, absolute_paths, ephemeral_ports, free_port, plan, run
+from kubedistill.runtime.entrypoints.local import (
+    RAY_WORKER_PORTS,
+    absolute_paths,
+    ephemeral_ports,
+    free_port,
+    plan,
+    run,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kubedistill.api.spec import AlgorithmSpec
-from kubedistill.runtime import losses as L
+from kubedistill.runtime.trainer import losses as L
 
 torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kubedistill.runtime import quickstart
+from kubedistill.runtime.entrypoints import quickstart
 from kubedistill.runtime.tasks import arith
 
 

@@ -9,10 +9,10 @@ import httpx
 import pytest
 import torch
 
-from kubedistill.runtime.clients import RolloutClient, ServerError, TeacherClient
-from kubedistill.runtime.protocol import GenerateRequest, Sampling, ScoreRequest
+from kubedistill.runtime.driver.clients import RolloutClient, ServerError, TeacherClient
 from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 from kubedistill.runtime.weight_sync.sender import WeightSyncError
+from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
 
 torch.set_num_threads(1)
 PROMPT = [1, 5, 6, 14, 7]

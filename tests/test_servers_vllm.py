@@ -10,9 +10,9 @@ import httpx
 import pytest
 import torch
 
-from kubedistill.runtime.clients import RolloutClient, ServerError, TeacherClient
-from kubedistill.runtime.protocol import GenerateRequest, Sampling, ScoreRequest
+from kubedistill.runtime.driver.clients import RolloutClient, ServerError, TeacherClient
 from kubedistill.runtime.weight_sync.sender import WeightSyncError
+from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
 from test_servers_hf import (
     PROMPT,
     expected_checksums,

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kubedistill.api.spec import OptimSpec
-from kubedistill.runtime.batch import TrainBatch
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.trainer import Trainer
 from kubedistill.runtime.trainer.plan import collate, micro_batches, pack_rows, shard_samples
 from kubedistill.runtime.trainer.schedule import lr_factor
 from kubedistill.runtime.trainer.trainer import packing_is_exact
+from kubedistill.runtime.wire.batch import TrainBatch
 from trainer_cases import make_batch, make_spec
 
 torch.set_num_threads(1)

@@ -31,7 +31,7 @@ import json, sys, time
 import httpx, torch
 torch.set_num_threads(1)
 from kubedistill.api.roleconfig import JobConfig
-from kubedistill.runtime.protocol import WeightsBeginRequest
+from kubedistill.runtime.wire.protocol import WeightsBeginRequest
 from kubedistill.runtime.weight_sync.sender import WeightSender, build_manifest
 sys.path.insert(0, {tests!r})
 from test_servers_hf import perturbed

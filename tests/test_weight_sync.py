@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from kubedistill.runtime.protocol import Manifest, TensorMeta
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, resolve_backend
 from kubedistill.runtime.weight_sync.manifest import check_against, check_layout, plan, tensor_checksum
 from kubedistill.runtime.weight_sync.sender import build_manifest
 from kubedistill.runtime.weight_sync.transfer import receive, send
+from kubedistill.runtime.wire.protocol import Manifest, TensorMeta
 from server_fixtures import free_port
 
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime.batch import TrainBatch
+from kubedistill.runtime.wire.batch import TrainBatch
 
 
 def make_spec(student: Path, ckpt: Path, **overrides: Any) -> DistillationJobSpec:

@@ -4,7 +4,7 @@ sample the loss cannot use (no teacher scores when distilling, no reward when ta
 on, token arrays of unequal length) is refused with a message naming it.
 
 Output: `StepSamples`, `requireBatches` mini-batches of `miniBatchSize` samples each, in group
-order; `to_train_batch` turns samples into the trainer's TrainBatch (runtime/batch.py).
+order; `to_train_batch` turns samples into the trainer's TrainBatch (runtime/wire/batch.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kubedistill.runtime.batch import TrainBatch
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
+from kubedistill.runtime.wire.batch import TrainBatch
 
 
 @dataclass(frozen=True)

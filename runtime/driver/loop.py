@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
-from kubedistill.runtime.clients import TRANSPORT_ERRORS, RolloutClient, TeacherClient, new_session
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
+from kubedistill.runtime.driver.clients import TRANSPORT_ERRORS, RolloutClient, TeacherClient, new_session
 from kubedistill.runtime.driver.data import PromptSource
 from kubedistill.runtime.driver.rewards import RewardRegistry
 from kubedistill.runtime.driver.routing import EndpointPool, TeacherRouter
@@ -326,7 +326,7 @@ class Driver:
         await self.buffer.put(group)
 
     async def _generate_sample(self, group: SampleGroup, s: Sample) -> None:
-        from kubedistill.runtime.protocol import GenerateRequest, Sampling
+        from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling
 
         sp = self.spec.rollout.sampling
         t0 = self.clock()
@@ -363,7 +363,7 @@ class Driver:
             self.rewards.score_sample(s, text)
 
     async def _score(self, group: SampleGroup, s: Sample) -> None:
-        from kubedistill.runtime.protocol import ScoreRequest
+        from kubedistill.runtime.wire.protocol import ScoreRequest
 
         t0 = self.clock()
         ids, prompt_len = s.score_input()

@@ -1,6 +1,6 @@
 """Which server gets a request: TeacherRouter (sample -> teacher -> endpoint) and EndpointPool
 (least-outstanding-requests balancing over a role's replicas). I/O-free: they pick a base URL;
-the HTTP clients (runtime/clients.py) send the request and release the lease when it ends.
+the HTTP clients (runtime/driver/clients.py) send the request and release the lease when it ends.
 
     router = TeacherRouter(spec, config.endpoints.teachers)
     with router.lease(sample.route_value) as (teacher, url):

@@ -19,7 +19,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class GenerationOutput(Protocol):
-    """What one /generate call returns (kubedistill.runtime.protocol.GenerateResponse)."""
+    """What one /generate call returns (kubedistill.runtime.wire.protocol.GenerateResponse)."""
 
     token_ids: Sequence[int]
     logprobs: Sequence[float]

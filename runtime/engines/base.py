@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kubedistill.runtime.protocol import GenerateRequest, GenerateResponse, Manifest, ScoreRequest, ScoreResponse
 from kubedistill.runtime.weight_sync.group import GroupAddress
+from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, Manifest, ScoreRequest, ScoreResponse
 
 PauseMode = Literal["wait", "keep", "abort"]
 

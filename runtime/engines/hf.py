@@ -30,9 +30,9 @@ import torch
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
 from kubedistill.runtime.engines.hf_batch import PaddedKVBatch, score_batch
-from kubedistill.runtime.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.transfer import receive
+from kubedistill.runtime.wire.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 
 log = logging.getLogger("kubedistill.engines.hf")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
-from kubedistill.runtime.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 from kubedistill.runtime.weight_sync.group import GroupAddress
+from kubedistill.runtime.wire.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 
 WORKER_EXTENSION = "kubedistill.runtime.engines.vllm_worker.WeightSyncWorkerExtension"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}

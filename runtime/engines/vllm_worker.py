@@ -79,8 +79,8 @@ class WeightSyncWorkerExtension:
     def kd_ws_receive(self, manifest_json: str, load: bool) -> dict:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from kubedistill.runtime.protocol import Manifest
         from kubedistill.runtime.weight_sync.transfer import receive
+        from kubedistill.runtime.wire.protocol import Manifest
 
         if self._kd_group is None:
             raise RuntimeError(f"not in the weight-sync group (state {self._kd_state})")

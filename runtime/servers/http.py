@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kubedistill.runtime.engines.base import BadRequest, Engine
 from kubedistill.runtime.metrics import RoleMetrics
-from kubedistill.runtime.protocol import HealthResponse
+from kubedistill.runtime.wire.protocol import HealthResponse
 
 
 def _validation_message(exc: RequestValidationError) -> str:

@@ -15,7 +15,11 @@ from kubedistill.api.roleconfig import Identity, JobConfig, weight_sync_rank, we
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.engines.base import Engine, PauseMode
 from kubedistill.runtime.metrics import RoleMetrics
-from kubedistill.runtime.protocol import (
+from kubedistill.runtime.servers.http import make_app
+from kubedistill.runtime.servers.weight_group import WeightGroupMembership
+from kubedistill.runtime.weight_sync.group import GroupAddress, resolve_backend
+from kubedistill.runtime.weight_sync.manifest import check_against, check_layout
+from kubedistill.runtime.wire.protocol import (
     AbortRequest,
     AbortResponse,
     GenerateRequest,
@@ -26,10 +30,6 @@ from kubedistill.runtime.protocol import (
     WeightsGroupRequest,
     WeightsGroupResponse,
 )
-from kubedistill.runtime.servers.http import make_app
-from kubedistill.runtime.servers.weight_group import WeightGroupMembership
-from kubedistill.runtime.weight_sync.group import GroupAddress, resolve_backend
-from kubedistill.runtime.weight_sync.manifest import check_against, check_layout
 
 log = logging.getLogger("kubedistill.rollout")
 

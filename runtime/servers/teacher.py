@@ -10,8 +10,8 @@ from kubedistill.api.roleconfig import Identity, JobConfig
 from kubedistill.api.spec import TeacherSpec
 from kubedistill.runtime.engines.base import Engine
 from kubedistill.runtime.metrics import RoleMetrics
-from kubedistill.runtime.protocol import ScoreRequest, ScoreResponse
 from kubedistill.runtime.servers.http import make_app
+from kubedistill.runtime.wire.protocol import ScoreRequest, ScoreResponse
 
 
 def find_teacher(config: JobConfig, name: str | None) -> TeacherSpec:

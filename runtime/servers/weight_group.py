@@ -20,8 +20,8 @@ import logging
 from collections.abc import Callable
 
 from kubedistill.runtime.engines.base import Engine
-from kubedistill.runtime.protocol import WeightsGroupResponse
 from kubedistill.runtime.weight_sync.group import GroupAddress
+from kubedistill.runtime.wire.protocol import WeightsGroupResponse
 
 log = logging.getLogger("kubedistill.rollout")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubedistill.runtime.batch import TrainBatch
+from kubedistill.runtime.wire.batch import TrainBatch
 
 
 def shard_samples(lengths: list[int], world: int) -> list[list[int]]:

@@ -54,12 +54,12 @@ import torch.distributed as dist
 from torch import nn
 
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime import losses as L
-from kubedistill.runtime.batch import TrainBatch
 from kubedistill.runtime.checkpoint import CheckpointStore, read_pickle, write_pickle
 from kubedistill.runtime.models.loading import load_causal_lm
+from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.plan import collate, micro_batches, shard_samples
 from kubedistill.runtime.trainer.schedule import lr_factor
+from kubedistill.runtime.wire.batch import TrainBatch
 
 log = logging.getLogger("kubedistill.trainer")
 

@@ -21,10 +21,11 @@ import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime.protocol import Manifest, TensorMeta, WeightsBeginRequest, WeightsGroupRequest
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, open_store, resolve_backend
-from kubedistill.runtime.weight_sync.manifest import dtype_name, plan
+from kubedistill.runtime.weight_sync.manifest import plan
 from kubedistill.runtime.weight_sync.transfer import TransferStats, send
+from kubedistill.runtime.wire.dtypes import dtype_name
+from kubedistill.runtime.wire.protocol import Manifest, TensorMeta, WeightsBeginRequest, WeightsGroupRequest
 
 
 class WeightSyncError(RuntimeError):

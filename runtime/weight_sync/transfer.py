@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kubedistill.runtime.protocol import Bucket, Manifest
 from kubedistill.runtime.weight_sync.group import WeightSyncGroup
-from kubedistill.runtime.weight_sync.manifest import numel
+from kubedistill.runtime.wire.dtypes import numel
+from kubedistill.runtime.wire.protocol import Bucket, Manifest
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -15,7 +15,7 @@ from typing import TypeVar
 import aiohttp
 from pydantic import BaseModel
 
-from kubedistill.runtime.protocol import (
+from kubedistill.runtime.wire.protocol import (
     AbortRequest,
     AbortResponse,
     GenerateRequest,

@@ -37,7 +37,7 @@ def _init_distributed(spec, rank: int, world: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kubedistill.runtime.roles import _load
+    from kubedistill.runtime.entrypoints.roles import _load
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _lead(config, host: str, port: int, metrics) -> int:
     from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
-    from kubedistill.runtime.status_server import StatusServer
+    from kubedistill.runtime.entrypoints.status_server import StatusServer
 
     spec = config.spec
     status = DriverStatus(total_steps=spec.trainer.total_steps)

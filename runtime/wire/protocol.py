@@ -1,5 +1,5 @@
 """Wire shapes of the rollout and teacher HTTP APIs (DESIGN.md section 4), shared by the
-servers (runtime/servers/) and the driver's clients (runtime/clients.py). docs/servers.md is the
+servers (runtime/servers/) and the driver's clients (runtime/driver/clients.py). docs/servers.md is the
 reference for what each field means."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kubedistill.runtime.wire.dtypes import dtype_size
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -108,8 +110,6 @@ class Manifest(WireRequest):
 
     @property
     def total_bytes(self) -> int:
-        from kubedistill.runtime.weight_sync.manifest import dtype_size
-
         return sum(b.numel * dtype_size(b.dtype) for b in self.buckets)
 
 

@@ -33,7 +33,7 @@ def add_commands(sub) -> None:
 def run_role(args: argparse.Namespace) -> int:
     if args.role == "trainer":
         try:
-            from kubedistill.runtime.trainer_main import run
+            from kubedistill.runtime.entrypoints.trainer import run
         except ImportError as e:
             print(f"kubedistill role trainer: the trainer is not available in this build ({e})", file=sys.stderr)
             return 2

@@ -126,7 +126,7 @@ def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log=p
     """Prepare the models and data, run the job with `kubedistill run`, compare the student before
     and after against the teacher. Run from the repository root (the job's paths are relative)."""
     from kubedistill.api.validate import load_job
-    from kubedistill.runtime import local
+    from kubedistill.runtime.entrypoints import local
 
     t0 = time.time()
     if not Path(job).is_file():
