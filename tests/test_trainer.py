@@ -8,12 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubedistill.api.spec import OptimSpec
+from kubedistill.api.spec import Device, DType, OptimSpec
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.trainer import Trainer
-from kubedistill.runtime.trainer.plan import collate, micro_batches, pack_rows, shard_samples
+from kubedistill.runtime.trainer.commands import Command, CommandChannel
+from kubedistill.runtime.trainer.distributed import (
+    compute_dtype,
+    needs_control_group,
+    process_group_backend,
+    rank_device,
+)
+from kubedistill.runtime.trainer.microbatch import collate, micro_batches, pack_rows, shard_samples
+from kubedistill.runtime.trainer.model import packing_is_exact
 from kubedistill.runtime.trainer.schedule import lr_factor
-from kubedistill.runtime.trainer.trainer import packing_is_exact
+from kubedistill.runtime.trainer.stats import StepSums
 from kubedistill.runtime.wire.batch import TrainBatch
 from trainer_cases import make_batch, make_spec
 
@@ -247,3 +255,70 @@ def test_short_top_k_rows_are_masked() -> None:
     assert mb.topk_ids.tolist() == [[5, 6], [7, 0]]
     assert mb.topk_valid.tolist() == [[True, True], [True, False]]
     assert mb.gather_index.tolist() == [1, 2] and mb.targets.tolist() == [6, 7]
+
+
+def test_gpu_decisions() -> None:
+    """What the trainer picks on cuda, checked without a GPU."""
+    assert process_group_backend(Device.cuda) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend(Device.cpu) == "gloo"
+    assert needs_control_group("cpu:gloo,cuda:nccl") and needs_control_group("nccl")
+    assert not needs_control_group("gloo")
+    assert rank_device(Device.cuda, {"LOCAL_RANK": "3"}) == torch.device("cuda", 3)
+    assert rank_device(Device.cuda, {}) == torch.device("cuda", 0)
+    assert rank_device(Device.cpu, {"LOCAL_RANK": "3"}) == torch.device("cpu")
+    assert compute_dtype(DType.auto, Device.cuda) is torch.bfloat16
+    assert compute_dtype(DType.auto, Device.cpu) is torch.float32
+    assert compute_dtype(DType.float16, Device.cuda) is torch.float16
+
+
+def test_step_sums_add_by_name_and_reduce_over_ranks() -> None:
+    batch = make_batch()
+    resp = [batch.response_len(i) for i in range(len(batch))]
+    rows = [[0], [1]]
+    mb = collate(batch, rows, [torch.full((r,), 0.5) for r in resp], None, 0)
+    n = mb.targets.numel()
+    losses = {"total": torch.full((n,), 2.0), "distill": torch.ones(n), "pg": torch.zeros(n)}
+    logprobs = torch.full((n,), -1.0)
+    sums = StepSums()
+    sums.add(mb, losses, logprobs, world=2, filler=False)
+    assert sums.loss_total == pytest.approx(2.0 * 0.5 / 2 * n) and sums.loss_pg == 0.0
+    assert sums.response_tokens == sums.kl_tokens == n
+    assert sums.tokens == len(batch.token_ids[0]) + len(batch.token_ids[1])
+    filler = collate(batch, rows, [torch.ones(r) for r in resp], None, 0, filler=True)
+    sums.add(filler, losses, logprobs, world=2, filler=True)  # zero weights, no tokens
+    assert sums.loss_total == pytest.approx(0.5 * n) and sums.response_tokens == n
+
+    def two_ranks(t: torch.Tensor) -> None:
+        assert t.dtype == torch.float64
+        t.mul_(2)
+
+    total = sums.all_reduce(two_ranks)
+    assert total.tokens == 2 * sums.tokens and total.kl_sum == 2 * sums.kl_sum
+    assert total.kl == pytest.approx(sums.kl_sum / sums.kl_tokens)
+    assert StepSums().kl is None
+
+
+class _FakeRanks:
+    """Rank 1 of 2, receiving `sent` from rank 0."""
+
+    rank, world = 1, 2
+
+    def __init__(self, sent: list) -> None:
+        self.sent = sent
+
+    def broadcast_object(self, obj=None):
+        return self.sent.pop(0)
+
+
+def test_followers_dispatch_commands_through_the_table() -> None:
+    ran = []
+    handlers = {c: (lambda payload, c=c: ran.append((c, payload))) for c in Command}
+    sent = [(Command.step, "batch"), (Command.named_full_weights, None), (Command.close, None), (Command.step, 0)]
+    CommandChannel(_FakeRanks(sent)).follow(handlers)
+    assert ran == [(Command.step, "batch"), (Command.named_full_weights, None), (Command.close, None)]
+    with pytest.raises(RuntimeError, match="unknown trainer command 'nope'"):
+        CommandChannel(_FakeRanks([("nope", None)])).follow(handlers)
+    with pytest.raises(ValueError, match="no handler for"):
+        CommandChannel(_FakeRanks([])).follow({Command.close: ran.append})
+    with pytest.raises(RuntimeError, match="Trainer.step is called on rank 0 only"):
+        CommandChannel(_FakeRanks([])).broadcast(Command.step)

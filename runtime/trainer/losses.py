@@ -1,4 +1,4 @@
-"""Distillation and policy-gradient losses (DESIGN.md section 3, docs/algorithms.md). Pure torch.
+"""Distillation and policy-gradient losses (docs/design.md#losses, docs/algorithms.md). Pure torch.
 
 Every function works per token on flat tensors of response tokens (shape ``[N]``, or ``[N, k]``
 for top-k terms) and returns per-token values; aggregation into one scalar is separate
@@ -12,12 +12,11 @@ Notation per response token t: ``s`` = log pi_student(y_t) (with grad), ``mu`` =
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
-if TYPE_CHECKING:
-    from kubedistill.api.spec import AlgorithmSpec
+from kubedistill.api.spec import AlgorithmSpec, LossMode
 
 Aggregation = Literal["tokenMean", "seqMeanTokenMean"]
 
@@ -186,8 +185,7 @@ def per_token_losses(
     zero = torch.zeros_like(logprobs)
     distill = zero
     if d.enabled:
-        mode = d.loss_mode.value
-        if mode == "forwardKLTopK":
+        if d.loss_mode is LossMode.forward_kl_top_k:
             if student_topk_logprobs is None or teacher_topk_logprobs is None:
                 raise ValueError("lossMode forwardKLTopK needs teacher top-k ids and log-probs in the batch")
             raw = forward_kl_top_k(
@@ -199,8 +197,10 @@ def per_token_losses(
             )
         else:
             if teacher_logprobs is None:
-                raise ValueError(f"lossMode {mode} needs teacher log-probs of the sampled tokens in the batch")
-            raw = (k1 if mode == "k1" else k3)(logprobs, teacher_logprobs)
+                raise ValueError(
+                    f"lossMode {d.loss_mode.value} needs teacher log-probs of the sampled tokens in the batch"
+                )
+            raw = (k1 if d.loss_mode is LossMode.k1 else k3)(logprobs, teacher_logprobs)
         clamped = raw.clamp(-d.loss_max_clamp, d.loss_max_clamp)
         if d.use_policy_gradient:
             adv = distillation_advantages(raw, d.loss_max_clamp)

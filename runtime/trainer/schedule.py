@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kubedistill.api.spec import OptimSpec
+from kubedistill.api.spec import LrSchedule, OptimSpec
 
 
 def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
@@ -16,13 +16,13 @@ def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
     warmup = optim.warmup_steps
     if step < warmup:
         return (step + 1) / warmup
-    schedule = optim.schedule.value
-    if schedule == "constant":
+    schedule = optim.schedule
+    if schedule is LrSchedule.constant:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     floor = optim.min_lr_ratio
-    if schedule == "cosine":
+    if schedule is LrSchedule.cosine:
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
+    if schedule is LrSchedule.linear:
         return floor + (1.0 - floor) * (1.0 - progress)
-    raise ValueError(f"trainer.optim.schedule must be constant, cosine or linear, got {schedule!r}")
+    raise ValueError(f"trainer.optim.schedule must be constant, cosine or linear, got {schedule.value!r}")

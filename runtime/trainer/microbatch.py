@@ -1,4 +1,4 @@
-"""Pure batch planning: split a TrainBatch over ranks and token-bounded micro-batches (optionally
+"""Micro-batches: split a TrainBatch over ranks and token-bounded micro-batches (optionally
 packing several samples into one row, padding-free), and turn a micro-batch into tensors. No
 torch.distributed here, so it is unit-testable.
 
@@ -117,6 +117,7 @@ def collate(
     packed = any(len(row) > 1 for row in rows)
     positions = torch.zeros((len(rows), width), dtype=torch.long) if packed else None
     gather, targets, mu, w, teacher, adv = [], [], [], [], [], []
+    teacher_topk = _teacher_topk(batch)
     topk_rows: list[list[int]] = []
     topk_lp_rows: list[list[float]] = []
     real = 0
@@ -138,9 +139,10 @@ def collate(
                 teacher.extend(batch.teacher_logprobs[i])
             if sample_advantages is not None:
                 adv.append(sample_advantages[i].expand(n - p))
-            if batch.teacher_topk_ids is not None:
-                topk_rows.extend(batch.teacher_topk_ids[i])
-                topk_lp_rows.extend(batch.teacher_topk_logprobs[i])
+            if teacher_topk is not None:
+                topk_ids, topk_logprobs = teacher_topk
+                topk_rows.extend(topk_ids[i])
+                topk_lp_rows.extend(topk_logprobs[i])
             offset += n
         if positions is not None and offset < width:
             # The padded tail continues the last sample's positions: causal attention keeps it
@@ -158,7 +160,7 @@ def collate(
         task_advantages=torch.cat(adv).to(torch.float32) if sample_advantages is not None else None,
         real_tokens=0 if filler else real,
     )
-    if batch.teacher_topk_ids is not None:
+    if teacher_topk is not None:
         k = max(len(r) for r in topk_rows)
         n_tok = len(topk_rows)
         tid = torch.zeros((n_tok, k), dtype=torch.long)
@@ -172,3 +174,12 @@ def collate(
             valid = None  # the common case: every row has k entries; skip masking work
         mb.topk_ids, mb.topk_logprobs, mb.topk_valid = tid, tlp, valid
     return mb
+
+
+def _teacher_topk(batch: TrainBatch) -> tuple[list[list[list[int]]], list[list[list[float]]]] | None:
+    """The teacher's top-k ids and log-probs of `batch`, or None when it has none."""
+    if batch.teacher_topk_ids is None:
+        return None
+    if batch.teacher_topk_logprobs is None:
+        raise ValueError("TrainBatch.teacher_topk_ids and teacher_topk_logprobs must be given together")
+    return batch.teacher_topk_ids, batch.teacher_topk_logprobs

@@ -1,0 +1,198 @@
+"""The trainer's durable state: checkpoints (model, optimiser, LR scheduler, RNG, step count, the
+driver's opaque state), resume from the newest one, and export of the student as an HF directory.
+
+Each operation is collective: rank 0 calls the method named for it and gets the result; the other
+ranks call its ``join_*`` twin, which runs the same collectives. Full (unsharded) state dicts are
+gathered to rank 0's CPU; only rank 0 touches the filesystem. On-disk layout: runtime/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubedistill.api.spec import DistillationJobSpec, ResumePolicy
+from kubedistill.runtime.checkpoint import CheckpointInfo, CheckpointStore, read_pickle, write_pickle
+from kubedistill.runtime.trainer.distributed import Ranks
+from kubedistill.runtime.trainer.model import LM_PREFIX, LogProbModel
+
+TRAINER_FILE = "trainer.pt"
+DRIVER_FILE = "driver.pkl"
+
+
+@dataclass
+class Resumed:
+    step: int
+    weight_version: int
+    driver_state: Any
+    path: Path
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The RNG states a checkpoint keeps: torch's, Python's, and the GPU's on cuda."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class TrainerState:
+    """Checkpoints, resume and HF export of one trainer rank's model, optimiser and scheduler."""
+
+    def __init__(
+        self,
+        spec: DistillationJobSpec,
+        ranks: Ranks,
+        model: LogProbModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        model_path: Path,
+    ):
+        self.spec = spec
+        self.ranks = ranks
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.model_path = model_path
+        """The student's HF directory: the export copies its generation config (and tokenizer)."""
+        self.store = CheckpointStore(spec.checkpoint.path, keep=spec.checkpoint.keep)
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+
+    def save(self, step: int, weight_version: int, step_count: int, driver_state: Any) -> Path:
+        """Rank 0: write checkpoint `step` atomically; returns its directory."""
+        model_sd, optim_sd = self._gather_full_state()
+        state = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "step_count": step_count,
+            "rng": rng_state(self.ranks.device),
+        }
+
+        def write_trainer(p: Path) -> None:
+            torch.save(state, p)
+
+        path = self.store.save(
+            step,
+            weight_version,
+            {TRAINER_FILE: write_trainer, DRIVER_FILE: write_pickle(driver_state)},
+            {"world_size": self.ranks.world},
+        )
+        self.ranks.barrier()
+        return path
+
+    def join_save(self) -> None:
+        """Ranks > 0: the collectives of :meth:`save`."""
+        self._gather_full_state()
+        self.ranks.barrier()
+
+    def _gather_full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        model_sd = self._full_model_state()
+        optim_sd: dict[str, Any] = get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return model_sd, optim_sd
+
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd: dict[str, torch.Tensor] = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return sd
+
+    # ---- resume --------------------------------------------------------------------------------
+
+    def resume(self) -> tuple[Resumed, int] | None:
+        """Rank 0: load the newest complete checkpoint if spec.checkpoint.resume is auto (partial
+        ones are removed first). Returns it and the restored optimiser step count, or None (start
+        fresh)."""
+        self.store.remove_partial()
+        info = self.store.latest() if self.spec.checkpoint.resume is ResumePolicy.auto else None
+        self.ranks.broadcast_object(info is not None)
+        if info is None:
+            return None
+        step_count = self._load(torch.load(info.path / TRAINER_FILE, weights_only=False))
+        return _resumed(info), step_count
+
+    def join_resume(self) -> int | None:
+        """Ranks > 0: the collectives of :meth:`resume`; the restored step count, or None."""
+        if not self.ranks.broadcast_object(None):
+            return None
+        return self._load({})
+
+    def _load(self, state: dict[str, Any]) -> int:
+        """Restore from rank 0's `state` (empty elsewhere): model and optimiser shards, then the
+        scheduler, RNG states and step count broadcast to every rank."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, state.get("model", {}), options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
+        small = self.ranks.broadcast_object(
+            {k: state[k] for k in ("scheduler", "step_count", "rng")} if self.ranks.rank == 0 else None
+        )
+        self.scheduler.load_state_dict(small["scheduler"])
+        set_rng_state(small["rng"], self.ranks.device)
+        step_count: int = small["step_count"]
+        return step_count
+
+    # ---- HF export -----------------------------------------------------------------------------
+
+    def export(self, out_dir: Path) -> Path:
+        """Rank 0: write the student as a plain HF directory (safetensors, config, tokenizer)
+        loadable by transformers and vLLM; written to a temp dir, then renamed to `out_dir`."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        sd = {k[len(LM_PREFIX) :]: v for k, v in self._full_model_state().items()}
+        hf_config = self.model.lm.config
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        fresh = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        result = fresh.load_state_dict(sd, strict=False)
+        tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+        if result.unexpected_keys or set(result.missing_keys) - tied:
+            raise RuntimeError(
+                f"export: state dict does not match {type(fresh).__name__}: missing "
+                f"{sorted(set(result.missing_keys) - tied)}, unexpected {sorted(result.unexpected_keys)}"
+            )
+        fresh.save_pretrained(str(tmp), safe_serialization=True)
+        tok_src = self.spec.student.tokenizer or self.model_path
+        AutoTokenizer.from_pretrained(str(tok_src), local_files_only=True).save_pretrained(str(tmp))
+        gen = self.model_path / "generation_config.json"
+        if gen.is_file():
+            shutil.copy(gen, tmp / gen.name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+        self.ranks.barrier()
+        return out_dir
+
+    def join_export(self) -> None:
+        """Ranks > 0: the collectives of :meth:`export`."""
+        self._full_model_state()
+        self.ranks.barrier()
+
+
+def _resumed(info: CheckpointInfo) -> Resumed:
+    return Resumed(info.step, info.weight_version, read_pickle(info.path / DRIVER_FILE), info.path)
