@@ -201,7 +201,7 @@ def load_checkpoint_student(init_dir: Path, checkpoint_dir: Path):
 
     model = AutoModelForCausalLM.from_pretrained(str(init_dir))
     state = torch.load(checkpoint_dir / "trainer.pt", map_location="cpu", weights_only=False)["model"]
-    # The trainer wraps the HF model as `lm` (see runtime/trainer/trainer.py).
+    # The trainer wraps the HF model as `lm` (see runtime/trainer/model.py).
     sd = {k[len("lm.") :] if k.startswith("lm.") else k: v for k, v in state.items()}
     result = model.load_state_dict(sd, strict=False)
     missing = set(result.missing_keys) - {"lm_head.weight"}

@@ -23,14 +23,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubedistill.runtime.engines.base import Engine
+
+Rate = Callable[["Engine", list[list[int]], int], Awaitable[float]]
+"""A measurement: (engine, prompts, new tokens per request) -> rate."""
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_COMMIT = "f0c303becd6485f6d59ea8a89b3c54860c62dcca"
 
 
-def old_engine_class(work: Path) -> type | None:
+def old_engine_class(work: Path) -> type[Engine] | None:
     """HFEngine as it was before continuous batching, or None without git history."""
     try:
         src = subprocess.run(
@@ -47,7 +54,7 @@ def old_engine_class(work: Path) -> type | None:
     return module.HFEngine
 
 
-async def generate_rate(engine, prompts: list[list[int]], tokens: int) -> float:
+async def generate_rate(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
     from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling
 
     sampling = Sampling(max_tokens=tokens, temperature=1.0, ignore_eos=True)
@@ -63,7 +70,7 @@ async def generate_rate(engine, prompts: list[list[int]], tokens: int) -> float:
     return sum(len(o.token_ids) for o in outs) / seconds
 
 
-async def score_rate(engine, prompts: list[list[int]], tokens: int) -> float:
+async def score_rate(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
     from kubedistill.runtime.wire.protocol import ScoreRequest
 
     rng = random.Random(1)
@@ -76,7 +83,7 @@ async def score_rate(engine, prompts: list[list[int]], tokens: int) -> float:
     return len(reqs) / (time.perf_counter() - t0)
 
 
-async def measure(make: Callable[[], object], run, prompts, tokens: int, repeats: int) -> float:
+async def measure(make: Callable[[], Engine], run: Rate, prompts: list[list[int]], tokens: int, repeats: int) -> float:
     engine = make()
     await engine.start()
     await run(engine, prompts[:2], 2)  # warm-up

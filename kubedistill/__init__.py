@@ -10,4 +10,4 @@ __version__ = "0.1.0"
 # can never shadow the standard library's `operator`; here they join this package's path.
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "operator").is_dir():
-    __path__.append(str(_checkout))  # type: ignore[name-defined]
+    __path__.append(str(_checkout))

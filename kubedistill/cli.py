@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plugins() -> list[Callable[[argparse._SubParsersAction], None]]:
+def _plugins() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
     """Subcommands owned by the operator and runtime packages (each adds its own parsers)."""
     import importlib
 

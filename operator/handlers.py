@@ -12,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import kopf
 
 from kubedistill.api.job import GROUP, PLURAL, VERSION
+from kubedistill.api.roleconfig import Role
 from kubedistill.operator.kube import Kube, KubeConfig, KubeError, fetch_json
 from kubedistill.operator.metrics import OperatorMetrics
+from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, status_patch
 from kubedistill.operator.policy import (
     JobView,
     Plan,
@@ -36,13 +38,17 @@ from kubedistill.operator.policy import (
     refusal_reason,
 )
 from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB
-from kubedistill.operator.status import ChildRef, Observed, PodView, status_patch
+
+if TYPE_CHECKING:
+    # kopf checks its decorators' handlers against these Protocols but does not re-export them.
+    from kopf._core.intents.callbacks import IndexingFn, WatchingFn
 
 ANNOTATION_PREFIX = "kubedistill.io"
 FINALIZER = "kubedistill.io/finalizer"
 CHILD_KINDS = {"services": "Service", "configmaps": "ConfigMap", "networkpolicies": "NetworkPolicy"}
 
 Key = tuple[str, str]
+"""(namespace, job name)."""
 RECENT_SECONDS = 60.0
 """How long a created child counts as present if no watch event about it ever arrives."""
 
@@ -79,8 +85,8 @@ class Reconciler:
         self._written: dict[Key, dict[str, Any]] = {}
         # Children this loop created, until a watch event about them arrives (then the indices
         # are authoritative): counted as present so a pass woken by an early event does not create
-        # them again. With hundreds of jobs the watch can lag seconds behind; a time window alone
-        # then expired first and every later pass re-created children (409s: more load, more lag).
+        # them again. Under load the watch lags seconds behind the creates, so this cannot be a
+        # short time window: each re-create is a 409, more load and more lag.
         self._recent: dict[Key, dict[tuple[str, str], tuple[float, dict[str, Any]]]] = {}
         # Children the API server refused to create, per job: the plan holds them back until
         # their backoff ends and shows the job Blocked meanwhile.
@@ -119,7 +125,7 @@ class Reconciler:
     # -- trainer progress ----------------------------------------------------------------
     def _poll_progress(self, key: Key, pod: PodView | None) -> None:
         """Poll trainer pod 0's GET /status in the background; a change wakes the job."""
-        if pod is None or pod.phase != "Running" or not pod.pod_ip or not pod.http_port:
+        if pod is None or pod.phase is not PodPhase.running or not pod.pod_ip or not pod.http_port:
             return
         running = self._polling.get(key)
         if running is not None and not running.done():
@@ -143,7 +149,7 @@ class Reconciler:
 
     # -- one pass ------------------------------------------------------------------------
     async def reconcile(
-        self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildRef], logger: logging.Logger
+        self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildRef], logger: kopf.Logger
     ) -> float | None:
         """Run one pass; the seconds until the next one (None: the job was deleted)."""
         name, namespace = body.meta["name"], body.meta["namespace"]
@@ -179,8 +185,8 @@ class Reconciler:
             self._error(body, key, f"{type(exc).__name__}: {exc}", logger)
             return self.options.resync_seconds
         finally:
-            self.metrics["reconcile_seconds"].observe(time.perf_counter() - started)
-        self.metrics.job_phase(namespace, name, p.status.phase.value)
+            self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        self.metrics.job_phase(namespace, name, p.status.phase)
         self.metrics.job_status(namespace, name, p.status)
         if p.delete_job:
             return None
@@ -188,7 +194,7 @@ class Reconciler:
             (
                 q
                 for q in observed.pods.values()
-                if q.role == "trainer" and q.replica == 0 and q.attempt == p.status.restarts
+                if q.role is Role.trainer and q.replica == 0 and q.attempt == p.status.restarts
             ),
             None,
         )
@@ -200,8 +206,8 @@ class Reconciler:
             delay = 0.05  # plan again at once: the status must say Blocked, and why
         return delay
 
-    def _error(self, body: kopf.Body, key: Key, message: str, logger: logging.Logger) -> None:
-        self.metrics["reconcile_errors"].inc()
+    def _error(self, body: kopf.Body, key: Key, message: str, logger: kopf.Logger) -> None:
+        self.metrics.reconcile_errors.inc()
         logger.warning("reconcile error: %s", message)
         if self._last_error.get(key) != message:  # one event per distinct error, not per retry
             self._last_error[key] = message
@@ -225,7 +231,7 @@ class Reconciler:
                 if isinstance(made, KubeError) and is_refusal(made.status):
                     newly_refused |= child not in refused
                     refused[child] = self._refusal(refused.get(child), made, now)
-                    self.metrics["children_refused"].labels(kind=obj["kind"]).inc()
+                    self.metrics.children_refused.labels(kind=obj["kind"]).inc()
                     continue
                 if isinstance(made, BaseException):
                     failure = failure or made
@@ -233,7 +239,7 @@ class Reconciler:
                 refused.pop(child, None)
                 recent[child] = (time.monotonic(), obj)
                 if made:
-                    self.metrics["children_created"].labels(kind=obj["kind"]).inc()
+                    self.metrics.children_created.labels(kind=obj["kind"]).inc()
             if failure is not None:
                 raise failure
         if p.delete:
@@ -241,9 +247,9 @@ class Reconciler:
             for c in p.delete:
                 recent.pop((c.kind, c.name), None)
             gone = await asyncio.gather(*(kube.delete(c.kind, job.namespace, c.name) for c in p.delete))
-            for child, deleted in zip(p.delete, gone):
+            for ref, deleted in zip(p.delete, gone):
                 if deleted:
-                    self.metrics["children_deleted"].labels(kind=child.kind).inc()
+                    self.metrics.children_deleted.labels(kind=ref.kind).inc()
         new = status_patch(p.status)
         if new != status_patch(current_status(job.status)):
             await kube.patch_status(job.namespace, job.name, new)
@@ -266,17 +272,23 @@ class Reconciler:
 
     # -- the daemon loop -----------------------------------------------------------------
     async def run(
-        self, body: kopf.Body, stopped: Any, pods_index: Any, others_index: Any, logger: logging.Logger
+        self,
+        body: kopf.Body,
+        stopped: kopf.DaemonStopped,
+        pods_index: Mapping[Key, Collection[PodView]],
+        others_indices: Sequence[Mapping[Key, Collection[ChildRef]]],
+        logger: kopf.Logger,
     ) -> None:
+        """The job's reconcile loop, until kopf stops it or the job is deleted; the indices hold
+        every job's children by (namespace, job), others_indices one index per non-Pod kind."""
         key = (body.meta["namespace"], body.meta["name"])
         wake = self._wakeups.setdefault(key, asyncio.Event())
         stop = asyncio.ensure_future(stopped.wait())
         try:
             while not stopped:
                 wake.clear()
-                delay = await self.reconcile(
-                    body, list(pods_index.get(key, [])), list(others_index.get(key, [])), logger
-                )
+                others = [ref for index in others_indices for ref in index.get(key, ())]
+                delay = await self.reconcile(body, list(pods_index.get(key, ())), others, logger)
                 if delay is None or stopped:
                     break
                 woken = asyncio.ensure_future(wake.wait())
@@ -316,7 +328,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     selector = {LABEL_JOB: kopf.PRESENT}
 
     @kopf.on.startup(registry=registry)
-    def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    def _startup(*, settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings)
 
     @kopf.on.cleanup(registry=registry)
@@ -333,11 +345,15 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     # handlers are `async def`: kopf runs plain functions in a thread pool, a thread hop per
     # watch event for what is a dict lookup.
     @kopf.index("pods", labels=selector, registry=registry, id="job_pods")
-    async def job_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Key, PodView]:
+    async def job_pods(*, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, PodView]:
+        if namespace is None:  # pods are namespaced: kopf always passes one
+            return {}
         return {(namespace, labels[LABEL_JOB]): PodView.of(body)}
 
-    def _child_index(kind: str) -> Any:
-        async def index(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> dict[Key, ChildRef]:
+    def _child_index(kind: str) -> IndexingFn:
+        async def index(*, namespace: str | None, name: str, labels: kopf.Labels, **_: Any) -> dict[Key, ChildRef]:
+            if namespace is None:  # every child kind is namespaced
+                return {}
             return {(namespace, labels[LABEL_JOB]): ChildRef(kind, name)}
 
         return index
@@ -347,8 +363,8 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         kopf.index(group_version, plural, labels=selector, registry=registry, id=f"job_{plural}")(_child_index(kind))
 
     # Any change to a child or the job wakes the job's loop.
-    def _child_event(kind: str) -> Any:
-        async def poke(namespace: str | None, name: str, labels: Mapping[str, str], **_: Any) -> None:
+    def _child_event(kind: str) -> WatchingFn:
+        async def poke(*, namespace: str | None, name: str, labels: kopf.Labels, **_: Any) -> None:
             reconciler.child_event(namespace, labels.get(LABEL_JOB), kind, name)
 
         return poke
@@ -361,28 +377,17 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         )
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def _job_changed(namespace: str | None, name: str, **_: Any) -> None:
+    async def _job_changed(*, namespace: str | None, name: str, **_: Any) -> None:
         reconciler.poke(namespace, name)
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
-    async def job(body: kopf.Body, stopped: Any, logger: logging.Logger, **kwargs: Any) -> None:
-        others = _MergedIndex([kwargs[f"job_{plural}"] for plural in CHILD_KINDS])
-        await reconciler.run(body, stopped, kwargs["job_pods"], others, logger)
+    async def job(*, body: kopf.Body, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
+        # kopf passes every index as a keyword named by its handler id.
+        pods: kopf.Index[Key, PodView] = kwargs["job_pods"]
+        others: list[kopf.Index[Key, ChildRef]] = [kwargs[f"job_{plural}"] for plural in CHILD_KINDS]
+        await reconciler.run(body, stopped, pods, others, logger)
 
     return registry
-
-
-class _MergedIndex:
-    """Several kopf indices read as one: key -> every value in any of them."""
-
-    def __init__(self, indices: list[Any]):
-        self._indices = indices
-
-    def get(self, key: Key, default: Any = ()) -> list[Any]:
-        out: list[Any] = []
-        for idx in self._indices:
-            out.extend(idx.get(key, []))
-        return out or list(default)
 
 
 __all__ = ["OperatorOptions", "Reconciler", "build_registry", "configure", "LABEL_ATTEMPT"]

@@ -56,10 +56,11 @@ class KubeConfig:
         from kubernetes import client, config
 
         cfg = client.Configuration()
+        # kubernetes ships py.typed but leaves its config loaders unannotated.
         try:
-            config.load_incluster_config(client_configuration=cfg)
+            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         except config.ConfigException:
-            config.load_kube_config(client_configuration=cfg)
+            config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         ctx: ssl.SSLContext | None = None
         if cfg.host.startswith("https"):
             ctx = (

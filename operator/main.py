@@ -13,7 +13,7 @@ DEFAULT_METRICS_PORT = 9090
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("operator", help="run the DistillationJob operator (kopf)")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument(

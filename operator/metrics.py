@@ -5,12 +5,13 @@ The Helm chart's dashboard and alerts name exactly these (prefix `kubedistill_op
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
-from kubedistill.api.status import Phase
+from kubedistill.api.status import DistillationJobStatus, Phase
 from kubedistill.metricdef import MetricDef
 
 PREFIX = "kubedistill_operator_"
@@ -47,23 +48,30 @@ METRICS: list[MetricDef] = [
 
 
 class OperatorMetrics:
+    """The metrics of METRICS in one registry, each typed by its kind for the reconciler."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._m: dict[str, Any] = {}
+        built: dict[str, MetricWrapperBase] = {}
         for d in METRICS:
             kwargs: dict[str, Any] = {"registry": self.registry}
             if d.buckets is not None:
                 kwargs["buckets"] = d.buckets
-            self._m[d.name] = d.kind(d.full_name, d.help, d.labels, **kwargs)
-        self._phases: dict[tuple[str, str], str] = {}
+            built[d.name] = d.kind(d.full_name, d.help, d.labels, **kwargs)
+        self.jobs = _of(built, "jobs", Gauge)
+        self.reconcile_seconds = _of(built, "reconcile_seconds", Histogram)
+        self.reconcile_errors = _of(built, "reconcile_errors", Counter)
+        self.children_created = _of(built, "children_created", Counter)
+        self.children_deleted = _of(built, "children_deleted", Counter)
+        self.children_refused = _of(built, "children_refused", Counter)
+        self.role_ready = _of(built, "role_ready", Gauge)
+        self.job_restarts = _of(built, "job_restarts", Gauge)
+        self._phases: dict[tuple[str, str], Phase] = {}
         self._roles: dict[tuple[str, str], set[str]] = {}
         for phase in Phase:
-            self._m["jobs"].labels(phase=phase.value).set(0)
+            self.jobs.labels(phase=phase.value).set(0)
 
-    def __getitem__(self, name: str) -> Any:
-        return self._m[name]
-
-    def job_phase(self, namespace: str, name: str, phase: str | None) -> None:
+    def job_phase(self, namespace: str, name: str, phase: Phase | None) -> None:
         """Record a job's phase (None: the job is gone) and refresh the per-phase gauge."""
         key = (namespace, name)
         if phase is None:
@@ -73,25 +81,35 @@ class OperatorMetrics:
             self._phases[key] = phase
         self._set_counts(self._phases.values())
 
-    def job_status(self, namespace: str, name: str, status: Any) -> None:
-        """Per-job gauges from a computed DistillationJobStatus: ready pods per role, restarts."""
-        self._m["job_restarts"].labels(namespace=namespace, job=name).set(status.restarts)
+    def job_status(self, namespace: str, name: str, status: DistillationJobStatus) -> None:
+        """Per-job gauges from a computed status: ready pods per role, restarts."""
+        self.job_restarts.labels(namespace=namespace, job=name).set(status.restarts)
         roles = self._roles.setdefault((namespace, name), set())
         for role, counts in status.roles.items():
             roles.add(role)
-            self._m["role_ready"].labels(namespace=namespace, job=name, role=role).set(counts.ready)
+            self.role_ready.labels(namespace=namespace, job=name, role=role).set(counts.ready)
 
     def _forget_job(self, namespace: str, name: str) -> None:
         for role in self._roles.pop((namespace, name), set()):
-            self._m["role_ready"].remove(namespace, name, role)
+            self.role_ready.remove(namespace, name, role)
         try:
-            self._m["job_restarts"].remove(namespace, name)
+            self.job_restarts.remove(namespace, name)
         except KeyError:
             pass
 
-    def _set_counts(self, phases: Iterable[str]) -> None:
-        counts = {p.value: 0 for p in Phase}
+    def _set_counts(self, phases: Iterable[Phase]) -> None:
+        counts = dict.fromkeys(Phase, 0)
         for p in phases:
-            counts[p] = counts.get(p, 0) + 1
+            counts[p] += 1
         for p, n in counts.items():
-            self._m["jobs"].labels(phase=p).set(n)
+            self.jobs.labels(phase=p.value).set(n)
+
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
+
+
+def _of(built: Mapping[str, MetricWrapperBase], name: str, kind: type[_M]) -> _M:
+    metric = built[name]
+    if not isinstance(metric, kind):
+        raise TypeError(f"metric {name} is a {type(metric).__name__} in METRICS, not a {kind.__name__}")
+    return metric

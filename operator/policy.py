@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
+from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.api.status import ConditionType, DistillationJobStatus, Phase, ReadySummary
+from kubedistill.api.status import ConditionStatus, ConditionType, DistillationJobStatus, Phase, ReadySummary
 from kubedistill.api.validate import problems_of
 from kubedistill.operator import render
-from kubedistill.operator.status import (
+from kubedistill.operator.observed import (
     ChildRef,
     Observed,
+    PodPhase,
     PodView,
     condition,
     parse_time,
@@ -57,7 +59,8 @@ class Event:
 
 @dataclass(frozen=True)
 class Progress:
-    """What trainer pod 0 reports at GET /status."""
+    """The part of trainer pod 0's GET /status (TrainerProgress) that goes into the job's status:
+    a change of it is worth a reconcile, a new samples/s figure is not."""
 
     step: int
     weight_version: int
@@ -65,8 +68,9 @@ class Progress:
 
     @classmethod
     def of(cls, doc: Mapping[str, Any]) -> Progress:
-        ckpt = doc.get("lastCheckpoint")
-        return cls(int(doc.get("step", 0)), int(doc.get("weightVersion", 0)), str(ckpt) if ckpt else None)
+        """Raises ValueError (pydantic's ValidationError) on a malformed document."""
+        reported = TrainerProgress.from_json(doc)
+        return cls(reported.step, reported.weight_version, reported.last_checkpoint or None)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,8 @@ def refusal_reason(http_status: int, message: str) -> str:
 
 def create_backoff(attempts: int, base_seconds: float, max_seconds: float) -> float:
     """Seconds before creating a refused child again: base, 2 x base, 4 x base ... up to max."""
-    return min(max_seconds, base_seconds * 2 ** max(attempts - 1, 0))
+    # The exponent stops growing once the cap is reached: 2.0 ** 1024 would overflow.
+    return min(max_seconds, base_seconds * 2.0 ** min(max(attempts - 1, 0), 60))
 
 
 @dataclass
@@ -243,16 +248,16 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
         p.wake_after = left
 
     live = [q for q in observed.pods.values() if not q.deleting]
-    trainers = [q for q in live if q.role == Role.trainer.value]
+    trainers = [q for q in live if q.role is Role.trainer]
     current = [q for q in trainers if q.attempt == st.restarts]
     stale = [q for q in trainers if q.attempt != st.restarts]
 
     rank0 = next((q for q in current if q.replica == 0), None)
-    if rank0 is not None and rank0.phase == "Succeeded":
+    if rank0 is not None and rank0.phase is PodPhase.succeeded:
         _finish(p, observed, Phase.succeeded, "TrainerSucceeded", f"trainer pod {rank0.name} completed", now)
         return
 
-    failed = sorted((q for q in current if q.phase == "Failed"), key=lambda q: q.replica)
+    failed = sorted((q for q in current if q.phase is PodPhase.failed), key=lambda q: q.replica)
     lost = _lost_trainers(job, spec, observed, st.phase)
     if failed or lost:
         if failed:
@@ -272,13 +277,13 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
     _delete_pods(p, stale)
 
     for q in live:
-        if q.role != Role.trainer.value and q.phase == "Failed":
+        if q.role is not Role.trainer and q.phase is PodPhase.failed:
             p.delete.append(ChildRef("Pod", q.name))
             why = f" ({q.reason})" if q.reason else ""
             p.events.append(Event("Warning", "ServerReplaced", f"{q.group} pod {q.name} failed{why}; replacing it"))
 
     # Pods to (re)create: missing ones; a restarted gang starts only once the old one is gone.
-    gang_gone = not stale and not any(q.role == Role.trainer.value and q.deleting for q in observed.pods.values())
+    gang_gone = not stale and not any(q.role is Role.trainer and q.deleting for q in observed.pods.values())
     for slot in render.slots(spec):
         name = slot.pod_name(job.name)
         if name in observed.pods:
@@ -293,7 +298,7 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
     pods = [observed.pods.get(s.pod_name(job.name)) for s in desired]
     present = [q for q in pods if q is not None and not q.deleting]
     current_trainers_running = all(
-        q is not None and not q.deleting and q.attempt == st.restarts and q.phase == "Running"
+        q is not None and not q.deleting and q.attempt == st.restarts and q.phase is PodPhase.running
         for s, q in zip(desired, pods)
         if s.role is Role.trainer
     )
@@ -308,7 +313,7 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
         st.phase = Phase.restarting
     elif len(present) == len(desired) and all(q.ready for q in present):
         st.phase = Phase.running
-    elif len(present) == len(desired) and all(q.phase == "Running" for q in present):
+    elif len(present) == len(desired) and all(q.phase is PodPhase.running for q in present):
         st.phase = Phase.initializing
     else:
         st.phase = Phase.pending
@@ -340,7 +345,7 @@ def _create_static(p: Plan, job: JobView, spec: DistillationJobSpec, observed: O
             p.create.append(obj)
 
 
-def _delete_pods(p: Plan, pods: Any) -> None:
+def _delete_pods(p: Plan, pods: Iterable[PodView]) -> None:
     for q in pods:
         if not q.deleting and ChildRef("Pod", q.name) not in p.delete:
             p.delete.append(ChildRef("Pod", q.name))
@@ -394,7 +399,7 @@ def _conditions(p: Plan, spec: DistillationJobSpec | None, observed: Observed, n
     everything = spec is not None and not p.create and all(r.desired <= _present(pods, g) for g, r in st.roles.items())
     if st.phase is Phase.blocked:
         pass  # _hold_refused set it to the refusal
-    elif created is None or created.status.value != "True":
+    elif created is None or created.status is not ConditionStatus.true:
         if everything and st.phase not in TERMINAL:
             set_condition(st, ConditionType.created, True, "ChildrenCreated", "every child of the job exists", now)
         else:

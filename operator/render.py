@@ -90,8 +90,7 @@ class PodSlot:
 
     @property
     def group(self) -> str:
-        """Status key of the pod's role group: trainer, rollout or teacher/<name>."""
-        return f"teacher/{self.teacher}" if self.role is Role.teacher else self.role.value
+        return group_name(self.role, self.teacher)
 
     def pod_name(self, job: str) -> str:
         if self.role is Role.teacher:
@@ -105,6 +104,14 @@ class PodSlot:
 
     def subdomain(self, job: str) -> str:
         return service_name(job, self.role, self.teacher)
+
+
+TEACHER_GROUP_PREFIX = f"{Role.teacher.value}/"
+
+
+def group_name(role: Role, teacher: str | None) -> str:
+    """Status key of a pod's role group: trainer, rollout or teacher/<name>."""
+    return f"{TEACHER_GROUP_PREFIX}{teacher}" if role is Role.teacher else role.value
 
 
 def service_name(job: str, role: Role, teacher: str | None = None) -> str:

@@ -1,4 +1,4 @@
-"""The runtime's Prometheus metrics (DESIGN.md section 7): one table, shared by every role.
+"""The runtime's Prometheus metrics (docs/design.md#metrics): one table, shared by every role.
 
 Every metric is prefixed `kubedistill_` and labelled by `job`, `role`, `replica` (plus the extra
 labels listed). The Helm chart's dashboard and alerts may name only metrics listed here or in the
@@ -7,7 +7,7 @@ operator's table (a test cross-checks them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -67,6 +67,22 @@ METRICS: list[MetricDef] = [
 ROLES = T + SERVERS
 
 
+class BoundMetric(Protocol):
+    """A metric of the table as RoleMetrics hands it out, with the base labels filled in. One type
+    for every kind, so callers need no narrowing: a Counter offers inc, a Gauge inc/dec/set, a
+    Histogram observe, and a metric with extra labels only labels(...), which returns the child."""
+
+    def inc(self, amount: float = 1) -> None: ...
+
+    def dec(self, amount: float = 1) -> None: ...
+
+    def set(self, value: float) -> None: ...
+
+    def observe(self, amount: float) -> None: ...
+
+    def labels(self, **extra: str) -> BoundMetric: ...
+
+
 class RoleMetrics:
     """The metrics of one process, bound to its job/role/replica labels.
 
@@ -74,8 +90,9 @@ class RoleMetrics:
     ``m["step"].set(3)`` for the rest.
     """
 
-    def __init__(self, job: str, role: str, replica: int | str, registry: CollectorRegistry | None = None):
+    def __init__(self, job: str, role: str, replica: int | str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Prometheus children of several kinds (and _Partial), all used through BoundMetric.
         self._bound: dict[str, Any] = {}
         if role not in ROLES:
             raise ValueError(f"RoleMetrics: unknown role {role!r}; allowed: {', '.join(ROLES)}")
@@ -90,20 +107,21 @@ class RoleMetrics:
             metric = d.kind(d.full_name, d.help, BASE_LABELS + d.labels, **kwargs)
             self._bound[d.name] = _Partial(metric, base) if d.labels else metric.labels(**base)
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> BoundMetric:
         try:
-            return self._bound[name]
+            metric: BoundMetric = self._bound[name]
         except KeyError:
             owners = next((d.roles for d in METRICS if d.name == name), None)
             where = f"only {', '.join(owners)} exports it" if owners else "no such metric"
             raise KeyError(f"metric {name!r} is not exported by the {self.role} role ({where})") from None
+        return metric
 
 
 class _Partial:
     """A labelled metric with the base labels already filled in."""
 
-    def __init__(self, metric: Any, base: dict[str, str]):
+    def __init__(self, metric: Counter | Gauge | Histogram, base: dict[str, str]) -> None:
         self._metric, self._base = metric, base
 
-    def labels(self, **extra: str) -> Any:
-        return self._metric.labels(**self._base, **extra)
+    def labels(self, **extra: str) -> BoundMetric:
+        return cast(BoundMetric, self._metric.labels(**self._base, **extra))

@@ -66,11 +66,11 @@ class FastEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     To pick the reaction for a request, KMock asks whether the request is among those each
     reaction's filter sees, by re-filtering every request served so far: O(requests served) per
-    request, quadratic over a test or a benchmark (py-spy: ~90 % of the emulator's CPU; with 100
-    jobs, 20-40 ms per request). While it serves a request, the filters here see that request
-    alone, which is all the matching needs (the emulator's reactions have no slices); anywhere
-    else, e.g. a test's `list(kmock)`, they see the whole log as before. Objects, watch streams
-    and responses are KMock's own."""
+    request, quadratic over a test or a benchmark (the profile and its numbers:
+    docs/operator.md#throughput-benchoperatorpy). While it serves a request, the filters here see
+    that request alone, which is all the matching needs (the emulator's reactions have no
+    slices); anywhere else, e.g. a test's `list(kmock)`, they see the whole log as before.
+    Objects, watch streams and responses are KMock's own."""
 
     refuse: Callable[[Any], tuple[int, str] | None] | None = None
     """Tests set it to play an admission controller: (HTTP status, message) refuses a request,
@@ -203,6 +203,22 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
         await asyncio.sleep(interval)
+
+
+def reconcile_passes(metrics: OperatorMetrics) -> float:
+    """Reconcile passes the operator has finished, over every job."""
+    return metrics.registry.get_sample_value("kubedistill_operator_reconcile_seconds_count") or 0.0
+
+
+async def more_passes(metrics: OperatorMetrics, n: int, timeout: float = 5.0) -> None:
+    """Wait until the operator has finished `n` more reconcile passes than when called: what a
+    test waits for before it asserts that something did not happen."""
+    target = reconcile_passes(metrics) + n
+
+    async def done() -> bool:
+        return reconcile_passes(metrics) >= target
+
+    await eventually(done, timeout=timeout, what=f"{n} more reconcile passes")
 
 
 @contextlib.asynccontextmanager

@@ -51,8 +51,8 @@ def test_hostile_manifest_gets_one_line(tmp_path: Path, case: str, command: str)
     assert r.returncode == 1, out
     assert "Traceback" not in out and len(out.splitlines()) == 1, out
     assert out.startswith(f"{path}: ") and expected in out, out
-    # The CLI's own start-up (pydantic, the API models) is most of it; before, these ran for
-    # minutes or until memory ran out.
+    # The CLI's own start-up (pydantic, the API models) is most of it; read without bounds,
+    # these inputs take minutes or run out of memory.
     assert seconds < 10, seconds
 
 

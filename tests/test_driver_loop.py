@@ -5,16 +5,19 @@ test_e2e_modes.py and test_resume.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
 import pytest
 
 from e2e_jobs import write_prompts
+from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.operator.policy import Progress
 from kubedistill.runtime.driver.loop import Driver, request_seed
+from kubedistill.runtime.driver.progress import HistoryWriter, read_history
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
-from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
 
 
 def _spec(tmp_path: Path, tiny_models, mode: str = "oneStepOff", partial: bool = False) -> DistillationJobSpec:
@@ -41,7 +44,7 @@ def _driver(spec, tiny_models) -> Driver:
         spec,
         trainer=None,
         sender=None,
-        rollout_urls=["http://127.0.0.1:1"],  # type: ignore[arg-type]
+        rollout_urls=["http://127.0.0.1:1"],
         teacher_urls={"arith": ["http://127.0.0.1:2"]},
         tokenizer=tok,
     )
@@ -100,25 +103,32 @@ def test_request_seeds_differ_per_sample_and_request() -> None:
 
 
 def test_status_json_and_history(tmp_path) -> None:
-    st = DriverStatus(total_steps=10)
-    assert set(st.to_json()) == {
-        "step",
-        "totalSteps",
-        "weightVersion",
-        "lastCheckpoint",
-        "phase",
-        "samplesPerSecond",
-        "rewardMean",
-        "klStudentTeacher",
-        "stalenessMean",
-        "trainerIdleRatio",
-    }
+    st = TrainerProgress(total_steps=10)
+    # The wire format: every key in this order, null while unknown; `message` only on failure.
+    assert json.dumps(st.to_json()) == (
+        '{"step": 0, "totalSteps": 10, "weightVersion": 0, "lastCheckpoint": null, "phase": "starting", '
+        '"samplesPerSecond": null, "rewardMean": null, "klStudentTeacher": null, "stalenessMean": null, '
+        '"trainerIdleRatio": null}'
+    )
     with pytest.raises(ValueError, match="phase"):
         st.set_phase("exploded")
+    st.step, st.weight_version, st.last_checkpoint, st.samples_per_second = 3, 2, "/ckpt/step-3", 1.5
+    st.set_phase("failed", "boom")
+    doc = st.to_json()
+    assert list(doc)[-1] == "message" and doc["message"] == "boom"
+    # Both readers: `kubedistill run` (the whole document) and the operator (what the job's status holds).
+    assert TrainerProgress.from_json(doc) == st
+    assert TrainerProgress.from_json({**doc, "time": 1.0, "lossTotal": 0.5}) == st  # a history line
+    assert Progress.of(doc) == Progress(step=3, weight_version=2, last_checkpoint="/ckpt/step-3")
+    assert Progress.of({"step": 7}) == Progress(step=7, weight_version=0, last_checkpoint=None)
+    with pytest.raises(ValueError):
+        Progress.of({"step": "many"})
     h = HistoryWriter(tmp_path / "h.jsonl")
+    assert read_history(tmp_path / "h.jsonl") == []
     h.write({"step": 1})
     h.write({"step": 2})
     assert (tmp_path / "h.jsonl").read_text().splitlines() == ['{"step": 1}', '{"step": 2}']
+    assert read_history(tmp_path / "h.jsonl") == h.lines == [{"step": 1}, {"step": 2}]
 
 
 async def test_status_server_serves_status_health_metrics() -> None:
@@ -126,7 +136,7 @@ async def test_status_server_serves_status_health_metrics() -> None:
     from kubedistill.runtime.metrics import RoleMetrics
     from server_fixtures import free_port
 
-    st = DriverStatus(total_steps=3)
+    st = TrainerProgress(total_steps=3)
     m = RoleMetrics("j", "trainer", 0)
     m["step"].set(2)
     port = free_port()

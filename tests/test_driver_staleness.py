@@ -1,4 +1,4 @@
-"""Staleness arithmetic (DESIGN.md section 2) against hand-computed numbers."""
+"""Staleness arithmetic (docs/design.md#staleness) against hand-computed numbers."""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ weight load uses, and batched scoring."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,14 +20,14 @@ from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRe
 torch.set_num_threads(1)
 
 
-def plain_model(path):
+def plain_model(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 @torch.no_grad()
-def greedy_reference(model, context: list[int], n: int) -> tuple[list[int], list[float]]:
+def greedy_reference(model: Any, context: list[int], n: int) -> tuple[list[int], list[float]]:
     """The unbatched model, no cache, one token at a time."""
     ids, tokens, logprobs = list(context), [], []
     for _ in range(n):
@@ -36,7 +39,7 @@ def greedy_reference(model, context: list[int], n: int) -> tuple[list[int], list
     return tokens, logprobs
 
 
-def greedy(rid: str, prompt: list[int], max_tokens: int, prefix: list[int] = ()) -> GenerateRequest:
+def greedy(rid: str, prompt: list[int], max_tokens: int, prefix: Sequence[int] = ()) -> GenerateRequest:
     return GenerateRequest(
         request_id=rid,
         prompt_token_ids=prompt,
@@ -45,17 +48,24 @@ def greedy(rid: str, prompt: list[int], max_tokens: int, prefix: list[int] = ())
     )
 
 
-async def until_tokens(engine: HFEngine, rid: str, n: int) -> None:
+async def until(condition: Callable[[], bool], what: str) -> None:
     for _ in range(5000):
-        st = engine.inflight.get(rid)
-        if st is not None and len(st.token_ids) >= n:
+        if condition():
             return
         await asyncio.sleep(0.001)
-    raise AssertionError(f"{rid} never reached {n} tokens")
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+async def until_tokens(engine: HFEngine, rid: str, n: int) -> None:
+    def reached() -> bool:
+        st = engine.inflight.get(rid)
+        return st is not None and len(st.token_ids) >= n
+
+    await until(reached, f"{rid} has {n} tokens")
 
 
 @pytest.fixture
-async def student(tiny_models):
+async def student(tiny_models: dict[str, Path]) -> AsyncIterator[HFEngine]:
     engine = HFEngine(str(tiny_models["student"]), dtype="float32")
     await engine.start()
     yield engine
@@ -72,7 +82,9 @@ PROMPTS = {
 BUDGET = {"a": 20, "b": 9, "c": 14, "d": 25, "e": 6}
 
 
-async def test_batched_greedy_equals_the_plain_model_one_at_a_time(student, tiny_models) -> None:
+async def test_batched_greedy_equals_the_plain_model_one_at_a_time(
+    student: HFEngine, tiny_models: dict[str, Path]
+) -> None:
     first = [asyncio.create_task(student.generate(greedy(r, PROMPTS[r], BUDGET[r]))) for r in ("a", "b")]
     await until_tokens(student, "a", 3)  # c and d join a running batch, together
     second = [asyncio.create_task(student.generate(greedy(r, PROMPTS[r], BUDGET[r]))) for r in ("c", "d")]
@@ -95,7 +107,7 @@ async def test_batched_greedy_equals_the_plain_model_one_at_a_time(student, tiny
     assert student.forwards["prefill"] <= 4  # a+b, c+d, e (+ at most one split by timing)
 
 
-def test_rows_leave_and_the_padding_is_cut(tiny_models) -> None:
+def test_rows_leave_and_the_padding_is_cut(tiny_models: dict[str, Path]) -> None:
     model = plain_model(tiny_models["student"])
     with torch.no_grad():
         batch, _ = PaddedKVBatch.prefill(model, [[1, 2, 3, 4, 5, 6], [1, 2], [1, 2, 3]])
@@ -107,8 +119,8 @@ def test_rows_leave_and_the_padding_is_cut(tiny_models) -> None:
     assert batch.select([]) is None
 
 
-async def test_sampling_stays_per_request(student) -> None:
-    def sampled(rid, seed, temperature=1.0, top_p=1.0):
+async def test_sampling_stays_per_request(student: HFEngine) -> None:
+    def sampled(rid: str, seed: int | None, temperature: float = 1.0, top_p: float = 1.0) -> GenerateRequest:
         return GenerateRequest(
             request_id=rid,
             prompt_token_ids=PROMPTS["a"],
@@ -133,7 +145,7 @@ async def test_sampling_stays_per_request(student) -> None:
     assert len(hot.token_ids) == 12 and all(lp <= 0 for lp in hot.logprobs)
 
 
-async def test_abort_inside_a_batch_leaves_the_others_exact(student, tiny_models) -> None:
+async def test_abort_inside_a_batch_leaves_the_others_exact(student: HFEngine, tiny_models: dict[str, Path]) -> None:
     tasks = {r: asyncio.create_task(student.generate(greedy(r, PROMPTS[r], 30))) for r in ("a", "c", "d")}
     await until_tokens(student, "c", 4)
     aborted = await student.abort(["c"])
@@ -147,13 +159,19 @@ async def test_abort_inside_a_batch_leaves_the_others_exact(student, tiny_models
     assert outs["c"].token_ids == greedy_reference(ref_model, PROMPTS["c"], len(outs["c"].token_ids))[0]
 
 
-async def test_keep_pause_freezes_the_batch_and_continues_under_the_new_version(student, tiny_models) -> None:
+async def test_keep_pause_freezes_the_batch_and_continues_under_the_new_version(
+    student: HFEngine, tiny_models: dict[str, Path]
+) -> None:
     tasks = [asyncio.create_task(student.generate(greedy(r, PROMPTS[r], 20))) for r in ("a", "b")]
     await until_tokens(student, "a", 3)
     await student._pause_generation("keep", timeout=60)
     frozen = [len(student.inflight[r].token_ids) for r in ("a", "b")]
+    forwards = dict(student.forwards)
     late = asyncio.create_task(student.generate(greedy("late", PROMPTS["d"], 4)))
-    await asyncio.sleep(0.1)
+    # Queuing "late" sets the scheduler's wake-up event, and only the scheduler clears it, when it
+    # goes idle again: once it is clear, the scheduler has been through its loop with "late" queued.
+    await until(lambda: "late" in student.inflight and not student._wake.is_set(), "the scheduler saw 'late'")
+    assert student.forwards == forwards
     assert [len(student.inflight[r].token_ids) for r in ("a", "b")] == frozen
     assert student.inflight["late"].token_ids == []  # new requests queue during the load
     student.version = 1  # what a load does between pause and resume
@@ -166,7 +184,7 @@ async def test_keep_pause_freezes_the_batch_and_continues_under_the_new_version(
         assert out.token_ids == greedy_reference(ref_model, PROMPTS[rid], 20)[0]
 
 
-async def test_wait_pause_finishes_running_requests_and_abort_pause_ends_them(student) -> None:
+async def test_wait_pause_finishes_running_requests_and_abort_pause_ends_them(student: HFEngine) -> None:
     running = asyncio.create_task(student.generate(greedy("a", PROMPTS["a"], 15)))
     await until_tokens(student, "a", 2)
     await student._pause_generation("wait", timeout=60)
@@ -184,7 +202,7 @@ async def test_wait_pause_finishes_running_requests_and_abort_pause_ends_them(st
     assert after.finish_reason == "length" and len(after.token_ids) == 3
 
 
-async def test_concurrent_scores_share_one_forward_and_match_the_model(tiny_models) -> None:
+async def test_concurrent_scores_share_one_forward_and_match_the_model(tiny_models: dict[str, Path]) -> None:
     engine = HFEngine(str(tiny_models["teacher"]), dtype="float32")
     await engine.start()
     reqs = [

@@ -7,9 +7,12 @@ import base64
 import io
 import subprocess
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
+from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.engines.base import BadRequest, check_generate, check_score
 from kubedistill.runtime.engines.vllm_engine import build_prompt, checkpoint_tensors, engine_env, resolve_dtype
 from kubedistill.runtime.servers.rollout import pause_mode
@@ -17,7 +20,7 @@ from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRe
 from server_fixtures import job_config
 
 
-def gen(prompt, prefix=(), max_tokens=8) -> GenerateRequest:
+def gen(prompt: Sequence[int], prefix: Sequence[int] = (), max_tokens: int = 8) -> GenerateRequest:
     return GenerateRequest(
         request_id="r",
         prompt_token_ids=list(prompt),
@@ -42,8 +45,8 @@ def test_score_checks() -> None:
         check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2), 2, 10)
 
 
-def test_pause_mode_follows_partial_rollout(tiny_models) -> None:
-    def spec(strategy):
+def test_pause_mode_follows_partial_rollout(tiny_models: dict[str, Path]) -> None:
+    def spec(strategy: str | None) -> DistillationJobSpec:
         return job_config(
             tiny_models["student"],
             tiny_models["teacher"],
@@ -69,7 +72,7 @@ def test_kv_cache_env_only_on_cpu() -> None:
     assert engine_env("cuda", 3) == {} and engine_env("cpu", None) == {}
 
 
-def test_checkpoint_tensors_drop_a_tied_lm_head(tiny_models) -> None:
+def test_checkpoint_tensors_drop_a_tied_lm_head(tiny_models: dict[str, Path]) -> None:
     names = checkpoint_tensors(str(tiny_models["student"]))
     assert "lm_head.weight" not in names
     assert names["model.embed_tokens.weight"] == [16, 128]
@@ -90,11 +93,11 @@ def test_images_become_multi_modal_data() -> None:
         build_prompt([1], ["bm90IGFuIGltYWdl"])
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kubedistill.cli", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_role_command_errors_are_one_line(tmp_path) -> None:
+def test_role_command_errors_are_one_line(tmp_path: Path) -> None:
     r = run_cli("role", "rollout", "--config", str(tmp_path / "missing.json"))
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert "no such file" in r.stderr

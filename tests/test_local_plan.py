@@ -14,7 +14,7 @@ from kubedistill.runtime.entrypoints.local import (
     absolute_paths,
     ephemeral_ports,
     free_port,
-    plan,
+    local_processes,
     run,
 )
 
@@ -26,7 +26,7 @@ def _job(name: str) -> DistillationJob:
 
 
 def test_plan_multi_teacher(tmp_path: Path) -> None:
-    config, procs = plan(_job("multi-teacher-6gpu.yaml"), tmp_path / "config.json")
+    config, procs = local_processes(_job("multi-teacher-6gpu.yaml"), tmp_path / "config.json")
     names = sorted(p.name for p in procs)
     assert names == ["rollout-0", "rollout-1", "teacher-math-0", "teacher-vision-0", "trainer-0", "trainer-1"]
     ports = [p.port for p in procs]
@@ -48,7 +48,7 @@ def test_ports_avoid_the_ephemeral_and_ray_worker_ranges(tmp_path: Path) -> None
     import random
     import socket
 
-    _, procs = plan(_job("multi-teacher-6gpu.yaml"), tmp_path / "config.json")
+    _, procs = local_processes(_job("multi-teacher-6gpu.yaml"), tmp_path / "config.json")
     for p in procs:
         assert p.port not in ephemeral_ports() and p.port not in RAY_WORKER_PORTS, p
     rng = random.Random(7)
@@ -63,7 +63,7 @@ def test_ports_avoid_the_ephemeral_and_ray_worker_ranges(tmp_path: Path) -> None
 
 
 def test_plan_cpu_threads_and_kv_cache(tmp_path: Path) -> None:
-    _, procs = plan(_job("quickstart-cpu.yaml"), tmp_path / "config.json")
+    _, procs = local_processes(_job("quickstart-cpu.yaml"), tmp_path / "config.json")
     by_name = {p.name: p for p in procs}
     assert by_name["rollout-0"].env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert by_name["trainer-0"].env["OMP_NUM_THREADS"] == "1"
@@ -92,7 +92,7 @@ def test_user_env_reaches_the_processes_role_over_job(tmp_path: Path) -> None:
     raw = job.model_dump(by_alias=True, exclude_none=True, mode="json")
     raw["spec"]["env"] = [{"name": "FOO", "value": "job"}, {"name": "BAR", "value": "job"}]
     raw["spec"]["rollout"].setdefault("overrides", {})["env"] = [{"name": "FOO", "value": "rollout"}]
-    _, procs = plan(DistillationJob.model_validate(raw), tmp_path / "config.json")
+    _, procs = local_processes(DistillationJob.model_validate(raw), tmp_path / "config.json")
     by_name = {p.name: p for p in procs}
     assert by_name["rollout-0"].env["FOO"] == "rollout" and by_name["rollout-0"].env["BAR"] == "job"
     assert by_name["trainer-0"].env["FOO"] == "job"

@@ -68,9 +68,9 @@ class FakeJob:
         t["kl_student_teacher"].set(0.2)
         for m in (self.rollout, self.teacher):
             m["requests_in_flight"].set(2)
-        self.operator["jobs"].labels(phase="Failed").set(1)  # KubedistillJobFailed
-        self.operator["role_ready"].labels(namespace="default", job="demo", role="trainer").set(1)
-        self.operator["job_restarts"].labels(namespace="default", job="demo").set(1)
+        self.operator.jobs.labels(phase="Failed").set(1)  # KubedistillJobFailed
+        self.operator.role_ready.labels(namespace="default", job="demo", role="trainer").set(1)
+        self.operator.job_restarts.labels(namespace="default", job="demo").set(1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -91,10 +91,10 @@ class FakeJob:
         for m, endpoint in [(self.rollout, "/generate"), (self.teacher, "/score")]:
             m["requests"].labels(endpoint=endpoint, code="200").inc()
         op = self.operator
-        op["reconcile_seconds"].observe(0.02)
-        op["reconcile_errors"].inc()  # KubedistillOperatorReconcileErrors
-        op["children_created"].labels(kind="Pod").inc()
-        op["children_deleted"].labels(kind="Pod").inc()
+        op.reconcile_seconds.observe(0.02)
+        op.reconcile_errors.inc()  # KubedistillOperatorReconcileErrors
+        op.children_created.labels(kind="Pod").inc()
+        op.children_deleted.labels(kind="Pod").inc()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -62,7 +62,7 @@ def operator_series() -> dict[str, set[str]]:
     m = OperatorMetrics()
     for d in METRICS:
         if d.labels:
-            m[d.name].labels(**{label: "x" for label in d.labels})
+            getattr(m, d.name).labels(**{label: "x" for label in d.labels})
     return _exposed(m.registry)
 
 

@@ -6,8 +6,10 @@ import copy
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.api.status import ConditionType, Phase
+from kubedistill.api.status import ConditionStatus, ConditionType, Phase
+from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, condition
 from kubedistill.operator.policy import (
     JobView,
     Plan,
@@ -19,7 +21,6 @@ from kubedistill.operator.policy import (
     refusal_reason,
 )
 from kubedistill.operator.render import render_static, slots
-from kubedistill.operator.status import ChildRef, Observed, PodView, condition
 from operator_fixtures import BASE_SPEC
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -37,7 +38,7 @@ def _spec(job: JobView) -> DistillationJobSpec:
     return DistillationJobSpec.model_validate(dict(job.spec))
 
 
-def _world(job: JobView, phase: str = "Running", ready: bool = True, attempt: int = 0) -> Observed:
+def _world(job: JobView, phase: PodPhase = PodPhase.running, ready: bool = True, attempt: int = 0) -> Observed:
     """Every child present, every pod in `phase`."""
     spec = _spec(job)
     others = {ChildRef(o["kind"], o["metadata"]["name"]) for o in render_static(JOB, NS, spec)}
@@ -46,12 +47,12 @@ def _world(job: JobView, phase: str = "Running", ready: bool = True, attempt: in
         name = s.pod_name(JOB)
         pods[name] = PodView(
             name=name,
-            role=s.role.value,
+            role=s.role,
             replica=s.replica,
             teacher=s.teacher,
-            attempt=attempt if s.role.value == "trainer" else None,
+            attempt=attempt if s.role is Role.trainer else None,
             phase=phase,
-            ready=ready and phase == "Running",
+            ready=ready and phase is PodPhase.running,
         )
     return Observed(pods=pods, others=others)
 
@@ -64,7 +65,7 @@ def _with(observed: Observed, name: str, **changes: Any) -> Observed:
 
 
 def _next(job: JobView, p: Plan) -> JobView:
-    from kubedistill.operator.status import status_patch
+    from kubedistill.operator.observed import status_patch
 
     return JobView(job.name, job.namespace, job.generation, job.spec, status_patch(p.status))
 
@@ -82,29 +83,29 @@ def test_first_pass_creates_every_child_and_stays_pending() -> None:
     assert p.status.start_time == "2026-01-01T00:00:00Z"
     assert p.status.observed_generation == 3
     assert p.status.roles["trainer"].desired == 2 and p.status.roles["teacher/math"].desired == 1
-    assert condition(p.status, ConditionType.created).status.value == "False"
+    assert condition(p.status, ConditionType.created).status is ConditionStatus.false
 
 
 def test_phases_pending_initializing_running_with_events() -> None:
     job = _job({"phase": "Pending", "startTime": "2026-01-01T00:00:00Z"})
-    p = plan(job, _world(job, "Running", ready=False), T0)
+    p = plan(job, _world(job, PodPhase.running, ready=False), T0)
     assert p.create == [] and p.status.phase is Phase.initializing
     assert [(e.type, e.reason) for e in p.events] == [("Normal", "Initializing")]
-    p2 = plan(_next(job, p), _world(job, "Running", ready=True), T0 + timedelta(seconds=5))
+    p2 = plan(_next(job, p), _world(job, PodPhase.running, ready=True), T0 + timedelta(seconds=5))
     assert p2.status.phase is Phase.running
     assert p2.status.ready.trainer == "2/2" and p2.status.ready.rollout == "2/2" and p2.status.ready.teachers == "1/1"
     ready = condition(p2.status, ConditionType.ready)
-    assert ready.status.value == "True" and ready.last_transition_time == "2026-01-01T00:00:05Z"
-    assert condition(p2.status, ConditionType.created).status.value == "True"
+    assert ready.status is ConditionStatus.true and ready.last_transition_time == "2026-01-01T00:00:05Z"
+    assert condition(p2.status, ConditionType.created).status is ConditionStatus.true
     # Nothing changes: the same plan, no events, transition times kept.
-    p3 = plan(_next(job, p2), _world(job, "Running", ready=True), T0 + timedelta(seconds=9))
+    p3 = plan(_next(job, p2), _world(job, PodPhase.running, ready=True), T0 + timedelta(seconds=9))
     assert p3.events == [] and p3.create == [] and p3.delete == []
     assert condition(p3.status, ConditionType.ready).last_transition_time == "2026-01-01T00:00:05Z"
 
 
 def test_failed_server_pod_is_replaced_alone() -> None:
     job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
-    world = _with(_world(job), "j-rollout-1", phase="Failed", ready=False, reason="OOMKilled, exit code 137")
+    world = _with(_world(job), "j-rollout-1", phase=PodPhase.failed, ready=False, reason="OOMKilled, exit code 137")
     p = plan(job, world, T0)
     assert _deleted_pods(p) == {"j-rollout-1"}
     assert p.status.restarts == 0
@@ -118,7 +119,7 @@ def test_failed_server_pod_is_replaced_alone() -> None:
 
 def test_failed_trainer_restarts_the_gang_then_recreates_with_next_attempt() -> None:
     job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
-    world = _with(_world(job), "j-trainer-1", phase="Failed", ready=False)
+    world = _with(_world(job), "j-trainer-1", phase=PodPhase.failed, ready=False)
     p = plan(job, world, T0)
     assert _deleted_pods(p) == {"j-trainer-0", "j-trainer-1"}
     assert p.status.restarts == 1 and p.status.phase is Phase.restarting
@@ -173,7 +174,7 @@ def test_a_trainer_pod_being_deleted_counts_as_lost_and_a_single_trainer_restart
 
 def test_a_trainer_pod_missing_before_the_gang_started_is_just_created() -> None:
     job = _job({"phase": "Pending", "startTime": "2026-01-01T00:00:00Z"})
-    world = _world(job, phase="Pending", ready=False)
+    world = _world(job, phase=PodPhase.pending, ready=False)
     del world.pods["j-trainer-1"]
     p = plan(job, world, T0)
     assert [o["metadata"]["name"] for o in p.create] == ["j-trainer-1"]
@@ -202,11 +203,11 @@ def test_old_gang_pods_are_deleted_and_block_the_new_gang() -> None:
 
 def test_backoff_limit_exhausted_fails_the_job() -> None:
     job = _job({"phase": "Running", "restarts": 2, "startTime": "2026-01-01T00:00:00Z"}, backoffLimit=2)
-    world = _with(_world(job, attempt=2), "j-trainer-0", phase="Failed", ready=False)
+    world = _with(_world(job, attempt=2), "j-trainer-0", phase=PodPhase.failed, ready=False)
     p = plan(job, world, T0)
     assert p.status.phase is Phase.failed and p.status.completion_time == "2026-01-01T00:00:00Z"
     failed = condition(p.status, ConditionType.failed)
-    assert failed.status.value == "True" and failed.reason == "BackoffLimitExceeded"
+    assert failed.status is ConditionStatus.true and failed.reason == "BackoffLimitExceeded"
     # The failed pod stays for its logs; everything still running goes.
     assert "j-trainer-0" not in _deleted_pods(p) and "j-rollout-0" in _deleted_pods(p)
     assert p.create == []
@@ -214,7 +215,7 @@ def test_backoff_limit_exhausted_fails_the_job() -> None:
 
 def test_trainer_rank0_success_completes_the_job_and_deletes_servers() -> None:
     job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}, ttlSecondsAfterFinished=60)
-    world = _with(_with(_world(job), "j-trainer-0", phase="Succeeded"), "j-trainer-1", phase="Succeeded")
+    world = _with(_with(_world(job), "j-trainer-0", phase=PodPhase.succeeded), "j-trainer-1", phase=PodPhase.succeeded)
     p = plan(job, world, T0, Progress(step=100, weight_version=100, last_checkpoint="/ckpt/step-100"))
     assert p.status.phase is Phase.succeeded
     assert _deleted_pods(p) == {"j-rollout-0", "j-rollout-1", "j-teacher-math-0"}
@@ -232,14 +233,14 @@ def test_suspend_deletes_pods_and_resume_recreates_them() -> None:
     p = plan(job, _world(job), T0)
     assert _deleted_pods(p) == set(_world(job).pods)
     assert p.status.phase is Phase.suspended and p.status.start_time is None
-    assert condition(p.status, ConditionType.suspended).status.value == "True"
+    assert condition(p.status, ConditionType.suspended).status is ConditionStatus.true
     resumed = JobView(JOB, NS, 4, {**job.spec, "suspend": False}, _next(job, p).status)
     world = _world(job)
     world.pods.clear()
     p2 = plan(resumed, world, T0 + timedelta(seconds=10))
     assert len([o for o in p2.create if o["kind"] == "Pod"]) == 5
     assert p2.status.phase is Phase.pending and p2.status.start_time == "2026-01-01T00:00:10Z"
-    assert condition(p2.status, ConditionType.suspended).status.value == "False"
+    assert condition(p2.status, ConditionType.suspended).status is ConditionStatus.false
 
 
 def test_active_deadline_fails_the_job() -> None:
@@ -283,7 +284,7 @@ def test_per_job_gauges_follow_status_and_vanish_with_the_job() -> None:
     status = DistillationJobStatus(
         restarts=2, roles={"trainer": RoleStatus(desired=2, ready=1), "teacher/math": RoleStatus(desired=1, ready=1)}
     )
-    m.job_phase("ns", "j", "Running")
+    m.job_phase("ns", "j", Phase.running)
     m.job_status("ns", "j", status)
     get = m.registry.get_sample_value
     assert get("kubedistill_operator_role_ready", {"namespace": "ns", "job": "j", "role": "trainer"}) == 1
@@ -308,7 +309,8 @@ def test_a_refused_child_blocks_the_job_waits_for_its_backoff_and_then_is_create
     assert p.status.phase is Phase.blocked
     assert p.status.message == f"creating Pod j-trainer-0 was refused: {PSA}"
     created = condition(p.status, ConditionType.created)
-    assert (created.status.value, created.reason, created.message) == ("False", "PodSecurity", p.status.message)
+    assert created.status is ConditionStatus.false
+    assert (created.reason, created.message) == ("PodSecurity", p.status.message)
     assert [(e.type, e.reason) for e in p.events] == [("Warning", "Blocked")] and PSA in p.events[0].message
 
     later = plan(_next(job, p), world, T0 + timedelta(seconds=4), refusals=refused)
@@ -316,9 +318,9 @@ def test_a_refused_child_blocks_the_job_waits_for_its_backoff_and_then_is_create
     assert later.status.phase is Phase.blocked and later.events == []  # still Blocked until it is made
 
     # Made at last: the job goes on and says nothing of the refusal any more.
-    recovered = plan(_next(job, later), _world(job, phase="Pending", ready=False), T0 + timedelta(seconds=5))
+    recovered = plan(_next(job, later), _world(job, phase=PodPhase.pending, ready=False), T0 + timedelta(seconds=5))
     assert recovered.status.phase is Phase.pending and recovered.status.message == ""
-    assert condition(recovered.status, ConditionType.created).status.value == "True"
+    assert condition(recovered.status, ConditionType.created).status is ConditionStatus.true
 
 
 def test_refusal_reasons_and_backoff() -> None:
@@ -340,4 +342,4 @@ def test_refusal_reasons_and_backoff() -> None:
         False,
         False,
     ]
-    assert [create_backoff(n, 2.0, 30.0) for n in (1, 2, 3, 4, 5, 6)] == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert [create_backoff(n, 2.0, 30.0) for n in (1, 2, 3, 4, 5, 6, 10_000)] == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]

@@ -14,6 +14,7 @@ from k8s_offline import read_manifest
 from kubedistill.api import kubeyaml
 from kubedistill.api.job import DistillationJob
 from kubedistill.api.roleconfig import CONFIG_PATH, JobConfig, Ports
+from kubedistill.api.status import Phase
 from kubedistill.api.validate import load_job
 from kubedistill.operator import main as operator_main
 from kubedistill.operator.kube import RESOURCES
@@ -301,11 +302,11 @@ def test_metrics_table_names() -> None:
         "kubedistill_operator_job_restarts",
     }
     m = OperatorMetrics()
-    m.job_phase("ml", "a", "Running")
-    m.job_phase("ml", "b", "Running")
-    m.job_phase("ml", "b", "Failed")
-    m["reconcile_errors"].inc()
-    m["children_created"].labels(kind="Pod").inc(3)
+    m.job_phase("ml", "a", Phase.running)
+    m.job_phase("ml", "b", Phase.running)
+    m.job_phase("ml", "b", Phase.failed)
+    m.reconcile_errors.inc()
+    m.children_created.labels(kind="Pod").inc(3)
     assert m.registry.get_sample_value("kubedistill_operator_jobs", {"phase": "Running"}) == 1
     assert m.registry.get_sample_value("kubedistill_operator_jobs", {"phase": "Failed"}) == 1
     assert m.registry.get_sample_value("kubedistill_operator_reconcile_errors_total") == 1

@@ -1,7 +1,8 @@
-"""The tree is clean under ruff (lint and format, configured in pyproject.toml)."""
+"""The tree is clean under ruff (lint, format) and mypy, as configured in pyproject.toml."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,3 +19,16 @@ def test_ruff_lint() -> None:
 def test_ruff_format() -> None:
     r = subprocess.run([*RUFF, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, f"ruff format (fix with `ruff format .`):\n{r.stdout}{r.stderr}"
+
+
+def test_mypy() -> None:
+    """Strict on kubedistill/, operator/ and runtime/driver/, default elsewhere (pyproject.toml)."""
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "typecheck.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=600,
+    )
+    assert r.returncode == 0, f"mypy (bash scripts/typecheck.sh):\n{r.stdout}{r.stderr}"

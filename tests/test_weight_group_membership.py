@@ -11,11 +11,19 @@ from kubedistill.runtime.weight_sync.group import GroupAddress
 
 
 class RecordingEngine:
-    """Only the membership calls of an Engine; joins take a moment, like a rendezvous."""
+    """Only the membership calls of an Engine. A join waits in its rendezvous until `rendezvous`
+    is set, which a test holds back to act while one is in progress (set from the start unless
+    told otherwise); `in_rendezvous` is set once a join is waiting there. A join fails with
+    `join_error` while it is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, rendezvous_open: bool = True) -> None:
         self.calls: list[str] = []
         self.weight_group_state = "none"
+        self.rendezvous = asyncio.Event()
+        if rendezvous_open:
+            self.rendezvous.set()
+        self.in_rendezvous = asyncio.Event()
+        self.join_error: Exception | None = None
 
     def abort_weight_group(self) -> None:
         self.calls.append("abort")
@@ -25,9 +33,13 @@ class RecordingEngine:
         self.weight_group_state = "none"
 
     async def join_weight_group(self, addr: GroupAddress) -> None:
+        if self.join_error is not None:
+            self.weight_group_state = "failed"
+            raise self.join_error
         self.calls.append(f"join {addr.epoch}")
         self.weight_group_state = "joining"
-        await asyncio.sleep(0.05)
+        self.in_rendezvous.set()
+        await self.rendezvous.wait()
         self.calls.append(f"joined {addr.epoch}")
         self.weight_group_state = "ready"
 
@@ -57,12 +69,13 @@ async def test_switch_waits_for_the_old_sync_then_leaves_then_joins() -> None:
 
 
 async def test_a_newer_epoch_supersedes_one_still_joining() -> None:
-    engine = RecordingEngine()
+    engine = RecordingEngine(rendezvous_open=False)
     m = _membership(engine, {})
     m.switch("e1")
-    await asyncio.sleep(0.01)  # e1 is in its rendezvous
+    await asyncio.wait_for(engine.in_rendezvous.wait(), 5)  # e1 is in its rendezvous
     m.switch("e2")
     m.switch("e3")
+    engine.rendezvous.set()  # the trainer's side arrives: e1's join completes
     await m.wait_switched(5)
     # e1's join completes first (one switch at a time), e2 never starts, e3 releases e1's group
     assert [c for c in engine.calls if c != "abort"] == [
@@ -78,17 +91,12 @@ async def test_a_newer_epoch_supersedes_one_still_joining() -> None:
 
 async def test_a_failed_join_is_reported_and_the_same_epoch_can_retry() -> None:
     engine = RecordingEngine()
-
-    async def refuse(addr: GroupAddress) -> None:
-        engine.weight_group_state = "failed"
-        raise TimeoutError("rendezvous timed out")
-
-    engine.join_weight_group = refuse  # type: ignore[method-assign]
+    engine.join_error = TimeoutError("rendezvous timed out")
     m = _membership(engine, {})
     m.switch("e1")
     await m.wait_switched(5)
     assert m.status().model_dump() == {"epoch": "e1", "state": "failed", "error": "TimeoutError: rendezvous timed out"}
-    del engine.join_weight_group
+    engine.join_error = None
     m.switch("e1")
     await m.wait_switched(5)
     assert m.status().state == "ready" and m.status().error is None

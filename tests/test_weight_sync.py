@@ -1,4 +1,4 @@
-"""Weight sync without servers: manifest planning and checks, and a real two-rank gloo
+"""Weight sync without servers: the manifest's bucket layout and its checks, and a real two-rank gloo
 broadcast (sender and receiver threads in one process) that must arrive bit for bit."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
+from kubedistill.api.spec import Device, SyncBackend
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, resolve_backend
-from kubedistill.runtime.weight_sync.manifest import check_against, check_layout, plan, tensor_checksum
+from kubedistill.runtime.weight_sync.manifest import bucket_layout, check_against, check_layout, tensor_checksum
 from kubedistill.runtime.weight_sync.sender import build_manifest
 from kubedistill.runtime.weight_sync.transfer import receive, send
 from kubedistill.runtime.wire.protocol import Manifest, TensorMeta
@@ -22,8 +23,8 @@ def metas(*specs: tuple[str, str, list[int]]) -> list[TensorMeta]:
     return [TensorMeta(name=n, dtype=d, shape=s) for n, d, s in specs]
 
 
-def test_plan_fills_buckets_in_order_and_groups_dtypes() -> None:
-    m = plan(
+def test_layout_fills_buckets_in_order_and_groups_dtypes() -> None:
+    m = bucket_layout(
         metas(("a", "float32", [4]), ("b", "bfloat16", [8]), ("c", "float32", [4]), ("d", "float32", [4])),
         bucket_bytes=32,
     )
@@ -34,43 +35,47 @@ def test_plan_fills_buckets_in_order_and_groups_dtypes() -> None:
     check_layout(m)
 
 
-def test_plan_sends_large_tensors_alone() -> None:
-    m = plan(
+def test_layout_sends_large_tensors_alone() -> None:
+    m = bucket_layout(
         metas(("a", "float32", [2]), ("big", "float32", [8]), ("b", "float32", [2])), bucket_bytes=1024, direct_bytes=32
     )
     assert [[m.tensors[e.index].name for e in b.entries] for b in m.buckets] == [["big"], ["a", "b"]]
 
 
-def test_plan_gives_an_oversized_tensor_its_own_bucket() -> None:
-    m = plan(metas(("small", "float32", [2]), ("big", "float32", [100]), ("tail", "float32", [2])), bucket_bytes=64)
+def test_layout_gives_an_oversized_tensor_its_own_bucket() -> None:
+    m = bucket_layout(
+        metas(("small", "float32", [2]), ("big", "float32", [100]), ("tail", "float32", [2])), bucket_bytes=64
+    )
     assert [[e.index for e in b.entries] for b in m.buckets] == [[0], [1], [2]]
     assert m.buckets[1].numel == 100
 
 
 def test_layout_errors_name_the_problem() -> None:
-    m = plan(metas(("a", "float32", [4]), ("b", "float32", [4])), bucket_bytes=1024)
+    m = bucket_layout(metas(("a", "float32", [4]), ("b", "float32", [4])), bucket_bytes=1024)
     bad = m.model_copy(deep=True)
     bad.buckets[0].entries[1].offset = 3
     with pytest.raises(ValueError, match="b at offset 3, expected 4"):
         check_layout(bad)
     with pytest.raises(ValueError, match="cannot be synced"):
-        plan(metas(("x", "complex64", [2])), 16)
+        bucket_layout(metas(("x", "complex64", [2])), 16)
 
 
 def test_check_against_reports_unknown_missing_and_shape() -> None:
-    m = plan(metas(("a", "float32", [4]), ("extra", "float32", [1])), bucket_bytes=1024)
+    m = bucket_layout(metas(("a", "float32", [4]), ("extra", "float32", [1])), bucket_bytes=1024)
     with pytest.raises(ValueError, match=r"manifest mismatch: unknown tensors extra; missing tensors b"):
         check_against(m, {"a": [4], "b": [2]})
     with pytest.raises(ValueError, match=r"a has shape \[4\], the engine's is \[2, 2\]"):
-        check_against(plan(metas(("a", "float32", [4])), 64), {"a": [2, 2]})
-    check_against(plan(metas(("a", "float32", [2, 2])), 64), {"a": [2, 2]})
+        check_against(bucket_layout(metas(("a", "float32", [4])), 64), {"a": [2, 2]})
+    check_against(bucket_layout(metas(("a", "float32", [2, 2])), 64), {"a": [2, 2]})
 
 
 def test_backend_follows_device() -> None:
-    assert resolve_backend("auto", "cpu") == "gloo"
-    assert resolve_backend("auto", "cuda") == "nccl"
+    assert resolve_backend(SyncBackend.auto, Device.cpu) == "gloo"
+    assert resolve_backend(SyncBackend.auto, Device.cuda) == "nccl"
+    assert resolve_backend(SyncBackend.gloo, Device.cuda) == "gloo"
+    assert resolve_backend(SyncBackend.nccl, Device.cuda) == "nccl"
     with pytest.raises(ValueError, match="nccl needs device cuda"):
-        resolve_backend("nccl", "cpu")
+        resolve_backend(SyncBackend.nccl, Device.cpu)
 
 
 def test_gloo_broadcast_is_bit_exact_across_buckets_and_dtypes() -> None:

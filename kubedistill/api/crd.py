@@ -52,7 +52,7 @@ def _unwrap_annotated(tp: Any) -> tuple[Any, list[Any]]:
 
 
 def _apply_constraints(schema: dict[str, Any], meta: list[Any]) -> None:
-    kind = schema.get("type")
+    kind: str = schema.get("type", "")
     for m in meta:
         if isinstance(m, at.Ge):
             schema["minimum"] = m.ge

@@ -21,13 +21,22 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+from yaml.resolver import BaseResolver
 
-_LoaderBase: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_DumperBase: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+if TYPE_CHECKING:
+    # The stubs declare libyaml's classes whether or not PyYAML was built with it; the pure-Python
+    # classes offer the same constructor and resolver methods, all this module uses.
+    from yaml import CSafeDumper as _DumperBase
+    from yaml import CSafeLoader as _LoaderBase
+else:
+    # libyaml's parser and emitter when PyYAML was built with it: several times faster.
+    _LoaderBase = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    _DumperBase = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 STR = "tag:yaml.org,2002:str"
 INT = "tag:yaml.org,2002:int"
@@ -121,15 +130,24 @@ def json_key(key: Any) -> str:
     return str(key)
 
 
-class _GoResolution:
-    """Plain scalars resolve as go-yaml v2 resolves them; quoted ones stay strings."""
+def _pyyaml_tag(resolver: BaseResolver, kind: Any, value: Any, implicit: Any) -> str:
+    """The tag PyYAML's own (YAML 1.1) resolution gives a node."""
+    # types-PyYAML leaves BaseResolver.resolve unannotated; it returns the tag string.
+    tag: str = BaseResolver.resolve(resolver, kind, value, implicit)  # type: ignore[no-untyped-call]
+    return tag
+
+
+class _GoResolution(BaseResolver):
+    """Plain scalars resolve as go-yaml v2 resolves them; quoted ones stay strings.
+
+    A mixin placed before PyYAML's loader or dumper class (whose resolver it replaces)."""
 
     def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
         if kind is yaml.ScalarNode and implicit[0]:
             if value == "<<":
                 return MERGE
             return _resolve(value)[0]
-        return super().resolve(kind, value, implicit)  # type: ignore[misc]
+        return _pyyaml_tag(self, kind, value, implicit)
 
 
 class KubeLoader(_GoResolution, _LoaderBase):
@@ -138,7 +156,8 @@ class KubeLoader(_GoResolution, _LoaderBase):
     def construct_go_scalar(self, node: yaml.ScalarNode) -> Any:
         return go_scalar(self.construct_scalar(node))
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> dict[str, Any]:
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        """Every key as the string sigs.k8s.io/yaml makes of it."""
         raw = super().construct_mapping(node, deep=deep)
         return {json_key(k): v for k, v in raw.items()}
 
@@ -154,16 +173,16 @@ class KubeDumper(_GoResolution, _DumperBase):
     def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
         tag = super().resolve(kind, value, implicit)
         if tag == STR and kind is yaml.ScalarNode and implicit[0]:
-            return _DumperBase.resolve(self, kind, value, implicit)
+            return _pyyaml_tag(self, kind, value, implicit)
         return tag
 
 
-def dump(data: Any, **kwargs: Any) -> str:
-    return yaml.dump(data, Dumper=KubeDumper, **kwargs)
+def dump(data: Any, *, sort_keys: bool = True, width: int | None = None) -> str:
+    return yaml.dump(data, Dumper=KubeDumper, sort_keys=sort_keys, width=width)
 
 
-def dump_all(docs: list[Any], **kwargs: Any) -> str:
-    return yaml.dump_all(docs, Dumper=KubeDumper, **kwargs)
+def dump_all(docs: list[Any], *, sort_keys: bool = True, width: int | None = None) -> str:
+    return yaml.dump_all(docs, Dumper=KubeDumper, sort_keys=sort_keys, width=width)
 
 
 # -- bounded reading of untrusted manifests ---------------------------------------------------
@@ -194,6 +213,11 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"invalid YAML: {where}{problem}"
 
 
+def _at(ev: yaml.Event) -> str:
+    """(line N) where the parser saw the event; it marks every event it emits."""
+    return f" (line {ev.start_mark.line + 1})" if ev.start_mark is not None else ""
+
+
 def check_shape(text: str, limits: Limits = Limits()) -> None:
     """Refuse, from libyaml's event stream and before anything is built, a document nested
     deeper than max_depth or whose aliases expand past max_nodes (a "billion laughs")."""
@@ -204,7 +228,7 @@ def check_shape(text: str, limits: Limits = Limits()) -> None:
     try:
         for ev in yaml.parse(text, Loader=KubeLoader):
             if isinstance(ev, yaml.AliasEvent):
-                nodes += anchored.get(ev.anchor, 1)
+                nodes += anchored.get(ev.anchor, 1) if ev.anchor is not None else 1
             elif isinstance(ev, yaml.ScalarEvent):
                 nodes += 1
                 if ev.anchor:
@@ -215,8 +239,7 @@ def check_shape(text: str, limits: Limits = Limits()) -> None:
                 open_at.append((nodes, ev.anchor))
                 if depth > limits.max_depth:
                     raise ManifestError(
-                        f"nested more than {limits.max_depth} levels deep "
-                        f"(line {ev.start_mark.line + 1}); no manifest field is that deep"
+                        f"nested more than {limits.max_depth} levels deep{_at(ev)}; no manifest field is that deep"
                     )
             elif isinstance(ev, yaml.CollectionEndEvent):
                 depth -= 1
@@ -225,8 +248,7 @@ def check_shape(text: str, limits: Limits = Limits()) -> None:
                     anchored[anchor] = nodes - start + 1
             if nodes > limits.max_nodes:
                 raise ManifestError(
-                    f"more than {limits.max_nodes} values once aliases are expanded "
-                    f"(line {ev.start_mark.line + 1}); a manifest is far smaller"
+                    f"more than {limits.max_nodes} values once aliases are expanded{_at(ev)}; a manifest is far smaller"
                 )
     except yaml.YAMLError as exc:
         raise ManifestError(_yaml_problem(exc)) from None

@@ -26,7 +26,7 @@ are expanded, each in one line.
 
 
 def _type(node: dict[str, Any]) -> str:
-    t = node.get("type", "")
+    t: str = node.get("type", "")
     if "enum" in node:
         return " \\| ".join(f"`{v}`" for v in node["enum"])
     if t == "array":

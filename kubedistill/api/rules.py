@@ -2,7 +2,7 @@
 (checked by the pydantic model, by `kubedistill validate` and by the operator) and once in CEL
 (emitted into the CRD as x-kubernetes-validations, checked by the API server at apply time).
 
-Both share one message. tests/test_api_rules.py evaluates every CEL rule offline on the same
+Both share one message. tests/test_api.py evaluates every CEL rule offline on the same
 manifests as the Python checks and requires both to report the same violations.
 """
 
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import Advantage, Device, DistillationJobSpec, LossMode, Mode
 
 
 @dataclass(frozen=True)
@@ -34,14 +32,14 @@ class Rule:
         return f"{self.node}{self.field}" if self.node else self.field.lstrip(".")
 
 
-def _gpus_ok(device: str, gpus: int | None) -> bool:
+def _gpus_ok(device: Device, gpus: int | None) -> bool:
     if gpus is None:
         return True
-    return gpus == 0 if device == "cpu" else gpus > 0
+    return gpus == 0 if device is Device.cpu else gpus > 0
 
 
-def _tp_ok(device: str, tp: int, gpus: int | None) -> bool:
-    return device == "cpu" or tp <= (1 if gpus is None else gpus)
+def _tp_ok(device: Device, tp: int, gpus: int | None) -> bool:
+    return device is Device.cpu or tp <= (1 if gpus is None else gpus)
 
 
 def _disjoint(spec: DistillationJobSpec) -> bool:
@@ -74,14 +72,14 @@ SPEC_RULES: list[Rule] = [
         "self.mode != 'fullyAsync' || has(self.async)",
         "is required when spec.mode is fullyAsync",
         ".async",
-        lambda s: s.mode.value != "fullyAsync" or s.async_ is not None,
+        lambda s: s.mode is not Mode.fully_async or s.async_ is not None,
     ),
     Rule(
         "spec",
         "!has(self.async) || !self.async.partialRollout || self.mode == 'fullyAsync'",
         "partial rollouts need spec.mode fullyAsync",
         ".async.partialRollout",
-        lambda s: s.async_ is None or not s.async_.partial_rollout or s.mode.value == "fullyAsync",
+        lambda s: s.async_ is None or not s.async_.partial_rollout or s.mode is Mode.fully_async,
     ),
     Rule(
         "spec",
@@ -118,7 +116,7 @@ SPEC_RULES: list[Rule] = [
         "self.algorithm.distillation.lossMode != 'k1' || self.algorithm.distillation.usePolicyGradient",
         "lossMode k1 needs usePolicyGradient: true (k1 has no useful gradient as a direct loss)",
         ".algorithm.distillation.usePolicyGradient",
-        lambda s: s.algorithm.distillation.loss_mode.value != "k1" or s.algorithm.distillation.use_policy_gradient,
+        lambda s: s.algorithm.distillation.loss_mode is not LossMode.k1 or s.algorithm.distillation.use_policy_gradient,
     ),
     Rule(
         "spec",
@@ -132,7 +130,7 @@ SPEC_RULES: list[Rule] = [
         "!self.algorithm.distillation.useTaskRewards || self.algorithm.advantage != 'none'",
         "useTaskRewards needs an advantage estimator (grpo)",
         ".algorithm.advantage",
-        lambda s: not s.algorithm.distillation.use_task_rewards or s.algorithm.advantage.value != "none",
+        lambda s: not s.algorithm.distillation.use_task_rewards or s.algorithm.advantage is not Advantage.none,
     ),
     Rule(
         "spec",
@@ -142,7 +140,7 @@ SPEC_RULES: list[Rule] = [
         ".rollout.sampling.samplesPerPrompt",
         lambda s: (
             not s.algorithm.distillation.use_task_rewards
-            or s.algorithm.advantage.value != "grpo"
+            or s.algorithm.advantage is not Advantage.grpo
             or s.rollout.sampling.samples_per_prompt >= 2
         ),
     ),
@@ -158,21 +156,21 @@ SPEC_RULES: list[Rule] = [
         _gpu_cel("rollout.gpus"),
         GPU_MESSAGE,
         ".rollout.gpus",
-        lambda s: _gpus_ok(s.device.value, s.rollout.gpus),
+        lambda s: _gpus_ok(s.device, s.rollout.gpus),
     ),
     Rule(
         "spec",
         _gpu_cel("trainer.gpusPerReplica"),
         GPU_MESSAGE,
         ".trainer.gpusPerReplica",
-        lambda s: _gpus_ok(s.device.value, s.trainer.gpus_per_replica),
+        lambda s: _gpus_ok(s.device, s.trainer.gpus_per_replica),
     ),
     Rule(
         "spec",
         "self.teachers.all(t, !has(t.gpus) || (self.device == 'cpu' ? t.gpus == 0 : t.gpus > 0))",
         "every teacher's gpus " + GPU_MESSAGE,
         ".teachers",
-        lambda s: all(_gpus_ok(s.device.value, t.gpus) for t in s.teachers),
+        lambda s: all(_gpus_ok(s.device, t.gpus) for t in s.teachers),
     ),
     Rule(
         "spec",
@@ -180,14 +178,14 @@ SPEC_RULES: list[Rule] = [
         "(has(self.rollout.gpus) ? self.rollout.gpus : 1)",
         "must not exceed spec.rollout.gpus",
         ".rollout.inference.tensorParallelSize",
-        lambda s: _tp_ok(s.device.value, s.rollout.inference.tensor_parallel_size, s.rollout.gpus),
+        lambda s: _tp_ok(s.device, s.rollout.inference.tensor_parallel_size, s.rollout.gpus),
     ),
     Rule(
         "spec",
         "self.device == 'cpu' || self.teachers.all(t, t.inference.tensorParallelSize <= (has(t.gpus) ? t.gpus : 1))",
         "every teacher's inference.tensorParallelSize must not exceed its gpus",
         ".teachers",
-        lambda s: all(_tp_ok(s.device.value, t.inference.tensor_parallel_size, t.gpus) for t in s.teachers),
+        lambda s: all(_tp_ok(s.device, t.inference.tensor_parallel_size, t.gpus) for t in s.teachers),
     ),
 ]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from kubedistill.api import kubeyaml
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
@@ -36,7 +37,7 @@ def _path(loc: Iterable[Any]) -> str:
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The pydantic model that validates the object at `loc` (aliases), if any."""
-    model: Any = DistillationJob
+    model: type[BaseModel] | None = DistillationJob
     for part in loc:
         if isinstance(part, int) or model is None:
             continue
@@ -75,7 +76,9 @@ BOOLEAN_KEYS: dict[str, tuple[str, ...]] = {
 def _unknown_field(parent: type[BaseModel] | None, key: str) -> str:
     allowed = sorted((f.alias or n) for n, f in parent.model_fields.items()) if parent else []
     spellings = BOOLEAN_KEYS.get(key, ())
-    meant = next((FAMILIAR_KEYS[(parent, k)] for k in (key, *spellings) if (parent, k) in FAMILIAR_KEYS), None)
+    meant = None
+    if parent is not None:
+        meant = next((FAMILIAR_KEYS[(parent, k)] for k in (key, *spellings) if (parent, k) in FAMILIAR_KEYS), None)
     if spellings:
         hint = (
             f": kubectl and the API server read YAML 1.1, where a bare key {', '.join(spellings[:-1])} or"
@@ -90,7 +93,7 @@ def _unknown_field(parent: type[BaseModel] | None, key: str) -> str:
     return f"unknown field{hint}; allowed: {', '.join(allowed)}"
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         return _unknown_field(_model_at(tuple(err["loc"][:-1])), str(err["loc"][-1]))

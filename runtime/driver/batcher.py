@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+from kubedistill.api.spec import DistillationJobSpec, LossMode
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.wire.batch import TrainBatch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class BatchRequirements:
     """Task rewards in the loss: a reward on every sample."""
 
     @classmethod
-    def from_spec(cls, spec) -> BatchRequirements:
+    def from_spec(cls, spec: DistillationJobSpec) -> BatchRequirements:
         d = spec.algorithm.distillation
         a = spec.async_
         return cls(
@@ -39,7 +43,7 @@ class BatchRequirements:
             mini_batch_size=spec.trainer.mini_batch_size,
             require_batches=a.require_batches if a is not None else 1,
             teacher_scores=d.enabled,
-            top_k=d.top_k if d.enabled and d.loss_mode.value == "forwardKLTopK" else 0,
+            top_k=d.top_k if d.enabled and d.loss_mode is LossMode.forward_kl_top_k else 0,
             rewards=d.use_task_rewards,
         )
 
@@ -128,12 +132,27 @@ def to_train_batch(samples: Sequence[Sample], req: BatchRequirements) -> TrainBa
         token_ids=[list(s.prompt_ids) + list(s.response_ids) for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
         rollout_logprobs=[list(s.logprobs) for s in samples],
-        teacher_logprobs=[list(s.teacher_logprobs) for s in samples] if req.teacher_scores else None,
-        teacher_topk_ids=[list(s.teacher_topk_ids) for s in samples] if req.top_k else None,
-        teacher_topk_logprobs=[list(s.teacher_topk_logprobs) for s in samples] if req.top_k else None,
-        rewards=[float(s.reward) for s in samples] if req.rewards else None,
+        teacher_logprobs=(
+            [list(_checked(s.teacher_logprobs, s, "teacher log-probs")) for s in samples]
+            if req.teacher_scores
+            else None
+        ),
+        teacher_topk_ids=(
+            [list(_checked(s.teacher_topk_ids, s, "teacher top-k")) for s in samples] if req.top_k else None
+        ),
+        teacher_topk_logprobs=(
+            [list(_checked(s.teacher_topk_logprobs, s, "teacher top-k")) for s in samples] if req.top_k else None
+        ),
+        rewards=[float(_checked(s.reward, s, "task reward")) for s in samples] if req.rewards else None,
         group_ids=[s.group_id for s in samples] if req.rewards else None,
-        weight_versions=[s.min_version for s in samples],
+        weight_versions=[_checked(s.min_version, s, "tokens") for s in samples],
     )
     batch.validate()
     return batch
+
+
+def _checked(value: T | None, s: Sample, what: str) -> T:
+    """A field check_sample found present (it raises first, with the full story)."""
+    if value is None:
+        raise ValueError(f"sample {s.sample_id} (data_source {s.data_source!r}) has no {what}")
+    return value

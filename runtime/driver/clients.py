@@ -1,16 +1,16 @@
 """Async HTTP clients of the rollout and teacher servers (used by the driver).
 
 aiohttp, not httpx: with a step's ~100 concurrent /generate and /score requests in flight,
-httpx/httpcore spent most of the driver's CPU managing its connection pool (32 concurrent
-generates: 0.35-3.4 s with httpx against 0.12-0.6 s with aiohttp, same servers), and that CPU is
-taken from the train step beside it. Bodies are encoded and decoded by pydantic's own JSON code
-(no intermediate dicts), which matters for top-k teacher scores.
+httpx/httpcore's connection-pool bookkeeping takes most of the driver's CPU, and that CPU is
+taken from the train step beside it (docs/servers.md, "The driver's HTTP client"). Bodies are
+encoded and decoded by pydantic's own JSON code (no intermediate dicts), which matters for top-k
+teacher scores.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import aiohttp
 from pydantic import BaseModel
@@ -30,7 +30,7 @@ KEEPALIVE_SECONDS = 2.0
 """Idle connections are dropped before the servers' keep-alive (uvicorn: 5 s) closes them, so a
 request rarely goes out on a connection the server is closing (the driver retries it if it does)."""
 
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 """Failures of the connection rather than answers of the server: the request may be sent again."""
 
 M = TypeVar("M", bound=BaseModel)
@@ -100,10 +100,10 @@ class _Client:
             await self._session.close()
             self._session = None
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 

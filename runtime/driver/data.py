@@ -20,9 +20,22 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kubedistill.api.spec import DistillationJobSpec
 
 STATE_FORMAT = 1
+
+
+class Tokenizer(Protocol):
+    """The student's tokenizer (a transformers one), as the driver calls it."""
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool, tokenize: bool
+    ) -> Any: ...
+    def __call__(self, text: str, *, add_special_tokens: bool) -> Any: ...
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +83,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        table_rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
+        return table_rows
     if suffix in (".jsonl", ".json"):
         rows = []
         with path.open() as f:
@@ -119,7 +133,7 @@ class PromptSource:
     def __init__(
         self,
         files: Sequence[str | Path],
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         prompt_key: str = "prompt",
         max_prompt_length: int = 1024,
@@ -150,7 +164,7 @@ class PromptSource:
         self._too_long: set[int] = set()
 
     @classmethod
-    def from_spec(cls, spec: Any, tokenizer: Any, split: str = "train") -> PromptSource:
+    def from_spec(cls, spec: DistillationJobSpec, tokenizer: Tokenizer, split: str = "train") -> PromptSource:
         """The source of spec.data.train, or of spec.data.val (never shuffled) with split="val"."""
         d = spec.data
         if split not in ("train", "val"):

@@ -1,4 +1,4 @@
-"""The training driver (trainer rank 0): one asyncio loop for the three modes of DESIGN.md §2.
+"""The training driver (trainer rank 0): one asyncio loop for the three modes of docs/design.md#modes.
 
 Two sides share a SampleBuffer:
 
@@ -11,9 +11,9 @@ Two sides share a SampleBuffer:
   thread (generation and scoring continue meanwhile), syncs weights every
   `triggerParameterSyncStep` steps and tells the buffer, checkpoints.
 
-The modes differ only in the StalenessPolicy: sync allows one batch under the current weights
-(generate, train, sync), oneStepOff two (batch k+1 generates while k trains), fullyAsync the
-spec's bound. All trainer calls run on one dedicated thread, in order.
+The modes differ only in the staleness rule (StalenessPolicy): sync allows one batch under the
+current weights (generate, train, sync), oneStepOff two (batch k+1 generates while k trains),
+fullyAsync the spec's bound. All trainer calls run on one dedicated thread, in order.
 """
 
 from __future__ import annotations
@@ -23,21 +23,24 @@ import concurrent.futures as cf
 import logging
 import pickle
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import TRANSPORT_ERRORS, RolloutClient, TeacherClient, new_session
-from kubedistill.runtime.driver.data import PromptSource
+from kubedistill.runtime.driver.data import PromptSource, Tokenizer
+from kubedistill.runtime.driver.progress import HistoryWriter
 from kubedistill.runtime.driver.rewards import RewardRegistry
 from kubedistill.runtime.driver.routing import EndpointPool, TeacherRouter
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
-from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
+from kubedistill.runtime.metrics import RoleMetrics
+from kubedistill.runtime.wire.batch import TrainBatch
 
 log = logging.getLogger("kubedistill.driver")
 
@@ -46,15 +49,41 @@ MAX_TRANSPORT_RETRIES = 5
 EXPORT_DIR = "student-hf"
 
 
+T = TypeVar("T")
+
+
+class StepStatsLike(Protocol):
+    """What the driver reads of one trainer step's stats (runtime/trainer's StepStats)."""
+
+    @property
+    def loss_total(self) -> float: ...
+    @property
+    def loss_distill(self) -> float: ...
+    @property
+    def loss_pg(self) -> float: ...
+    @property
+    def grad_norm(self) -> float: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def kl(self) -> float | None: ...
+    @property
+    def seconds(self) -> float: ...
+
+
 class TrainerLike(Protocol):
-    def step(self, batch: Any) -> Any: ...
+    """runtime/trainer's Trainer, as rank 0's driver calls it (tensors are torch's)."""
+
+    def step(self, batch: TrainBatch) -> StepStatsLike: ...
     def named_full_weights(self) -> Iterable[tuple[str, Any]]: ...
-    def save_checkpoint(self, step: int, weight_version: int, driver_state: Any) -> Path: ...
+    def save_checkpoint(self, step: int, weight_version: int, driver_state: bytes) -> Path: ...
     def export_hf(self, out_dir: str | Path) -> Path | None: ...
 
 
 class SenderLike(Protocol):
-    def sync(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> Any: ...
+    """runtime/weight_sync's WeightSender."""
+
+    def sync(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> object: ...
 
 
 def request_seed(base: int | None, sample: Sample) -> int | None:
@@ -70,25 +99,27 @@ class Driver:
         spec: DistillationJobSpec,
         *,
         trainer: TrainerLike,
-        sender: SenderLike,
+        sender: SenderLike | None,
         rollout_urls: list[str],
         teacher_urls: dict[str, list[str]],
-        tokenizer: Any,
-        metrics: Any = None,
+        tokenizer: Tokenizer,
+        metrics: RoleMetrics | None = None,
         history: HistoryWriter | None = None,
-        status: DriverStatus | None = None,
+        status: TrainerProgress | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = spec
         self.trainer = trainer
         self.sender = sender
+        """None until the weight-sync group is formed (the trainer builds the driver first)."""
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.history = history or HistoryWriter()
-        self.status = status or DriverStatus(total_steps=spec.trainer.total_steps)
+        self.status = status or TrainerProgress(total_steps=spec.trainer.total_steps)
+        """What GET /status serves."""
         self.clock = clock
-        self.policy = StalenessPolicy.from_spec(spec)
-        self.buffer = SampleBuffer(self.policy, metrics)
+        self.staleness_rule = StalenessPolicy.from_spec(spec)
+        self.buffer = SampleBuffer(self.staleness_rule, metrics)
         self.req = BatchRequirements.from_spec(spec)
         self.src = PromptSource.from_spec(spec, tokenizer)
         self.rewards = RewardRegistry.for_spec(spec)
@@ -101,7 +132,9 @@ class Driver:
         self._pending_cursor: dict[str, Any] | None = None
         """Data cursor before a prompt drawn but not yet reserved in the buffer (a checkpoint
         taken then must not skip it)."""
-        self._tasks: set[asyncio.Task] = set()
+        self._rollout: dict[str, RolloutClient] = {}
+        self._teacher: dict[str, TeacherClient] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self._error: BaseException | None = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._started = clock()
@@ -124,7 +157,8 @@ class Driver:
             }
         )
 
-    def restore(self, step: int, weight_version: int, driver_state: Any) -> None:
+    def restore(self, step: int, weight_version: int, driver_state: object) -> None:
+        """Continue from a checkpoint: `driver_state` as driver_state() made it (or unpickled)."""
         state = pickle.loads(driver_state) if isinstance(driver_state, (bytes, bytearray)) else driver_state
         if not isinstance(state, dict) or state.get("format") != DRIVER_STATE_FORMAT:
             raise ValueError(f"checkpoint driver state has an unknown format (want {DRIVER_STATE_FORMAT})")
@@ -133,7 +167,7 @@ class Driver:
         self.step, self.version = step, weight_version
         self.status.step, self.status.weight_version = step, weight_version
         for g in self.buffer.in_flight_groups():
-            if not self.policy.partial_rollout:
+            if not self.staleness_rule.partial_rollout:
                 for s in g.samples:
                     if not s.finished:
                         s.restart()
@@ -147,11 +181,13 @@ class Driver:
         )
 
     # ---- trainer thread --------------------------------------------------------------------
-    async def _on_trainer(self, fn: Callable, *args: Any) -> Any:
+    async def _on_trainer(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
 
-    def _sync_blocking(self, version: int) -> Any:
-        return self.sender.sync(version, self.trainer.named_full_weights())
+    def _sync_blocking(self, version: int) -> None:
+        if self.sender is None:
+            raise RuntimeError("no weight sender: the weight-sync group is not formed")
+        self.sender.sync(version, self.trainer.named_full_weights())
 
     async def sync_weights(self, version: int) -> None:
         t0 = self.clock()
@@ -206,7 +242,7 @@ class Driver:
                 return served
             await asyncio.sleep(0.05)
 
-    async def _wait_healthy(self, clients: list[Any]) -> None:
+    async def _wait_healthy(self, clients: list[RolloutClient | TeacherClient]) -> None:
         """Every server answers /health (teachers may still be loading when the rollout servers
         have already joined the weight-sync group)."""
         deadline = self.clock() + float(self.spec.weight_sync.timeout_seconds)
@@ -247,7 +283,10 @@ class Driver:
         staleness = step_samples.staleness()
         rewards = [s.reward for s in step_samples.samples if s.reward is not None]
         synced, served, sync_seconds = False, None, 0.0
-        if self.step % self.policy.trigger_parameter_sync_step == 0 and self.step < self.spec.trainer.total_steps:
+        if (
+            self.step % self.staleness_rule.trigger_parameter_sync_step == 0
+            and self.step < self.spec.trainer.total_steps
+        ):
             t_sync = self.clock()
             await self.sync_weights(self.version + 1)
             synced = True
@@ -306,12 +345,12 @@ class Driver:
             self._pending_cursor = None
             self._spawn(self._generate_group(group))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if task.cancelled():
             return
@@ -331,7 +370,7 @@ class Driver:
         sp = self.spec.rollout.sampling
         t0 = self.clock()
         while not s.finished:
-            if s.needs_resume and not self.policy.partial_rollout:
+            if s.needs_resume and not self.staleness_rule.partial_rollout:
                 s.restart()
             c = s.continuation()
             req = GenerateRequest(

@@ -32,7 +32,11 @@ import importlib
 import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kubedistill.api.spec import DistillationJobSpec
+    from kubedistill.runtime.driver.samples import Sample
 
 RewardFn = Callable[[str, Any], float]
 ENTRY_POINT_GROUP = "kubedistill.rewards"
@@ -54,8 +58,8 @@ def gsm8k_answer(response: str) -> str | None:
         tail = response.rsplit("####", 1)[1]
         found = _NUMBER.search(tail)
         return found.group(0) if found else None
-    found = _NUMBER.findall(response)
-    return found[-1] if found else None
+    numbers: list[str] = _NUMBER.findall(response)
+    return numbers[-1] if numbers else None
 
 
 def gsm8k_reward(response: str, ground_truth: Any) -> float:
@@ -132,7 +136,8 @@ def load_dotted(path: str) -> RewardFn:
         raise ValueError(f"reward function {path!r} cannot be loaded: {e}") from None
     if not callable(fn):
         raise ValueError(f"reward function {path!r} is not callable")
-    return fn
+    reward_fn: RewardFn = fn
+    return reward_fn
 
 
 def _entry_point_rewards() -> list[tuple[str, RewardFn]]:
@@ -164,7 +169,7 @@ class RewardRegistry:
         """Samples left without a reward because no function matched (strict=False only)."""
 
     @classmethod
-    def for_spec(cls, spec: Any) -> RewardRegistry:
+    def for_spec(cls, spec: DistillationJobSpec) -> RewardRegistry:
         return cls(strict=bool(spec.algorithm.distillation.use_task_rewards))
 
     @property
@@ -198,7 +203,7 @@ class RewardRegistry:
             return None
         return float(fn(response, ground_truth))
 
-    def score_sample(self, sample: Any, response_text: str) -> float | None:
+    def score_sample(self, sample: Sample, response_text: str) -> float | None:
         """Score a Sample (kubedistill.runtime.driver.samples) from its decoded response text
         (`tokenizer.decode(sample.response_ids, skip_special_tokens=True)`) and store the reward."""
         sample.reward = self.score(sample.data_source, response_text, sample.ground_truth, sample.reward_fn)

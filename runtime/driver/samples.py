@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kubedistill.runtime.driver.data import PromptItem
 
 FINISHED = ("stop", "length")
 FINISH_REASONS = ("stop", "length", "abort")
@@ -21,10 +24,25 @@ FINISH_REASONS = ("stop", "length", "abort")
 class GenerationOutput(Protocol):
     """What one /generate call returns (kubedistill.runtime.wire.protocol.GenerateResponse)."""
 
-    token_ids: Sequence[int]
-    logprobs: Sequence[float]
-    versions: Sequence[int]
-    finish_reason: str
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def logprobs(self) -> Sequence[float]: ...
+    @property
+    def versions(self) -> Sequence[int]: ...
+    @property
+    def finish_reason(self) -> str: ...
+
+
+class ScoreOutput(Protocol):
+    """What one /score call returns (kubedistill.runtime.wire.protocol.ScoreResponse)."""
+
+    @property
+    def logprobs(self) -> Sequence[float]: ...
+    @property
+    def topk_ids(self) -> Sequence[Sequence[int]]: ...
+    @property
+    def topk_logprobs(self) -> Sequence[Sequence[float]]: ...
 
 
 @dataclass
@@ -159,7 +177,7 @@ class Sample:
         """(token_ids, prompt_len) of the teacher's /score request: prompt followed by response."""
         return list(self.prompt_ids) + list(self.response_ids), len(self.prompt_ids)
 
-    def set_scores(self, teacher: str, out: Any) -> None:
+    def set_scores(self, teacher: str, out: ScoreOutput) -> None:
         """Store a teacher's /score output (ScoreResponse): one entry per response token."""
         t = len(self.response_ids)
         lps, ids, tlps = list(out.logprobs), list(out.topk_ids), list(out.topk_logprobs)
@@ -240,7 +258,7 @@ class SampleGroup:
         )
 
     @classmethod
-    def from_prompt(cls, item: Any, n: int, max_tokens: int) -> SampleGroup:
+    def from_prompt(cls, item: PromptItem, n: int, max_tokens: int) -> SampleGroup:
         """The group of a PromptItem (kubedistill.runtime.driver.data)."""
         return cls.for_prompt(
             item.uid,

@@ -1,4 +1,4 @@
-"""Staleness arithmetic of the training modes (DESIGN.md section 2; docs/algorithms.md,
+"""Staleness arithmetic of the training modes (docs/design.md#staleness; docs/algorithms.md,
 "Staleness and off-policy correction"). Pure functions: no clock, no I/O.
 
 Units. A *sample* is one response (a prompt with n responses is a group of n samples). A *weight
@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING
+
+from kubedistill.api.spec import Mode
 
 if TYPE_CHECKING:
     from kubedistill.api.spec import DistillationJobSpec
@@ -97,8 +99,7 @@ def may_submit(stale_count: int, in_flight: int, group_size: int, max_required: 
 class StalenessPolicy:
     """The numbers one job's driver runs with, derived once from its spec."""
 
-    mode: str
-    """sync, oneStepOff or fullyAsync."""
+    mode: Mode
     group_size: int
     """rollout.sampling.samplesPerPrompt: samples per prompt, generated and trained as one group."""
     required: int
@@ -122,7 +123,7 @@ class StalenessPolicy:
     def build(
         cls,
         *,
-        mode: str,
+        mode: Mode | str,
         group_size: int,
         mini_batch_size: int,
         require_batches: int = 1,
@@ -133,7 +134,8 @@ class StalenessPolicy:
     ) -> StalenessPolicy:
         """The policy of a mode. sync is staleness 0 with a sync after every step; oneStepOff is
         threshold 1 with a sync after every step (the next step's batch is generated while this
-        one trains, so every sample is one version old); fullyAsync takes the spec's numbers."""
+        one trains, so every sample is one version old); fullyAsync takes the spec's numbers.
+        `mode` may be spec.mode's value (sync, oneStepOff, fullyAsync)."""
         if group_size < 1:
             raise ValueError(f"rollout.sampling.samplesPerPrompt must be >= 1, got {group_size}")
         if mini_batch_size % group_size:
@@ -141,12 +143,14 @@ class StalenessPolicy:
                 f"trainer.miniBatchSize ({mini_batch_size}) must be a multiple of "
                 f"rollout.sampling.samplesPerPrompt ({group_size})"
             )
-        if mode == "sync":
+        try:
+            mode = Mode(mode)
+        except ValueError:
+            raise ValueError(f"spec.mode must be sync, oneStepOff or fullyAsync, got {mode!r}") from None
+        if mode is Mode.sync:
             staleness_threshold, trigger_parameter_sync_step, oversample, partial_rollout = 0.0, 1, 1.0, False
-        elif mode == "oneStepOff":
+        elif mode is Mode.one_step_off:
             staleness_threshold, trigger_parameter_sync_step, partial_rollout = 1.0, 1, False
-        elif mode != "fullyAsync":
-            raise ValueError(f"spec.mode must be sync, oneStepOff or fullyAsync, got {mode!r}")
         required = required_samples(mini_batch_size, require_batches)
         bound = max_required_samples(required, staleness_threshold, trigger_parameter_sync_step)
         return cls(
@@ -157,7 +161,7 @@ class StalenessPolicy:
             max_required=bound,
             max_lag=max_version_lag(bound, required, trigger_parameter_sync_step),
             in_flight_cap=in_flight_limit(required, oversample, group_size, bound),
-            cap_counts_generating=mode == "fullyAsync",
+            cap_counts_generating=mode is Mode.fully_async,
             partial_rollout=partial_rollout,
         )
 
@@ -165,7 +169,7 @@ class StalenessPolicy:
     def from_spec(cls, spec: DistillationJobSpec) -> StalenessPolicy:
         a = spec.async_
         return cls.build(
-            mode=spec.mode.value,
+            mode=spec.mode,
             group_size=spec.rollout.sampling.samples_per_prompt,
             mini_batch_size=spec.trainer.mini_batch_size,
             require_batches=a.require_batches if a is not None else 1,

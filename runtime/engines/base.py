@@ -9,10 +9,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kubedistill.runtime.weight_sync.group import GroupAddress
-from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, Manifest, ScoreRequest, ScoreResponse
+from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
+from kubedistill.runtime.wire.protocol import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    Manifest,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 PauseMode = Literal["wait", "keep", "abort"]
+WeightGroupState = Literal["none", "joining", "ready", "failed"]
 
 
 class BadRequest(ValueError):
@@ -36,9 +44,10 @@ class InFlight:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     aborted: bool = False
-    done: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    done: asyncio.Future[None] = field(kw_only=True)
+    """Resolved once the request has left the engine (abort waits on it)."""
 
-    def response(self, finish_reason: str) -> GenerateResponse:
+    def response(self, finish_reason: FinishReason) -> GenerateResponse:
         return GenerateResponse(
             request_id=self.request_id,
             token_ids=list(self.token_ids),
@@ -100,11 +109,13 @@ class Engine(ABC):
     """One model served for generation (rollout) or scoring (teacher)."""
 
     name: str = "engine"
+    group: WeightSyncGroup | None = None
+    """The weight-sync group, for engines that hold it in this process (see abort_weight_group)."""
 
     def __init__(self) -> None:
         self.version = 0
         self.inflight: dict[str, InFlight] = {}
-        self.weight_group_state: str = "none"
+        self.weight_group_state: WeightGroupState = "none"
 
     # --- life cycle -------------------------------------------------------------------------
     @abstractmethod
@@ -138,7 +149,7 @@ class Engine(ABC):
                 state.done.set_result(None)
 
     @abstractmethod
-    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
+    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> FinishReason:
         """Generate into `state` (appending tokens, log-probs and self.version per token);
         return the finish reason. Must end promptly once `state.aborted` is set."""
 
@@ -184,14 +195,13 @@ class Engine(ABC):
     def abort_weight_group(self) -> None:
         """Break a weight receive blocked on the current group (its trainer is gone). Engines that
         hold the group in this process keep it in `self.group`; others override."""
-        group = getattr(self, "group", None)
-        if group is not None:
-            group.abort()
+        if self.group is not None:
+            self.group.abort()
 
     async def leave_weight_group(self) -> None:
         """Release the current group's resources (before joining a new one). Default: the
         in-process `self.group`."""
-        group = getattr(self, "group", None)
+        group = self.group
         if group is not None:
             self.group = None
             await asyncio.to_thread(group.close)
@@ -202,8 +212,9 @@ class Engine(ABC):
         """Receive one raw broadcast of `nbytes` and join the closing all-reduce (benchmarks)."""
 
     @abstractmethod
-    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
+    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
         """Pause generation (`pause` says what happens to requests in flight), receive the
         broadcast, load it (or discard it when load is False, to keep the group in step), report
         this worker's failure count in the closing all-reduce, set the version, resume.
-        Returns timing/byte stats."""
+        Returns timing/byte stats (`bytes`, `seconds`, `transport_wait_seconds`, `load_seconds`,
+        `group_failures`, ...)."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, ModelSpec
+from kubedistill.api.spec import Engine as EngineKind
 from kubedistill.runtime.engines.base import Engine
 
 
 def make_engine(
     spec: DistillationJobSpec, model: ModelSpec, inference: InferenceSpec, *, max_logprobs: int = 20
 ) -> Engine:
-    if inference.engine.value == "hf":
+    if inference.engine is EngineKind.hf:
         from kubedistill.runtime.engines.hf import HFEngine
 
         return HFEngine(

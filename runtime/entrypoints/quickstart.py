@@ -1,41 +1,54 @@
 """The CPU quickstart's models and data, made on the spot (nothing downloaded).
 
-`prepare(dir)` trains a small teacher on two-digit addition (≥ 90 % held-out greedy accuracy in
-about two CPU minutes), makes a smaller random-weight student, and writes
-the prompts in verl's format. `evaluate` measures how close a student is to the teacher:
+`prepare(dir)` trains a small teacher on two-digit addition to a high held-out greedy accuracy,
+makes a smaller random-weight student, and writes the prompts in verl's format (accuracy and
+timings: docs/quickstart.md). `evaluate` measures how close a student is to the teacher:
 held-out accuracy and the exact per-token reverse KL(student || teacher) at student samples.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kubedistill.runtime.tasks import arith
 
-TEACHER = dict(num_layers=4, intermediate_size=512)
-STUDENT = dict(num_layers=2, intermediate_size=256)
+
+class ModelShape(TypedDict):
+    """The tiny_config arguments that tell the teacher and the student apart."""
+
+    num_layers: int
+    intermediate_size: int
+
+
+TEACHER = ModelShape(num_layers=4, intermediate_size=512)
+STUDENT = ModelShape(num_layers=2, intermediate_size=256)
 TEACHER_STEPS = 700
 # The student starts from random weights: everything it learns comes from on-policy distillation.
-# (A supervised warm start makes the short quickstart run look worse first: forward KL from a
-# half-trained student dips before it recovers; see docs/learning.md.)
+# A supervised warm start makes a short run look worse first: forward KL from a half-trained
+# student dips before it recovers (docs/quickstart.md, docs/learning.md).
 STUDENT_WARMUP_STEPS = 0
 MARKER = "prepared.json"
 
 
 def use_all_cores(torch: Any) -> None:
     """Nothing else runs while the models are prepared or evaluated, so use every core the process
-    may run on, whatever OMP_NUM_THREADS says (the quickstart sets it to 1 for the job's roles):
-    on 2 cores the teacher trains 1.5x faster than on one thread."""
+    may run on, whatever OMP_NUM_THREADS says (the quickstart sets it to 1 for the job's roles)."""
     torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
 def prepare(
-    base: Path, *, teacher_steps: int = TEACHER_STEPS, student_steps: int = STUDENT_WARMUP_STEPS, log=print
+    base: Path,
+    *,
+    teacher_steps: int = TEACHER_STEPS,
+    student_steps: int = STUDENT_WARMUP_STEPS,
+    log: Callable[[str], object] = print,
 ) -> dict[str, Any]:
     """Make `base`/{teacher,student,student-init,data}; reuse them when already complete."""
     import torch
@@ -46,7 +59,8 @@ def prepare(
     base = Path(base)
     marker = base / MARKER
     if marker.is_file():
-        return json.loads(marker.read_text())
+        prepared: dict[str, Any] = json.loads(marker.read_text())
+        return prepared
     use_all_cores(torch)
     tok = char_tokenizer(arith.ALPHABET)
     train, held_out = arith.split()
@@ -122,7 +136,7 @@ def summary_line(before: dict[str, float], after: dict[str, float], teacher_accu
     )
 
 
-def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log=print) -> int:
+def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log: Callable[[str], object] = print) -> int:
     """Prepare the models and data, run the job with `kubedistill run`, compare the student before
     and after against the teacher. Run from the repository root (the job's paths are relative)."""
     from kubedistill.api.validate import load_job
@@ -153,7 +167,7 @@ def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log=p
     return 0
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("quickstart", help="CPU demo: make a teacher and a student, distill on-policy, show the gain")
     p.add_argument("--job", default=str(QUICKSTART_JOB), help="the job to run (default %(default)s)")
     p.add_argument(

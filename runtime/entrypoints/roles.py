@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubedistill.api.roleconfig import Identity, JobConfig
 
 ROLES = ("trainer", "rollout", "teacher")
 
@@ -19,7 +23,7 @@ def _index(text: str) -> int:
     return value
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("role", help="run one role of a job (trainer, rollout or teacher server)")
     p.add_argument("role", choices=ROLES, help="which role this process plays")
     p.add_argument("--config", default=None, help="job config (default /etc/kubedistill/config.json)")
@@ -45,7 +49,7 @@ def run_role(args: argparse.Namespace) -> int:
         return 2
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> tuple[JobConfig, Identity, int]:
     from pathlib import Path
 
     from pydantic import ValidationError

@@ -1,4 +1,4 @@
-"""Trainer rank 0's HTTP server: GET /status (DriverStatus JSON, polled by the operator and
+"""Trainer rank 0's HTTP server: GET /status (TrainerProgress JSON, polled by the operator and
 `kubedistill run`), GET /health, GET /metrics (the role's Prometheus registry). It runs as a task
 in the driver's event loop; the trainer step runs in a worker thread, so it stays responsive."""
 
@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from collections.abc import Iterator
 
-from kubedistill.runtime.driver.status import DriverStatus
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from kubedistill.api.progress import TrainerProgress
+from kubedistill.runtime.metrics import RoleMetrics
 
 
-def build_status_app(status: DriverStatus, metrics: Any):
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response
-
+def build_status_app(status: TrainerProgress, metrics: RoleMetrics) -> FastAPI:
     app = FastAPI(title="kubedistill trainer")
 
     @app.get("/status")
@@ -37,19 +39,22 @@ def build_status_app(status: DriverStatus, metrics: Any):
     return app
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The trainer process handles its own signals (default: terminate).
+        yield
+
+
 class StatusServer:
     """uvicorn inside the current event loop: `await start()`, then `await stop()`."""
 
-    def __init__(self, status: DriverStatus, metrics: Any, host: str, port: int):
-        import uvicorn
-
+    def __init__(self, status: TrainerProgress, metrics: RoleMetrics, host: str, port: int):
         config = uvicorn.Config(
             build_status_app(status, metrics), host=host, port=port, log_level="warning", lifespan="off"
         )
-        self.server = uvicorn.Server(config)
-        # The trainer process handles its own signals (default: terminate).
-        self.server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-        self._task: asyncio.Task | None = None
+        self.server = _Server(config)
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.server.serve())

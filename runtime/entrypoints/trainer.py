@@ -15,20 +15,30 @@ import logging
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubedistill.api.progress import TrainerProgress
+    from kubedistill.api.roleconfig import JobConfig
+    from kubedistill.api.spec import DistillationJobSpec
+    from kubedistill.runtime.driver.loop import Driver
+    from kubedistill.runtime.metrics import RoleMetrics
+    from kubedistill.runtime.trainer import Trainer
 
 log = logging.getLogger("kubedistill.trainer")
 
 
-def _init_distributed(spec, rank: int, world: int) -> None:
+def _init_distributed(spec: DistillationJobSpec, rank: int, world: int) -> None:
     import datetime
 
     import torch.distributed as dist
 
+    from kubedistill.runtime.trainer.distributed import process_group_backend
+
     if world <= 1 or dist.is_initialized():
         return
-    backend = "cpu:gloo,cuda:nccl" if spec.device.value == "cuda" else "gloo"
     dist.init_process_group(
-        backend,
+        process_group_backend(spec.device),
         init_method="env://",
         rank=rank,
         world_size=world,
@@ -52,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from kubedistill.api.spec import Device
+
     torch.set_num_threads(
-        spec.trainer.overrides.cpu_threads or 1 if spec.device.value == "cpu" else torch.get_num_threads()
+        spec.trainer.overrides.cpu_threads or 1 if spec.device is Device.cpu else torch.get_num_threads()
     )
     _init_distributed(spec, rank, world)
 
@@ -65,15 +77,17 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(spec, metrics=metrics)
         trainer.follow()
         return 0
-    return asyncio.run(_lead(config, args.host, port, metrics))
+    return asyncio.run(_run_driver(config, args.host, port, metrics))
 
 
-async def _lead(config, host: str, port: int, metrics) -> int:
-    from kubedistill.runtime.driver.status import DriverStatus, HistoryWriter
+async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetrics) -> int:
+    """Rank 0: the status server, the trainer, resume, the weight-sync group, then the driver."""
+    from kubedistill.api.progress import TrainerProgress
+    from kubedistill.runtime.driver.progress import HistoryWriter
     from kubedistill.runtime.entrypoints.status_server import StatusServer
 
     spec = config.spec
-    status = DriverStatus(total_steps=spec.trainer.total_steps)
+    status = TrainerProgress(total_steps=spec.trainer.total_steps)
     server = StatusServer(status, metrics, host, port)
     await server.start()
     trainer = None
@@ -103,7 +117,7 @@ async def _lead(config, host: str, port: int, metrics) -> int:
         await server.stop()
 
 
-def _build(config, metrics, status):
+def _build(config: JobConfig, metrics: RoleMetrics, status: TrainerProgress) -> tuple[Trainer, Driver]:
     from transformers import AutoTokenizer
 
     from kubedistill.runtime.driver.loop import Driver
@@ -119,7 +133,7 @@ def _build(config, metrics, status):
         spec,
         trainer=trainer,
         sender=None,
-        rollout_urls=config.endpoints.rollout,  # type: ignore[arg-type]
+        rollout_urls=config.endpoints.rollout,
         teacher_urls=config.endpoints.teachers,
         tokenizer=tokenizer,
         metrics=metrics,

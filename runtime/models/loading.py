@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from kubedistill.api.spec import DistillationJobSpec
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -28,7 +33,7 @@ def require_model_dir(path: str | Path, what: str) -> Path:
 
 def load_causal_lm(
     path: str | Path, *, dtype: str = "float32", what: str = "model", trust_remote_code: bool = False
-) -> Any:
+) -> PreTrainedModel:
     """An AutoModelForCausalLM from a local safetensors directory, never from a hub."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -41,7 +46,9 @@ def load_causal_lm(
     )
 
 
-def load_tokenizer(path: str | Path, *, what: str = "tokenizer", trust_remote_code: bool = False) -> Any:
+def load_tokenizer(
+    path: str | Path, *, what: str = "tokenizer", trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     p = Path(path)
@@ -50,7 +57,7 @@ def load_tokenizer(path: str | Path, *, what: str = "tokenizer", trust_remote_co
     return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=trust_remote_code)
 
 
-def vocabulary_difference(student_tok: Any, teacher_tok: Any) -> str | None:
+def vocabulary_difference(student_tok: PreTrainedTokenizerBase, teacher_tok: PreTrainedTokenizerBase) -> str | None:
     """None when both tokenizers map every token to the same id, else what differs (one phrase)."""
     a, b = student_tok.get_vocab(), teacher_tok.get_vocab()
     if a == b:
@@ -86,7 +93,7 @@ def check_shared_vocabulary(student: str | Path, teachers: Mapping[str, str | Pa
         raise ValueError("student and teachers must share one tokenizer: " + "; ".join(problems))
 
 
-def check_job_vocabulary(spec: Any) -> None:
+def check_job_vocabulary(spec: DistillationJobSpec) -> None:
     """check_shared_vocabulary for a DistillationJobSpec (tokenizer paths default to model paths)."""
     student = spec.student.tokenizer or spec.student.model
     check_shared_vocabulary(student, {t.name: t.tokenizer or t.model for t in spec.teachers})

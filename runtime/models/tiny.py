@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict, Unpack
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]
@@ -16,7 +21,19 @@ SPECIALS = [PAD, BOS, EOS, UNK]
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def _wrap(tok, out_dir: Path | None):
+class ModelShape(TypedDict, total=False):
+    """tiny_config's size arguments, passed through by build_tiny_model and build_tiny_bpe_model."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+def _wrap(tok: Tokenizer, out_dir: Path | None) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK)
@@ -26,7 +43,7 @@ def _wrap(tok, out_dir: Path | None):
     return fast
 
 
-def char_tokenizer(alphabet: str, out_dir: Path | None = None):
+def char_tokenizer(alphabet: str, out_dir: Path | None = None) -> PreTrainedTokenizerFast:
     """One token per character of `alphabet` (after the 4 special tokens)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -40,7 +57,7 @@ def char_tokenizer(alphabet: str, out_dir: Path | None = None):
     return _wrap(tok, out_dir)
 
 
-def bpe_tokenizer(corpus: Iterable[str], vocab_size: int = 512, out_dir: Path | None = None):
+def bpe_tokenizer(corpus: Iterable[str], vocab_size: int = 512, out_dir: Path | None = None) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `corpus`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -65,7 +82,7 @@ def tiny_config(
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
-):
+) -> PretrainedConfig:
     """A small Qwen2 or Llama config with head_dim = hidden_size / num_heads (keep it ≥ 64)."""
     from transformers import LlamaConfig, Qwen2Config
 
@@ -86,14 +103,21 @@ def tiny_config(
     )
 
 
-def build_tiny_model(out_dir: Path, tokenizer, seed: int = 0, **config_kwargs) -> Path:
+def build_tiny_model(
+    out_dir: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int = 0,
+    *,
+    arch: str = "qwen2",
+    **shape: Unpack[ModelShape],
+) -> Path:
     """Save a random-weight model (safetensors) and `tokenizer` into `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(len(tokenizer), **config_kwargs)
+    config = tiny_config(len(tokenizer), arch=arch, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -117,8 +141,8 @@ def tiny_corpus(lines: int = 200, seed: int = 0) -> list[str]:
 
 
 def build_tiny_bpe_model(
-    out_dir: Path, *, arch: str = "llama", vocab_size: int = 300, seed: int = 0, **config_kwargs
+    out_dir: Path, *, arch: str = "llama", vocab_size: int = 300, seed: int = 0, **shape: Unpack[ModelShape]
 ) -> Path:
     """A random-weight model with a byte-level BPE tokenizer trained here on :func:`tiny_corpus`."""
     tok = bpe_tokenizer(tiny_corpus(seed=seed), vocab_size=vocab_size)
-    return build_tiny_model(out_dir, tok, seed=seed, arch=arch, **config_kwargs)
+    return build_tiny_model(out_dir, tok, seed=seed, arch=arch, **shape)

@@ -4,12 +4,11 @@ errors turned into 4xx JSON `{"error": "..."}` that leave the server serving."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Lifespan, Message, Receive, Scope, Send
 
 from kubedistill.runtime.engines.base import BadRequest, Engine
 from kubedistill.runtime.metrics import RoleMetrics
@@ -29,16 +28,16 @@ class RequestMetrics:
     starlette's BaseHTTPMiddleware (`@app.middleware("http")`) runs every request through an extra
     task and memory streams, a visible share of a busy rollout server's CPU."""
 
-    def __init__(self, app: Any, metrics: RoleMetrics):
+    def __init__(self, app: ASGIApp, metrics: RoleMetrics):
         self.app, self.metrics = app, metrics
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         code = 500  # unless a response starts: an unhandled error becomes a 500 further out
 
-        async def send_status(message: dict) -> None:
+        async def send_status(message: Message) -> None:
             nonlocal code
             if message["type"] == "http.response.start":
                 code = message["status"]
@@ -52,15 +51,15 @@ class RequestMetrics:
             self.metrics["requests"].labels(endpoint=scope["path"], code=str(code)).inc()
 
 
-def make_app(role: str, engine: Engine, metrics: RoleMetrics, lifespan=None) -> FastAPI:
+def make_app(role: str, engine: Engine, metrics: RoleMetrics, lifespan: Lifespan[FastAPI] | None = None) -> FastAPI:
     app = FastAPI(title=f"kubedistill {role}", lifespan=lifespan)
 
     @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, exc: BadRequest):
+    async def bad_request(request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"error": _validation_message(exc)}, status_code=422)
 
     app.add_middleware(RequestMetrics, metrics=metrics)

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from kubedistill.api.roleconfig import Identity, JobConfig, weight_sync_rank, weight_sync_world_size
-from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import DistillationJobSpec, PartialRolloutStrategy
 from kubedistill.runtime.engines.base import Engine, PauseMode
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.servers.http import make_app
@@ -41,7 +44,7 @@ def pause_mode(spec: DistillationJobSpec) -> PauseMode:
     a = spec.async_
     if a is None or not a.partial_rollout:
         return "wait"
-    return "abort" if a.partial_rollout_strategy.value == "resume" else "keep"
+    return "abort" if a.partial_rollout_strategy is PartialRolloutStrategy.resume else "keep"
 
 
 def group_address(config: JobConfig, replica: int, epoch: str = "0") -> GroupAddress:
@@ -51,10 +54,19 @@ def group_address(config: JobConfig, replica: int, epoch: str = "0") -> GroupAdd
         port=config.endpoints.weight_sync_port,
         rank=weight_sync_rank(spec, replica),
         world_size=weight_sync_world_size(spec),
-        backend=resolve_backend(spec.weight_sync.backend.value, spec.device.value),
+        backend=resolve_backend(spec.weight_sync.backend, spec.device),
         timeout_seconds=float(spec.weight_sync.timeout_seconds),
         epoch=epoch,
     )
+
+
+@dataclass
+class _Syncs:
+    """The weight load in progress and the outcome of the last one."""
+
+    task: asyncio.Task[None] | None = None
+    last: dict[str, Any] | None = None
+    """GET /weights/last: the load's stats, or its error."""
 
 
 def build_rollout_app(
@@ -62,18 +74,18 @@ def build_rollout_app(
 ) -> FastAPI:
     metrics = metrics or RoleMetrics(config.job, "rollout", identity.replica)
     spec = config.spec
-    state: dict = {"sync": None, "last_sync": None}
+    syncs = _Syncs()
     membership = WeightGroupMembership(
-        engine, lambda epoch: group_address(config, identity.replica, epoch), lambda: state["sync"]
+        engine, lambda epoch: group_address(config, identity.replica, epoch), lambda: syncs.task
     )
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         metrics["weight_version"].set(engine.version)
         yield
-        if state["sync"] is not None and not state["sync"].done():
-            state["sync"].cancel()
+        if syncs.task is not None and not syncs.task.done():
+            syncs.task.cancel()
         # Bounded: on vLLM a receive still blocked in a worker would hold the leave RPC.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(membership.close(), timeout=5)
@@ -128,17 +140,17 @@ def build_rollout_app(
         return VersionResponse(version=engine.version)
 
     @app.get("/weights/last")
-    async def last_sync() -> dict:
+    async def last_sync() -> dict[str, Any]:
         """Stats of the last completed weight load (seconds, bytes, repack time) or its error."""
-        return state["last_sync"] or {}
+        return syncs.last or {}
 
     @app.get("/weights/checksums")
     async def checksums() -> dict[str, str]:
         """sha256 of every weight as the engine uses it (HF names): compare with the trainer's."""
         return await engine.weight_checksums()
 
-    @app.post("/weights/probe")
-    async def weights_probe(body: dict):
+    @app.post("/weights/probe", response_model=None)
+    async def weights_probe(body: dict[str, Any]) -> JSONResponse | dict[str, Any]:
         """Receive one raw broadcast of `bytes` bytes and discard it (transport benchmark)."""
         nbytes = body.get("bytes")
         if not isinstance(nbytes, int) or nbytes < 1:
@@ -149,11 +161,11 @@ def build_rollout_app(
             return refusal
         if not await _previous_sync_done():
             return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
-        state["sync"] = asyncio.create_task(engine.probe_transport(nbytes))
+        syncs.task = asyncio.create_task(engine.probe_transport(nbytes))
         return {"accepted": True, "bytes": nbytes}
 
     @app.post("/weights/begin", response_model=WeightsBeginResponse)
-    async def weights_begin(req: WeightsBeginRequest):
+    async def weights_begin(req: WeightsBeginRequest) -> WeightsBeginResponse | JSONResponse:
         refusal = await _group_refusal(req.group_epoch)
         if refusal is not None:
             return refusal
@@ -164,21 +176,21 @@ def build_rollout_app(
         except ValueError as e:
             return JSONResponse({"error": str(e)}, status_code=422)
         load = True
-        refusal = None
+        mismatch = None
         try:
             check_against(req.manifest, engine.expected_tensors())
         except ValueError as e:
             # Still take part in the broadcast (discarding it) so the group stays in step.
-            load, refusal = False, str(e)
-        state["sync"] = asyncio.create_task(_receive(req, load))
-        if refusal is not None:
-            return JSONResponse({"error": refusal}, status_code=409)
+            load, mismatch = False, str(e)
+        syncs.task = asyncio.create_task(_receive(req, load))
+        if mismatch is not None:
+            return JSONResponse({"error": mismatch}, status_code=409)
         return WeightsBeginResponse(version=req.version)
 
     async def _previous_sync_done() -> bool:
         """The trainer's side of a sync returns at the closing all-reduce, a moment before this
         server's task finishes: give a finishing task a little time rather than refusing."""
-        task = state["sync"]
+        task = syncs.task
         if task is None or task.done():
             return True
         try:
@@ -194,9 +206,9 @@ def build_rollout_app(
             stats = await engine.receive_weights(req.manifest, req.version, pause_mode(spec), load)
         except Exception as e:
             log.error("weight sync to version %s failed: %s", req.version, e)
-            state["last_sync"] = {"version": req.version, "error": str(e)}
+            syncs.last = {"version": req.version, "error": str(e)}
             return
-        state["last_sync"] = {"version": req.version, "loaded": load, **stats}
+        syncs.last = {"version": req.version, "loaded": load, **stats}
         if load:
             metrics["weight_version"].set(engine.version)
             metrics["weight_sync_seconds"].observe(stats["seconds"])

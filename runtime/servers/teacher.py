@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
@@ -35,7 +36,7 @@ def build_teacher_app(
     metrics = metrics or RoleMetrics(config.job, "teacher", identity.replica)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         yield
         await engine.shutdown()

@@ -31,7 +31,10 @@ SYNC_DRAIN_SECONDS = 60.0
 
 class WeightGroupMembership:
     def __init__(
-        self, engine: Engine, address: Callable[[str], GroupAddress], current_sync: Callable[[], asyncio.Task | None]
+        self,
+        engine: Engine,
+        address: Callable[[str], GroupAddress],
+        current_sync: Callable[[], asyncio.Task[None] | None],
     ):
         self.engine = engine
         self.address = address
@@ -40,13 +43,13 @@ class WeightGroupMembership:
         self.error: str | None = None
         self.switches = 0
         """Completed joins (for /weights/group and tests)."""
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def status(self) -> WeightsGroupResponse:
         state = self.engine.weight_group_state
         if self.epoch is not None and self.switching:
             state = "joining"
-        return WeightsGroupResponse(epoch=self.epoch, state=state, error=self.error)  # type: ignore[arg-type]
+        return WeightsGroupResponse(epoch=self.epoch, state=state, error=self.error)
 
     @property
     def switching(self) -> bool:
@@ -73,7 +76,7 @@ class WeightGroupMembership:
             self._task.cancel()
         await self.engine.leave_weight_group()
 
-    async def _switch(self, epoch: str, previous: asyncio.Task | None) -> None:
+    async def _switch(self, epoch: str, previous: asyncio.Task[None] | None) -> None:
         if previous is not None and not previous.done():
             self.engine.abort_weight_group()  # the previous switch may be waiting on a sync
             await asyncio.gather(previous, return_exceptions=True)

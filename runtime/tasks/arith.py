@@ -11,7 +11,11 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ALPHABET = "0123456789+="
 DATA_SOURCE = "arith"
@@ -57,7 +61,7 @@ def write_jsonl(problems: Iterable[Problem], path: Path) -> Path:
     return path
 
 
-def encode(tokenizer, problems: list[Problem]):
+def encode(tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) tensors for supervised training: loss on the answer and <eos> only."""
     import torch
 
@@ -75,8 +79,8 @@ def encode(tokenizer, problems: list[Problem]):
 
 
 def train_supervised(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     problems: list[Problem],
     steps: int,
     *,
@@ -111,7 +115,9 @@ def train_supervised(
     model.eval()
 
 
-def greedy_answers(model, tokenizer, problems: list[Problem], batch_size: int = 500) -> list[str]:
+def greedy_answers(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[Problem], batch_size: int = 500
+) -> list[str]:
     """Greedy completions (up to 4 tokens) of each problem's prompt."""
     import torch
 
@@ -134,6 +140,6 @@ def greedy_answers(model, tokenizer, problems: list[Problem], batch_size: int = 
     return out
 
 
-def accuracy(model, tokenizer, problems: list[Problem]) -> float:
+def accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) -> float:
     answers = greedy_answers(model, tokenizer, problems)
     return sum(a.strip() == p.answer for a, p in zip(answers, problems)) / len(problems)

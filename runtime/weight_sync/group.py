@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from kubedistill.api.spec import Device, SyncBackend
+
 log = logging.getLogger("kubedistill.weight_sync")
 
 EPOCH_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -32,13 +34,15 @@ class GroupAddress:
     epoch: str = "0"
 
 
-def resolve_backend(backend: str, device: str) -> str:
+def resolve_backend(backend: SyncBackend, device: Device) -> str:
     """spec.weightSync.backend auto -> nccl on cuda, gloo on cpu."""
-    if backend == "auto":
-        return "nccl" if device == "cuda" else "gloo"
-    if backend == "nccl" and device != "cuda":
-        raise ValueError("weightSync.backend nccl needs device cuda; use gloo or auto on cpu")
-    return backend
+    if backend is SyncBackend.auto:
+        return "nccl" if device is Device.cuda else "gloo"
+    if backend is SyncBackend.nccl:
+        if device is not Device.cuda:
+            raise ValueError("weightSync.backend nccl needs device cuda; use gloo or auto on cpu")
+        return "nccl"
+    return "gloo"
 
 
 def open_store(addr: GroupAddress) -> Any:
@@ -88,7 +92,7 @@ class WeightSyncGroup:
     def epoch(self) -> str:
         return self.addr.epoch
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0):
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
         """Start a broadcast; returns the Work (call .wait())."""
         import torch.distributed as dist
 
@@ -108,7 +112,7 @@ class WeightSyncGroup:
     def barrier(self) -> None:
         self.all_reduce_sum(0)
 
-    def _live(self):
+    def _live(self) -> Any:
         if self.pg is None:
             raise RuntimeError(f"weight-sync group epoch {self.addr.epoch} is closed")
         return self.pg

@@ -1,14 +1,19 @@
-"""The ordered manifest and its flat-bucket layout. Pure: both sides compute/check the same plan."""
+"""The ordered manifest and its flat-bucket layout. Pure: the sender lays the buckets out, the
+receiver checks the layout it is sent."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from kubedistill.runtime.wire.dtypes import dtype_name, dtype_size, numel
 from kubedistill.runtime.wire.protocol import Bucket, BucketEntry, Manifest, TensorMeta
 
 
-def plan(tensors: Sequence[TensorMeta], bucket_bytes: int, direct_bytes: int | None = None) -> Manifest:
+def bucket_layout(tensors: Sequence[TensorMeta], bucket_bytes: int, direct_bytes: int | None = None) -> Manifest:
     """Pack tensors in order into flat buckets of at most `bucket_bytes` (a larger tensor gets a
     bucket of its own). A bucket holds one dtype; a dtype change closes the open bucket of that
     dtype only when it fills, so interleaved dtypes (e.g. fp32 norms between bf16 weights) still
@@ -93,7 +98,7 @@ def _few(names: Iterable[str], k: int = 3) -> str:
     return ", ".join(names[:k]) + more
 
 
-def tensor_checksum(t) -> str:
+def tensor_checksum(t: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and bytes: equal checksums mean bit-for-bit equal."""
     import hashlib
 

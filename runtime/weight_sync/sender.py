@@ -16,16 +16,22 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, open_store, resolve_backend
-from kubedistill.runtime.weight_sync.manifest import plan
+from kubedistill.runtime.weight_sync.manifest import bucket_layout
 from kubedistill.runtime.weight_sync.transfer import TransferStats, send
 from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.protocol import Manifest, TensorMeta, WeightsBeginRequest, WeightsGroupRequest
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kubedistill.runtime.metrics import RoleMetrics
 
 
 class WeightSyncError(RuntimeError):
@@ -40,7 +46,7 @@ def build_manifest(
     named: list[tuple[str, torch.Tensor]], bucket_bytes: int, direct_bytes: int | None = DIRECT_BYTES
 ) -> Manifest:
     metas = [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
-    return plan(metas, bucket_bytes, direct_bytes=min(direct_bytes, bucket_bytes) if direct_bytes else None)
+    return bucket_layout(metas, bucket_bytes, direct_bytes=min(direct_bytes, bucket_bytes) if direct_bytes else None)
 
 
 def new_epoch() -> str:
@@ -54,7 +60,7 @@ class WeightSender:
         self,
         spec: DistillationJobSpec,
         endpoints: Endpoints,
-        metrics=None,
+        metrics: RoleMetrics | None = None,
         bind_host: str | None = None,
         epoch: str | None = None,
     ):
@@ -67,7 +73,7 @@ class WeightSender:
             port=endpoints.weight_sync_port,
             rank=0,
             world_size=weight_sync_world_size(spec),
-            backend=resolve_backend(spec.weight_sync.backend.value, spec.device.value),
+            backend=resolve_backend(spec.weight_sync.backend, spec.device),
             timeout_seconds=self.timeout,
             epoch=epoch or new_epoch(),
         )
@@ -77,8 +83,8 @@ class WeightSender:
         """Times the group was re-formed because a rollout server had left it (e.g. replaced)."""
         import httpx
 
-        # One client for every control request: a fresh httpx client per request costs ~0.1 s
-        # (TLS context set-up), which was most of a small model's sync time.
+        # One client for every control request: each new httpx client sets up a TLS context, a
+        # cost on the scale of a small model's whole sync (docs/servers.md).
         self._http = httpx.Client(timeout=self.timeout)
         store = open_store(addr)  # listening before any server is told to join
         self._tell_servers_to_join()
@@ -197,7 +203,7 @@ class WeightSender:
         return stats
 
 
-def _error_text(r) -> str:
+def _error_text(r: httpx.Response) -> str:
     try:
         return str(r.json().get("error", r.text))
     except ValueError:

@@ -10,12 +10,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kubedistill.runtime.weight_sync.group import WeightSyncGroup
 from kubedistill.runtime.wire.dtypes import numel
 from kubedistill.runtime.wire.protocol import Bucket, Manifest
+
+_Sending = tuple[Any, torch.Tensor | None, str]
+"""A broadcast in flight: its Work, the buffer it reads (None: the caller's own tensor), its dtype."""
+_Receiving = tuple[Any, torch.Tensor | None]
+"""A receive in flight: its Work and the fresh buffer it fills (None: the engine's own tensor)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -48,9 +54,9 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Ten
     stats = TransferStats()
     t0 = time.perf_counter()
     spare: dict[str, list[torch.Tensor]] = {}
-    pending = None  # (work, buffer, dtype)
+    pending: _Sending | None = None
 
-    def retire(p) -> None:
+    def retire(p: _Sending | None) -> None:
         # Wait for the previous broadcast; its buffer (if one of ours) becomes free for reuse.
         if p is not None:
             work, old, dtype = p
@@ -102,7 +108,7 @@ def receive(
     stats = TransferStats()
     t0 = time.perf_counter()
 
-    def post(bucket: Bucket):
+    def post(bucket: Bucket) -> _Receiving:
         if destination is not None and len(bucket.entries) == 1:
             meta = manifest.tensors[bucket.entries[0].index]
             dest = destination(meta.name)
@@ -117,13 +123,13 @@ def receive(
         buf = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=group.device)
         return group.broadcast(buf), buf
 
-    pending = post(manifest.buckets[0]) if manifest.buckets else None
+    posted = [post(b) for b in manifest.buckets[:1]]
     for i, bucket in enumerate(manifest.buckets):
-        work, buf = pending
+        work, buf = posted.pop()
         tw = time.perf_counter()
         work.wait()
         stats.wait_seconds += time.perf_counter() - tw
-        pending = post(manifest.buckets[i + 1]) if i + 1 < len(manifest.buckets) else None
+        posted.extend(post(b) for b in manifest.buckets[i + 1 : i + 2])
         if buf is None:  # landed in the engine's tensor
             stats.bytes += bucket.numel * torch.empty(0, dtype=torch_dtype(bucket.dtype)).element_size()
             continue

@@ -24,6 +24,7 @@ share of the samples (see :mod:`kubedistill.runtime.trainer`).
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass, field
 
 
@@ -50,7 +51,7 @@ class TrainBatch:
         n = len(self.token_ids)
         if n == 0:
             raise ValueError("TrainBatch.token_ids: the batch has no samples")
-        per_sample = {
+        per_sample: dict[str, Sized | None] = {
             "prompt_lens": self.prompt_lens,
             "rollout_logprobs": self.rollout_logprobs,
             "teacher_logprobs": self.teacher_logprobs,
@@ -79,7 +80,7 @@ class TrainBatch:
                     raise ValueError(
                         f"TrainBatch.{name}[{i}]: has {len(values[i])} entries, expected {r} response tokens"
                     )
-            if self.teacher_topk_ids is not None:
+            if self.teacher_topk_ids is not None and self.teacher_topk_logprobs is not None:
                 for t, (ids, lps) in enumerate(zip(self.teacher_topk_ids[i], self.teacher_topk_logprobs[i])):
                     if len(ids) != len(lps) or not ids:
                         raise ValueError(

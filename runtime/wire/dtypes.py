@@ -27,7 +27,7 @@ def dtype_size(dtype: str) -> int:
         raise ValueError(f"dtype {dtype!r} cannot be synced; allowed: {', '.join(_SIZES)}") from None
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: object) -> str:
     """'torch.float32' -> 'float32'."""
     return str(dtype).removeprefix("torch.")
 

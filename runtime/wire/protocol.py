@@ -1,4 +1,4 @@
-"""Wire shapes of the rollout and teacher HTTP APIs (DESIGN.md section 4), shared by the
+"""Wire shapes of the rollout and teacher HTTP APIs (docs/design.md#wire-protocols), shared by the
 servers (runtime/servers/) and the driver's clients (runtime/driver/clients.py). docs/servers.md is the
 reference for what each field means."""
 

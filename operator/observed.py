@@ -8,12 +8,44 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Any
 
+from kubedistill.api.roleconfig import Role
 from kubedistill.api.status import Condition, ConditionStatus, ConditionType, DistillationJobStatus, Phase, RoleStatus
-from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_ROLE, LABEL_TEACHER
+from kubedistill.operator.render import (
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_REPLICA,
+    LABEL_ROLE,
+    LABEL_TEACHER,
+    TEACHER_GROUP_PREFIX,
+    group_name,
+)
 
-FINISHED = ("Succeeded", "Failed")
+
+class PodPhase(str, Enum):
+    """A Pod's status.phase, as Kubernetes spells it."""
+
+    pending = "Pending"
+    running = "Running"
+    succeeded = "Succeeded"
+    failed = "Failed"
+    unknown = "Unknown"
+
+    @classmethod
+    def of(cls, raw: object) -> PodPhase:
+        """No phase yet is Pending (the pod was just created); a phase this version does not know
+        is Unknown, which every decision treats as neither running nor finished."""
+        if not raw:
+            return cls.pending
+        try:
+            return cls(raw)
+        except ValueError:
+            return cls.unknown
+
+
+FINISHED = (PodPhase.succeeded, PodPhase.failed)
 CONDITION_ORDER = [
     ConditionType.created,
     ConditionType.ready,
@@ -39,11 +71,12 @@ class PodView:
     """The parts of a child Pod the operator decides on."""
 
     name: str
-    role: str
+    role: Role | None
+    """None when the pod's role label is missing or names no role of ours."""
     replica: int
     teacher: str | None = None
     attempt: int | None = None
-    phase: str = "Pending"
+    phase: PodPhase = PodPhase.pending
     ready: bool = False
     deleting: bool = False
     pod_ip: str | None = None
@@ -53,7 +86,7 @@ class PodView:
 
     @property
     def group(self) -> str:
-        return f"teacher/{self.teacher}" if self.role == "teacher" else self.role
+        return group_name(self.role, self.teacher) if self.role is not None else ""
 
     @property
     def finished(self) -> bool:
@@ -64,7 +97,8 @@ class PodView:
         meta = pod.get("metadata") or {}
         lbl = meta.get("labels") or {}
         status = pod.get("status") or {}
-        ready = status.get("phase") == "Running" and any(
+        phase = PodPhase.of(status.get("phase"))
+        ready = phase is PodPhase.running and any(
             c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
         )
         port = None
@@ -76,17 +110,24 @@ class PodView:
         replica = lbl.get(LABEL_REPLICA, "0")
         return cls(
             name=meta.get("name", ""),
-            role=lbl.get(LABEL_ROLE, ""),
+            role=_role(lbl.get(LABEL_ROLE)),
             replica=int(replica) if str(replica).isdigit() else 0,
             teacher=lbl.get(LABEL_TEACHER),
             attempt=int(attempt) if attempt is not None and str(attempt).isdigit() else None,
-            phase=status.get("phase") or "Pending",
+            phase=phase,
             ready=ready,
             deleting=bool(meta.get("deletionTimestamp")),
             pod_ip=status.get("podIP"),
             http_port=port,
             reason=_failure_reason(status),
         )
+
+
+def _role(label: str | None) -> Role | None:
+    try:
+        return Role(label)
+    except ValueError:
+        return None
 
 
 def _failure_reason(status: Mapping[str, Any]) -> str:
@@ -124,13 +165,13 @@ def set_condition(
     new = ConditionStatus.true if value else ConditionStatus.false
     existing = {c.type: c for c in status.conditions}
     old = existing.get(kind)
-    since = old.last_transition_time if old is not None and old.status == new else rfc3339(now)
+    since = old.last_transition_time if old is not None and old.status is new else rfc3339(now)
     existing[kind] = Condition(type=kind, status=new, reason=reason, message=message, last_transition_time=since)
     status.conditions = [existing[k] for k in CONDITION_ORDER if k in existing]
 
 
 def condition(status: DistillationJobStatus, kind: ConditionType) -> Condition | None:
-    return next((c for c in status.conditions if c.type == kind), None)
+    return next((c for c in status.conditions if c.type is kind), None)
 
 
 def role_counts(desired: Mapping[str, int], pods: list[PodView]) -> dict[str, RoleStatus]:
@@ -141,7 +182,7 @@ def role_counts(desired: Mapping[str, int], pods: list[PodView]) -> dict[str, Ro
             continue
         if p.ready:
             rs.ready += 1
-        if p.phase == "Failed":
+        if p.phase is PodPhase.failed:
             rs.failed += 1
     return out
 
@@ -150,10 +191,10 @@ def ready_summary(roles: Mapping[str, RoleStatus]) -> dict[str, str]:
     def total(keys: list[str]) -> str:
         return f"{sum(roles[k].ready for k in keys)}/{sum(roles[k].desired for k in keys)}"
 
-    teachers = [k for k in roles if k.startswith("teacher/")]
+    teachers = [k for k in roles if k.startswith(TEACHER_GROUP_PREFIX)]
     return {
-        "trainer": total([k for k in roles if k == "trainer"]),
-        "rollout": total([k for k in roles if k == "rollout"]),
+        "trainer": total([k for k in roles if k == Role.trainer.value]),
+        "rollout": total([k for k in roles if k == Role.rollout.value]),
         "teachers": total(teachers),
     }
 

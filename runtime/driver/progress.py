@@ -1,0 +1,48 @@
+"""The per-step history of a run: one JSON line per train step, appended by trainer rank 0 to the
+file named by HISTORY_ENV (set by `kubedistill run`). Each line is the step's /status document
+(kubedistill.api.progress.TrainerProgress) plus per-step extras: `time` (seconds since the
+driver started), losses, sync and wait times, the groups trained."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubedistill.api.progress import HISTORY_ENV
+
+HistoryLine = dict[str, Any]
+
+
+@dataclass
+class HistoryWriter:
+    """Appends one JSON line per train step to a file (nothing when path is None)."""
+
+    path: Path | None = None
+    _lines: list[HistoryLine] = field(default_factory=list)
+
+    @classmethod
+    def from_env(cls) -> HistoryWriter:
+        p = os.environ.get(HISTORY_ENV)
+        return cls(Path(p) if p else None)
+
+    def write(self, line: HistoryLine) -> None:
+        self._lines.append(line)
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    @property
+    def lines(self) -> list[HistoryLine]:
+        return list(self._lines)
+
+
+def read_history(path: Path) -> list[HistoryLine]:
+    """The lines a HistoryWriter wrote to `path` ([] before the first step)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
