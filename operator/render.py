@@ -218,14 +218,13 @@ def render_services(job: str, namespace: str, spec: DistillationJobSpec) -> list
 
 
 def render_network_policy(job: str, namespace: str) -> dict[str, Any]:
-    """Only this job's pods reach its ports; pods labelled as scrapers (any namespace) reach the
-    HTTP port (metrics, health, trainer status)."""
+    """The job's pods reach each other on every port; pods labelled as scrapers (any namespace)
+    reach only the HTTP port (metrics, health, trainer status); nothing else gets in.
+
+    Every port, not the three named ones: those are only the rendezvous stores. NCCL's bootstrap
+    and socket transport and gloo's pair connections listen on ports the OS picks, so a policy
+    listing ports would let the ranks rendezvous and then hang on their first collective."""
     job_pods = {"podSelector": {"matchLabels": {LABEL_JOB: job}}}
-    every_port = [
-        {"protocol": "TCP", "port": Ports.HTTP},
-        {"protocol": "TCP", "port": Ports.DIST},
-        {"protocol": "TCP", "port": Ports.WEIGHT_SYNC},
-    ]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -234,7 +233,7 @@ def render_network_policy(job: str, namespace: str) -> dict[str, Any]:
             "podSelector": {"matchLabels": {LABEL_JOB: job}},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [job_pods], "ports": every_port},
+                {"from": [job_pods]},
                 {
                     "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {SCRAPER_LABEL: "true"}}}],
                     "ports": [{"protocol": "TCP", "port": Ports.HTTP}],
@@ -276,7 +275,8 @@ def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> 
     put("KUBEDISTILL_ROLLOUT_SERVICE", f"{service_name(job, Role.rollout)}.{namespace}.svc")
     env["KUBEDISTILL_POD_IP"] = {"name": "KUBEDISTILL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     if slot.role is Role.trainer:
-        # One pod = one node of the gang; it runs max(gpus, 1) ranks starting at RANK.
+        # One pod = one node of the gang; it runs max(gpus, 1) ranks starting at RANK (torchrun
+        # gives each of several its own RANK and LOCAL_RANK: role_command).
         per_pod = max(_gpus(spec, slot), 1)
         put("RANK", str(slot.replica * per_pod))
         put("NODE_RANK", str(slot.replica))
@@ -286,6 +286,40 @@ def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> 
     for e in user_env(spec, slot.role, slot.teacher):
         env[e.name] = _env_entry(e)
     return list(env.values())
+
+
+def role_command(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> list[str]:
+    """The pod's command. A trainer pod with several GPUs runs one rank per GPU: torchrun starts
+    them (RANK, LOCAL_RANK, WORLD_SIZE per process), rendezvousing at trainer pod 0, and fails the
+    pod when any rank fails, so the operator restarts the gang."""
+    role = ["role", slot.role.value, "--config", CONFIG_PATH]
+    per_pod = _gpus(spec, slot) if slot.role is Role.trainer else 0
+    if per_pod <= 1:
+        return ["kubedistill", *role]
+    return [
+        *torchrun_launcher(
+            nodes=spec.trainer.replicas,
+            per_node=per_pod,
+            node_rank=slot.replica,
+            master_addr=pod_dns(job, namespace, PodSlot(Role.trainer, 0)),
+            master_port=Ports.DIST,
+        ),
+        "-m",
+        "kubedistill.cli",
+        *role,
+    ]
+
+
+def torchrun_launcher(nodes: int, per_node: int, node_rank: int, master_addr: str, master_port: int) -> list[str]:
+    """torchrun with a static rendezvous: every pod knows the gang's size and its place in it."""
+    return [
+        "torchrun",
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={per_node}",
+        f"--node-rank={node_rank}",
+        f"--master-addr={master_addr}",
+        f"--master-port={master_port}",
+    ]
 
 
 def _resources(spec: DistillationJobSpec, slot: PodSlot) -> dict[str, Any]:
@@ -356,7 +390,7 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy.value,
-        "command": ["kubedistill", "role", slot.role.value, "--config", CONFIG_PATH],
+        "command": role_command(job, namespace, spec, slot),
         "env": _env(job, namespace, spec, slot),
         "ports": ports,
         "volumeMounts": [

@@ -222,11 +222,31 @@ def test_network_policy_admits_job_pods_and_labelled_scrapers_only() -> None:
     spec = np["spec"]
     assert spec["podSelector"] == {"matchLabels": {"kubedistill.io/job": job.metadata.name}}
     assert spec["policyTypes"] == ["Ingress"]
-    own, scrapers = spec["ingress"]
-    assert own["from"] == [{"podSelector": {"matchLabels": {"kubedistill.io/job": job.metadata.name}}}]
-    assert {p["port"] for p in own["ports"]} == {Ports.HTTP, Ports.DIST, Ports.WEIGHT_SYNC}
-    assert scrapers["from"][0]["podSelector"] == {"matchLabels": {"kubedistill.io/scraper": "true"}}
-    assert [p["port"] for p in scrapers["ports"]] == [Ports.HTTP]
+    own_pod = {"kubedistill.io/job": job.metadata.name, "kubedistill.io/role": "rollout"}
+    scraper = {"app": "prometheus", "kubedistill.io/scraper": "true"}
+    stranger = {"kubedistill.io/job": "another-job"}
+    # The rendezvous stores, and the ports the OS picks for NCCL's bootstrap and socket transport
+    # and for gloo's pair connections (anywhere in the ephemeral range).
+    for port in (Ports.HTTP, Ports.DIST, Ports.WEIGHT_SYNC, 32768, 45123, 60999):
+        assert _admits(spec, own_pod, port), port
+        assert _admits(spec, scraper, port) == (port == Ports.HTTP), port
+        assert not _admits(spec, stranger, port), port
+
+
+def _admits(policy: dict[str, Any], source: dict[str, str], port: int) -> bool:
+    """Whether an ingress NetworkPolicy admits TCP from a pod with `source` labels (any namespace
+    for a rule with namespaceSelector {}, else the policy's own) on `port`."""
+    for rule in policy["ingress"]:
+        peers = rule.get("from", [])
+        matched = not peers or any(
+            all(source.get(k) == v for k, v in peer.get("podSelector", {}).get("matchLabels", {}).items())
+            and ("namespaceSelector" in peer or source.get("kubedistill.io/job") is not None)
+            for peer in peers
+        )
+        ports = rule.get("ports")
+        if matched and (not ports or any(p.get("protocol", "TCP") == "TCP" and p["port"] == port for p in ports)):
+            return True
+    return False
 
 
 def test_cpu_job_threads_kv_cache_and_role_overrides() -> None:
@@ -329,3 +349,21 @@ def test_rbac_covers_every_call_the_operator_makes() -> None:
     assert allowed("apiextensions.k8s.io", "customresourcedefinitions", "list", CLUSTER)
     everything = rules(all_namespaces=True)
     assert everything["role"] == [] and len(everything["clusterRole"]) == len(CLUSTER) + len(NAMESPACED)
+
+
+def test_a_trainer_pod_with_several_gpus_runs_one_rank_per_gpu_under_torchrun() -> None:
+    doc = read_manifest(ROOT / "examples" / "one-gpu.yaml")
+    doc["spec"]["trainer"].update(replicas=2, gpusPerReplica=2)
+    job = DistillationJob.model_validate(doc)
+    name = job.metadata.name
+    pods = _by(render_children(name, "ml", job.spec), "Pod")
+    trainer1 = pods[f"{name}-trainer-1"]["spec"]["containers"][0]
+    assert trainer1["command"] == [
+        "torchrun", "--nnodes=2", "--nproc-per-node=2", "--node-rank=1",
+        f"--master-addr={name}-trainer-0.{name}-trainer.ml.svc", f"--master-port={Ports.DIST}",
+        "-m", "kubedistill.cli", "role", "trainer", "--config", CONFIG_PATH,
+    ]  # fmt: skip
+    assert trainer1["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert _env(pods[f"{name}-trainer-1"])["WORLD_SIZE"] == "4"
+    # One-GPU pods (and every server) run the role directly.
+    assert pods[f"{name}-rollout-0"]["spec"]["containers"][0]["command"][:3] == ["kubedistill", "role", "rollout"]

@@ -9,6 +9,7 @@ serves every pod of the job.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -89,6 +90,16 @@ class Identity(ApiModel):
         if replica is None:
             replica = int(os.environ.get("KUBEDISTILL_REPLICA", os.environ.get("RANK", "0")))
         return cls(role=role, replica=replica, teacher=teacher or os.environ.get("KUBEDISTILL_TEACHER"))
+
+
+def trainer_rank(identity: Identity, env: Mapping[str, str]) -> int:
+    """The global rank of a trainer process. A pod with several GPUs runs its ranks under
+    torchrun, which gives each process its own RANK beside LOCAL_RANK; every process of that pod
+    shares the pod's replica index, so the replica is the rank only for one-process pods and
+    `kubedistill run`."""
+    if "LOCAL_RANK" in env and "RANK" in env:
+        return int(env["RANK"])
+    return identity.replica
 
 
 def weight_sync_world_size(spec: DistillationJobSpec) -> int:

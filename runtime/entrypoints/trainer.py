@@ -47,6 +47,7 @@ def _init_distributed(spec: DistillationJobSpec, rank: int, world: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kubedistill.api.roleconfig import trainer_rank
     from kubedistill.runtime.entrypoints.roles import _load
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubedistill role trainer: {e}", file=sys.stderr)
         return 2
     spec = config.spec
-    rank = identity.replica
+    rank = trainer_rank(identity, os.environ)
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     import torch
