@@ -120,3 +120,46 @@ def test_gloo_broadcast_is_bit_exact_across_buckets_and_dtypes() -> None:
     for name, x in named:
         assert got[name].dtype == x.dtype and got[name].shape == x.shape
         assert tensor_checksum(got[name]) == tensor_checksum(x), name
+
+
+def test_nccl_group_takes_the_members_gpu_and_the_configured_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU member does, with ProcessGroupNCCL recorded (this torch build has none): the
+    communicator is made on the GPU the caller named, from whatever thread, and with
+    weightSync.timeoutSeconds rather than torch's 10-minute default."""
+    import datetime
+
+    import torch.distributed as dist
+
+    made: dict[str, object] = {}
+
+    class RecordedNCCL:
+        class Options:
+            _timeout: datetime.timedelta | None = None
+
+        def __init__(self, store: object, rank: int, size: int, options: RecordedNCCL.Options) -> None:
+            made.update(rank=rank, size=size, timeout=options._timeout)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", RecordedNCCL, raising=False)
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(WeightSyncGroup, "barrier", lambda self: None)  # would need a real GPU
+    addr = GroupAddress("127.0.0.1", 0, 1, 2, "nccl", 42, "e1", device="cuda:3")
+    group = WeightSyncGroup(addr, store=dist.HashStore())
+    assert made == {"rank": 1, "size": 2, "timeout": datetime.timedelta(seconds=42)}
+    assert group.device == torch.device("cuda", 3) and current == [torch.device("cuda", 3)]
+
+
+def test_member_devices_and_ranks() -> None:
+    from kubedistill.runtime.weight_sync.group import local_cuda_device, member_device, sync_rank
+
+    assert member_device("gloo", None) == torch.device("cpu")
+    assert member_device("nccl", "cuda:1") == torch.device("cuda", 1)
+    for bad in (None, "cpu", "cuda"):
+        with pytest.raises(ValueError, match="needs its own CUDA device"):
+            member_device("nccl", bad)
+    assert local_cuda_device({"LOCAL_RANK": "2"}) == "cuda:2" and local_cuda_device({}) == "cuda:0"
+    # Each tensor-parallel worker of a server takes its own rank; unknown is an error under TP.
+    assert [sync_rank(3, tp, 2) for tp in (0, 1)] == [3, 4]
+    assert sync_rank(3, None, 1) == 3
+    with pytest.raises(RuntimeError, match="tensor-parallel rank"):
+        sync_rank(3, None, 2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -46,16 +47,29 @@ class WeightSyncWorkerExtension:
         epoch: str = "0",
     ) -> None:
         """Join in a thread: the rendezvous waits for the trainer, and the worker must keep serving."""
-        from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
+        from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, sync_rank
 
-        tp_rank = 0
+        tp_rank: int | None = None
         try:
             from vllm.distributed import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
-        except Exception:
-            pass
-        addr = GroupAddress(host, port, base_rank + tp_rank, world_size, backend, timeout_seconds, epoch)
+        except (ImportError, AssertionError, AttributeError):
+            pass  # no TP group: sync_rank allows that only without tensor parallelism
+        tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
+        # The worker's own GPU, named here: the join runs in a new thread, whose current device
+        # is cuda:0 whatever GPU this worker drives.
+        device = getattr(self, "device", None)
+        addr = GroupAddress(
+            host,
+            port,
+            sync_rank(base_rank, tp_rank, tp_size),
+            world_size,
+            backend,
+            timeout_seconds,
+            epoch,
+            device=str(device) if backend == "nccl" and device is not None else None,
+        )
         self._kd_state = "joining"
         self._kd_error = None
         self._kd_epoch = epoch
@@ -153,17 +167,24 @@ class WeightSyncWorkerExtension:
     def kd_weight_checksums(self) -> dict[str, str]:
         from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 
-        return {n: tensor_checksum(t) for n, t in self.kd_effective_weights().items()}
+        # One weight at a time: the GPU holds one weight's copy at most, never a second model.
+        return {n: tensor_checksum(t) for n, t in self._kd_effective_weights()}
 
     # --- inspection -----------------------------------------------------------------------------
     def kd_effective_weights(self) -> dict[str, torch.Tensor]:
-        """The weights the engine actually computes with, under HF names (tests, debugging).
-        Linear layers whose weights were packed into CPU kernels are read back by multiplying
-        with the identity (exact in fp32: every product is by 1 or 0). Fused qkv/gate_up layers
-        are split back into their HF parts. Includes `lm_head.weight` as used for logits."""
+        """The weights the engine computes with, under HF names, copied to the CPU (tests,
+        debugging); see _kd_effective_weights."""
+        return {n: t.detach().to("cpu", copy=True) for n, t in self._kd_effective_weights()}
+
+    def _kd_effective_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights the engine actually computes with, under HF names, one at a time (views
+        where possible: consume each before the next). Linear layers whose weights were packed
+        into CPU kernels are read back by multiplying with the identity (exact in fp32: every
+        product is by 1 or 0). Fused qkv/gate_up layers are split back into their HF parts by
+        this worker's partition sizes (its shard under tensor parallelism). Includes
+        `lm_head.weight` as used for logits."""
         model = self.model_runner.get_model()
         packed = getattr(model, "packed_modules_mapping", {})
-        out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for mname, module in model.named_modules():
                 if mname == "lm_head" or mname.endswith(".lm_head"):
@@ -173,22 +194,23 @@ class WeightSyncWorkerExtension:
                     t = p.detach()
                     if pname == "weight" and t.numel() == 0 and hasattr(module, "cpu_linear"):
                         k = module.input_size_per_partition
-                        t = module.cpu_linear(torch.eye(k, dtype=torch.float32).to(p.dtype), p, None).t()
+                        eye = torch.eye(k, dtype=torch.float32, device=p.device).to(p.dtype)
+                        t = module.cpu_linear(eye, p, None).t()
                     vocab = getattr(module, "org_vocab_size", None)
                     if vocab is not None and pname == "weight":
                         t = t[:vocab]  # vLLM pads the vocabulary rows
                     leaf = mname.rsplit(".", 1)[-1]
                     if leaf in packed:
-                        sizes = list(module.output_sizes)
-                        parts = torch.split(t.clone(), sizes, dim=0)
-                        for sub, part in zip(packed[leaf], parts):
-                            out[f"{mname[: -len(leaf)]}{sub}.{pname}"] = part.contiguous()
+                        sizes = list(getattr(module, "output_partition_sizes", module.output_sizes))
+                        for sub, part in zip(packed[leaf], torch.split(t, sizes, dim=0)):
+                            yield f"{mname[: -len(leaf)]}{sub}.{pname}", part.contiguous()
                     else:
-                        out[full] = t.clone()
+                        yield full, t
             lm_head = getattr(model, "lm_head", None)
             if lm_head is not None and hasattr(lm_head, "quant_method"):
                 h = model.config.hidden_size
-                eye = torch.eye(h, dtype=lm_head.weight.dtype if lm_head.weight.numel() else torch.float32)
+                weight = lm_head.weight
+                dtype = weight.dtype if weight.numel() else torch.float32
+                eye = torch.eye(h, dtype=dtype, device=weight.device)
                 w = lm_head.quant_method.apply(lm_head, eye).t()
-                out["lm_head.weight"] = w[: getattr(lm_head, "org_vocab_size", w.shape[0])].contiguous()
-        return out
+                yield "lm_head.weight", w[: getattr(lm_head, "org_vocab_size", w.shape[0])].contiguous()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,6 +33,46 @@ class GroupAddress:
     backend: str  # "nccl" | "gloo"
     timeout_seconds: float = 600.0
     epoch: str = "0"
+    device: str | None = None
+    """NCCL: this member's GPU, e.g. "cuda:1". Named by the caller because a group formed in a
+    new thread would otherwise take that thread's current device, cuda:0 for every worker."""
+
+
+def member_device(backend: str, device: str | None) -> torch.device:
+    """The device a member's sync tensors live on: CPU for gloo, its own GPU for NCCL."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend != "nccl":
+        raise ValueError(f"weight-sync backend {backend!r}: allowed nccl, gloo")
+    if device is None or torch.device(device).type != "cuda" or torch.device(device).index is None:
+        raise ValueError(f"an NCCL weight-sync member needs its own CUDA device (cuda:N), got {device!r}")
+    return torch.device(device)
+
+
+def local_cuda_device(env: Mapping[str, str]) -> str:
+    """The GPU of a process launched one per GPU (torchrun's LOCAL_RANK; 0 when alone)."""
+    return f"cuda:{int(env.get('LOCAL_RANK', '0'))}"
+
+
+def sync_rank(base_rank: int, tp_rank: int | None, tp_size: int) -> int:
+    """A rollout worker's rank in the weight-sync group: its server's first rank plus its
+    tensor-parallel rank. Unknown is only allowed without tensor parallelism: guessing 0 would
+    give two workers the same rank."""
+    if tp_rank is None:
+        if tp_size > 1:
+            raise RuntimeError(f"cannot tell this worker's tensor-parallel rank (TP {tp_size})")
+        tp_rank = 0
+    return base_rank + tp_rank
+
+
+def nccl_options(timeout: timedelta) -> Any:
+    """ProcessGroupNCCL's options with the configured timeout (weightSync.timeoutSeconds);
+    without them NCCL keeps torch's 10-minute default."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return options
 
 
 def resolve_backend(backend: SyncBackend, device: Device) -> str:
@@ -70,17 +111,15 @@ class WeightSyncGroup:
         if not EPOCH_PATTERN.match(addr.epoch):
             raise ValueError(f"weight-sync group epoch {addr.epoch!r}: 1-64 characters of A-Z a-z 0-9 . _ - allowed")
         self.addr = addr
+        self.device = member_device(addr.backend, addr.device)
         timeout = timedelta(seconds=addr.timeout_seconds)
         self.store = store if store is not None else open_store(addr)
         prefixed = dist.PrefixStore(f"kubedistill-weight-sync/{addr.epoch}", self.store)
         if addr.backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            self.pg = dist.ProcessGroupNCCL(prefixed, addr.rank, addr.world_size)
-        elif addr.backend == "gloo":
-            self.device = torch.device("cpu")
-            self.pg = dist.ProcessGroupGloo(prefixed, addr.rank, addr.world_size, timeout)
+            torch.cuda.set_device(self.device)  # this thread's current device: the communicator's GPU
+            self.pg = dist.ProcessGroupNCCL(prefixed, addr.rank, addr.world_size, nccl_options(timeout))
         else:
-            raise ValueError(f"weight-sync backend {addr.backend!r}: allowed nccl, gloo")
+            self.pg = dist.ProcessGroupGloo(prefixed, addr.rank, addr.world_size, timeout)
         # Rendezvous now, so a missing member is found at start-up rather than at the first sync.
         self.barrier()
 

@@ -22,7 +22,13 @@ import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, open_store, resolve_backend
+from kubedistill.runtime.weight_sync.group import (
+    GroupAddress,
+    WeightSyncGroup,
+    local_cuda_device,
+    open_store,
+    resolve_backend,
+)
 from kubedistill.runtime.weight_sync.manifest import bucket_layout
 from kubedistill.runtime.weight_sync.transfer import TransferStats, send
 from kubedistill.runtime.wire.dtypes import dtype_name
@@ -68,14 +74,16 @@ class WeightSender:
         self.endpoints = endpoints
         self.metrics = metrics
         self.timeout = float(spec.weight_sync.timeout_seconds)
+        backend = resolve_backend(spec.weight_sync.backend, spec.device)
         addr = GroupAddress(
             host=bind_host or endpoints.master_addr,
             port=endpoints.weight_sync_port,
             rank=0,
             world_size=weight_sync_world_size(spec),
-            backend=resolve_backend(spec.weight_sync.backend, spec.device),
+            backend=backend,
             timeout_seconds=self.timeout,
             epoch=epoch or new_epoch(),
+            device=local_cuda_device(os.environ) if backend == "nccl" else None,
         )
         self.epoch = addr.epoch
         self._addr = addr
