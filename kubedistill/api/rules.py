@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kubedistill.api.spec import Advantage, Device, DistillationJobSpec, LossMode, Mode
+from kubedistill.api.spec import Advantage, Device, DistillationJobSpec, Engine, LossMode, Mode
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ def _gpu_cel(field: str) -> str:
     return f"!has(self.{field}) || (self.device == 'cpu' ? self.{field} == 0 : self.{field} > 0)"
 
 
+HF_ON_CUDA_MESSAGE = "hf runs on the CPU; on device cuda use vllm"
 GPU_MESSAGE = "must be > 0 on device cuda and 0 (or unset) on device cpu"
 
 SPEC_RULES: list[Rule] = [
@@ -186,6 +187,21 @@ SPEC_RULES: list[Rule] = [
         "every teacher's inference.tensorParallelSize must not exceed its gpus",
         ".teachers",
         lambda s: all(_tp_ok(s.device, t.inference.tensor_parallel_size, t.gpus) for t in s.teachers),
+    ),
+    # The hf engine (transformers) runs on the CPU: on a GPU pod it would leave the GPU idle.
+    Rule(
+        "spec",
+        "self.device == 'cpu' || self.rollout.inference.engine != 'hf'",
+        HF_ON_CUDA_MESSAGE,
+        ".rollout.inference.engine",
+        lambda s: s.device is Device.cpu or s.rollout.inference.engine is not Engine.hf,
+    ),
+    Rule(
+        "spec",
+        "self.device == 'cpu' || self.teachers.all(t, t.inference.engine != 'hf')",
+        "every teacher's inference.engine: " + HF_ON_CUDA_MESSAGE,
+        ".teachers",
+        lambda s: s.device is Device.cpu or all(t.inference.engine is not Engine.hf for t in s.teachers),
     ),
 ]
 
