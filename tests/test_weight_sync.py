@@ -4,6 +4,7 @@ broadcast (sender and receiver threads in one process) that must arrive bit for 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -163,3 +164,69 @@ def test_member_devices_and_ranks() -> None:
     assert sync_rank(3, None, 1) == 3
     with pytest.raises(RuntimeError, match="tensor-parallel rank"):
         sync_rank(3, None, 2)
+
+
+def test_send_draws_a_lazy_source_bucket_by_bucket() -> None:
+    """A trainer's weights come from a generator that all-gathers each tensor when reached: send
+    must hold only the tensors of the buckets around the one on the wire, never the whole model."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(256, 256), (8,), (256, 256), (8,), *[(256, 256)] * 8, (8,), (256, 256)]
+    named = [(f"t{i}", torch.randn(*s, generator=g)) for i, s in enumerate(shapes)]
+    manifest = build_manifest(named, bucket_bytes=1 << 20, direct_bytes=1 << 18)  # 256 KiB tensors go alone
+    alive: set[int] = set()
+    most = 0
+
+    def gathered() -> Iterator[torch.Tensor]:
+        nonlocal most
+        for i, (_, x) in enumerate(named):
+            full = x.clone()  # what an all-gather would materialise
+            alive.add(i)
+            weakref.finalize(full, alive.discard, i)
+            gc.collect()
+            most = max(most, len(alive))
+            yield full
+
+    port = free_port()
+    got: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def receiver() -> None:
+        try:
+            group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
+            receive(group, manifest, lambda batch: got.update({n: t.clone() for n, t in batch}))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    sender = WeightSyncGroup(GroupAddress("127.0.0.1", port, 0, 2, "gloo", 60))
+    send(sender, manifest, gathered())
+    t.join(60)
+    assert not errors, errors
+    assert {n: tensor_checksum(x) for n, x in named} == {n: tensor_checksum(x) for n, x in got.items()}
+    # Ten large tensors each go alone (drawn, sent, dropped); the three small ones wait in the
+    # bucket that closes last. Materialising the list first would hold all 13.
+    assert most <= 5, most
+
+
+def test_send_refuses_a_source_that_does_not_match_its_manifest() -> None:
+    import types
+
+    named = [(f"t{i}", torch.ones(4)) for i in range(3)]
+    manifest = build_manifest(named, bucket_bytes=1 << 20)
+
+    class Recorded:
+        device = torch.device("cpu")
+
+        def broadcast(self, tensor: torch.Tensor) -> object:
+            return types.SimpleNamespace(wait=lambda: None)
+
+    with pytest.raises(ValueError, match="the weights ended after 2 tensors; the manifest has 3"):
+        send(Recorded(), manifest, (x for _, x in named[:2]))
+    with pytest.raises(ValueError, match="more tensors than the manifest's 3"):
+        send(Recorded(), manifest, (x for _, x in [*named, ("extra", torch.ones(4))]))
+    with pytest.raises(ValueError, match="shape \\[5\\], the manifest says \\[4\\]"):
+        send(Recorded(), manifest, iter([torch.ones(5), torch.ones(4), torch.ones(4)]))

@@ -23,7 +23,7 @@ import concurrent.futures as cf
 import logging
 import pickle
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -41,6 +41,7 @@ from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.protocol import TensorMeta
 
 log = logging.getLogger("kubedistill.driver")
 
@@ -75,7 +76,8 @@ class TrainerLike(Protocol):
     """runtime/trainer's Trainer, as rank 0's driver calls it (tensors are torch's)."""
 
     def step(self, batch: TrainBatch) -> StepStatsLike: ...
-    def named_full_weights(self) -> Iterable[tuple[str, Any]]: ...
+    def weight_metas(self) -> list[TensorMeta]: ...
+    def named_full_weights(self) -> Iterator[tuple[str, Any]]: ...
     def save_checkpoint(self, step: int, weight_version: int, driver_state: bytes) -> Path: ...
     def export_hf(self, out_dir: str | Path) -> Path | None: ...
 
@@ -83,7 +85,7 @@ class TrainerLike(Protocol):
 class SenderLike(Protocol):
     """runtime/weight_sync's WeightSender."""
 
-    def sync(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> object: ...
+    def sync(self, version: int, weights: TrainerLike) -> object: ...
 
 
 def request_seed(base: int | None, sample: Sample) -> int | None:
@@ -187,7 +189,9 @@ class Driver:
     def _sync_blocking(self, version: int) -> None:
         if self.sender is None:
             raise RuntimeError("no weight sender: the weight-sync group is not formed")
-        self.sender.sync(version, self.trainer.named_full_weights())
+        # The trainer itself: the sender lays out the manifest from its metadata and draws the
+        # gathered tensors bucket by bucket once every server is ready to receive.
+        self.sender.sync(version, self.trainer)
 
     async def sync_weights(self, version: int) -> None:
         t0 = self.clock()

@@ -18,6 +18,8 @@ from torch import nn
 
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.models.loading import load_causal_lm
+from kubedistill.runtime.wire.dtypes import dtype_name
+from kubedistill.runtime.wire.protocol import TensorMeta
 
 log = logging.getLogger("kubedistill.trainer")
 
@@ -130,6 +132,15 @@ def use_packing(spec: DistillationJobSpec, model: LogProbModel, device: torch.de
         type(model.lm).__name__,
     )
     return False
+
+
+def weight_metas(model: LogProbModel) -> list[TensorMeta]:
+    """Name, dtype and full shape of what full_weights yields, in its order, without gathering
+    (a sharded parameter's shape is its full shape)."""
+    return [
+        TensorMeta(name=name[len(LM_PREFIX) :], dtype=dtype_name(p.dtype), shape=list(p.shape))
+        for name, p in model.named_parameters()
+    ]
 
 
 def full_weights(model: LogProbModel) -> Iterator[tuple[str, torch.Tensor]]:

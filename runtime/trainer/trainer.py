@@ -57,11 +57,12 @@ from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handler
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
 from kubedistill.runtime.trainer.microbatch import collate, micro_batches, shard_samples
-from kubedistill.runtime.trainer.model import full_weights, load_student, pad_token_id, use_packing
+from kubedistill.runtime.trainer.model import full_weights, load_student, pad_token_id, use_packing, weight_metas
 from kubedistill.runtime.trainer.schedule import lr_factor
 from kubedistill.runtime.trainer.state import Resumed, TrainerState
 from kubedistill.runtime.trainer.stats import StepStats, StepSums, record_step
 from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.protocol import TensorMeta
 
 if TYPE_CHECKING:
     from kubedistill.runtime.metrics import RoleMetrics
@@ -220,6 +221,10 @@ class Trainer:
         return stats
 
     # ---- weights and state ---------------------------------------------------------------------
+
+    def weight_metas(self) -> list[TensorMeta]:
+        """What named_full_weights yields (names, dtypes, full shapes), with no collective."""
+        return weight_metas(self.model)
 
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, full fp32 tensor) in a fixed order; a tied lm_head is omitted.

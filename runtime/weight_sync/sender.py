@@ -1,4 +1,4 @@
-"""Trainer side of a weight sync: `WeightSender(spec, endpoints).sync(version, named_tensors)`.
+"""Trainer side of a weight sync: `WeightSender(spec, endpoints).sync(version, weights)`.
 
 Construction (re)forms the group under a fresh epoch: rank 0 opens the group's TCP store, tells
 every rollout server `POST /weights/group {epoch}` (retrying while a server is still starting),
@@ -7,6 +7,11 @@ trainer's predecessor, before a gang restart) leave it first, so a restarted tra
 same long-lived rollout servers. A sync POSTs /weights/begin (version + manifest + epoch) to
 every rollout server, broadcasts the buckets, then all-reduces a failure count so it returns only
 once every engine has loaded the weights (or raises naming how many failed).
+
+The weights are a list of (name, tensor), or a WeightSource (the trainer): its manifest comes
+from metadata, and its full tensors are drawn one bucket at a time while the buckets go out, so
+rank 0 never holds a gathered copy of the whole model; it starts gathering only once the group
+is known to be formed, so the other trainer ranks do not wait in an all-gather meanwhile.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -44,6 +49,20 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+@runtime_checkable
+class WeightSource(Protocol):
+    """Weights too big to gather at once (the trainer's FSDP shards)."""
+
+    def weight_metas(self) -> list[TensorMeta]:
+        """Name, dtype and full shape of each tensor, in the order named_full_weights yields
+        them; no collective."""
+        ...
+
+    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full tensors, each materialised when reached (a collective: exhaust it)."""
+        ...
+
+
 DIRECT_BYTES = 1 << 20
 """Tensors of at least 1 MiB travel in buckets of their own, without packing copies."""
 
@@ -51,7 +70,16 @@ DIRECT_BYTES = 1 << 20
 def build_manifest(
     named: list[tuple[str, torch.Tensor]], bucket_bytes: int, direct_bytes: int | None = DIRECT_BYTES
 ) -> Manifest:
-    metas = [TensorMeta(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
+    return layout([tensor_meta(n, t) for n, t in named], bucket_bytes, direct_bytes)
+
+
+def tensor_meta(name: str, t: torch.Tensor) -> TensorMeta:
+    """A tensor's manifest entry; a DTensor's shape is its full shape, so shards describe the
+    tensor they gather into."""
+    return TensorMeta(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape))
+
+
+def layout(metas: list[TensorMeta], bucket_bytes: int, direct_bytes: int | None = DIRECT_BYTES) -> Manifest:
     return bucket_layout(metas, bucket_bytes, direct_bytes=min(direct_bytes, bucket_bytes) if direct_bytes else None)
 
 
@@ -173,12 +201,22 @@ class WeightSender:
         return time.perf_counter() - t0
 
     def sync(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int | None = None
+        self,
+        version: int,
+        weights: WeightSource | Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int | None = None,
     ) -> TransferStats:
         t0 = time.perf_counter()
         self.ensure_group()
-        named = [(n, t.to(self.group.device)) for n, t in named_tensors]
-        manifest = build_manifest(named, bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024)
+        budget = bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024
+        draw: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+        if isinstance(weights, WeightSource):
+            manifest = layout(weights.weight_metas(), budget)
+            draw = weights.named_full_weights  # called only after every server began the sync
+        else:
+            named = list(weights)
+            manifest = build_manifest(named, budget)
+            draw = named.__iter__
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch).model_dump(mode="json")
 
         def begin(url: str) -> str | None:
@@ -196,7 +234,7 @@ class WeightSender:
 
         with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
             refusals = [r for r in pool.map(begin, self.endpoints.rollout) if r is not None]
-        stats = send(self.group, manifest, [t for _, t in named])
+        stats = send(self.group, manifest, _on_device(manifest, draw(), self.group.device))
         failed = self.group.all_reduce_sum(0)
         stats.seconds = time.perf_counter() - t0
         self.last_stats = stats
@@ -209,6 +247,17 @@ class WeightSender:
         if failed:
             raise WeightSyncError(f"{failed} rollout worker(s) failed to load weight version {version}")
         return stats
+
+
+def _on_device(
+    manifest: Manifest, pairs: Iterable[tuple[str, torch.Tensor]], device: torch.device
+) -> Iterator[torch.Tensor]:
+    """The tensors in manifest order, on the group's device, each checked against its name."""
+    for i, (name, t) in enumerate(pairs):
+        expected = manifest.tensors[i].name if i < len(manifest.tensors) else None
+        if name != expected:
+            raise WeightSyncError(f"weight {i} is {name!r}; the manifest says {expected!r}")
+        yield t.to(device)
 
 
 def _error_text(r: httpx.Response) -> str:

@@ -8,7 +8,7 @@ because engines (vLLM's layerwise reload) may hold the tensors until a whole lay
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +18,9 @@ from kubedistill.runtime.weight_sync.group import WeightSyncGroup
 from kubedistill.runtime.wire.dtypes import numel
 from kubedistill.runtime.wire.protocol import Bucket, Manifest
 
-_Sending = tuple[Any, torch.Tensor | None, str]
-"""A broadcast in flight: its Work, the buffer it reads (None: the caller's own tensor), its dtype."""
+_Sending = tuple[Any, torch.Tensor | None, str, torch.Tensor | None]
+"""A broadcast in flight: its Work, the buffer it reads (None: the caller's own tensor), its dtype,
+and the caller's tensor it reads (kept alive until the broadcast is done)."""
 _Receiving = tuple[Any, torch.Tensor | None]
 """A receive in flight: its Work and the fresh buffer it fills (None: the engine's own tensor)."""
 
@@ -42,47 +43,92 @@ class TransferStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _pack(bucket: Bucket, manifest: Manifest, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+class _InOrder:
+    """The tensors of a manifest, drawn from an iterator in manifest order as buckets need them.
+
+    A tensor is held only from when it is drawn (its own bucket's turn, or an earlier tensor's
+    bucket coming later in the manifest) until its bucket is sent, so a lazy source (the
+    trainer's all-gathers) never has the whole model materialised at once."""
+
+    def __init__(self, manifest: Manifest, tensors: Iterable[torch.Tensor]):
+        self.manifest = manifest
+        self._source: Iterator[torch.Tensor] = iter(tensors)
+        self._held: dict[int, torch.Tensor] = {}
+        self._drawn = 0
+
+    def take(self, index: int) -> torch.Tensor:
+        """Tensor `index`, drawing from the source up to it; the caller owns it from now on."""
+        while self._drawn <= index:
+            try:
+                t = next(self._source)
+            except StopIteration:
+                raise ValueError(
+                    f"the weights ended after {self._drawn} tensors; the manifest has {len(self.manifest.tensors)}"
+                ) from None
+            meta = self.manifest.tensors[self._drawn]
+            if list(t.shape) != meta.shape:
+                raise ValueError(f"tensor {meta.name!r}: shape {list(t.shape)}, the manifest says {meta.shape}")
+            self._held[self._drawn] = t.detach()
+            self._drawn += 1
+        return self._held.pop(index)
+
+    def finish(self) -> None:
+        """The source must end with the manifest: a trainer's collective needs it exhausted."""
+        if next(self._source, None) is not None:
+            raise ValueError(f"the weights hold more tensors than the manifest's {len(self.manifest.tensors)}")
+
+
+def _pack(bucket: Bucket, manifest: Manifest, tensors: _InOrder, out: torch.Tensor) -> None:
     for e in bucket.entries:
-        t = tensors[e.index]
+        t = tensors.take(e.index)
         n = numel(manifest.tensors[e.index].shape)
-        out[e.offset : e.offset + n].copy_(t.detach().reshape(-1))
+        out[e.offset : e.offset + n].copy_(t.reshape(-1))
 
 
-def send(group: WeightSyncGroup, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> TransferStats:
-    """Broadcast `tensors` (ordered like manifest.tensors) from rank 0, two buffers per dtype."""
+def send(group: WeightSyncGroup, manifest: Manifest, tensors: Iterable[torch.Tensor]) -> TransferStats:
+    """Broadcast `tensors` (ordered like manifest.tensors; a lazy iterator is drawn from only as
+    buckets need it) from rank 0, two buffers per dtype."""
     stats = TransferStats()
     t0 = time.perf_counter()
     spare: dict[str, list[torch.Tensor]] = {}
     pending: _Sending | None = None
+    source = _InOrder(manifest, tensors)
 
     def retire(p: _Sending | None) -> None:
         # Wait for the previous broadcast; its buffer (if one of ours) becomes free for reuse.
         if p is not None:
-            work, old, dtype = p
+            work, old, dtype, _ = p
             work.wait()
             if old is not None:
                 spare[dtype].append(old)
 
     for bucket in manifest.buckets:
-        if len(bucket.entries) == 1:
-            t = tensors[bucket.entries[0].index].detach()
-            if t.is_contiguous() and dtype_name_of(t) == bucket.dtype and t.device == group.device:
-                flat = t.reshape(-1)  # a view: sent straight from the caller's tensor
-                retire(pending)
-                pending = (group.broadcast(flat), None, bucket.dtype)
-                stats.bytes += flat.numel() * flat.element_size()
-                continue
+        single = source.take(bucket.entries[0].index) if len(bucket.entries) == 1 else None
+        if (
+            single is not None
+            and single.is_contiguous()
+            and dtype_name_of(single) == bucket.dtype
+            and single.device == group.device
+        ):
+            flat = single.reshape(-1)  # a view: sent straight from the caller's tensor
+            retire(pending)
+            pending = (group.broadcast(flat), None, bucket.dtype, single)
+            stats.bytes += flat.numel() * flat.element_size()
+            continue
         pool = spare.setdefault(bucket.dtype, [])
         cap = max(b.numel for b in manifest.buckets if b.dtype == bucket.dtype)
         buf = pool.pop() if pool else torch.empty(cap, dtype=torch_dtype(bucket.dtype), device=group.device)
         view = buf[: bucket.numel]
         tp = time.perf_counter()
-        _pack(bucket, manifest, tensors, view)
+        if single is not None:
+            view.copy_(single.reshape(-1))
+        else:
+            _pack(bucket, manifest, source, view)
         stats.consume_seconds += time.perf_counter() - tp
         retire(pending)
-        pending = (group.broadcast(view), buf, bucket.dtype)
+        pending = (group.broadcast(view), buf, bucket.dtype, None)
         stats.bytes += view.numel() * view.element_size()
+    source.finish()
     if pending is not None:
         pending[0].wait()
     if group.device.type == "cuda":
