@@ -230,3 +230,29 @@ def test_send_refuses_a_source_that_does_not_match_its_manifest() -> None:
         send(Recorded(), manifest, (x for _, x in [*named, ("extra", torch.ones(4))]))
     with pytest.raises(ValueError, match="shape \\[5\\], the manifest says \\[4\\]"):
         send(Recorded(), manifest, iter([torch.ones(5), torch.ones(4), torch.ones(4)]))
+
+
+def test_buckets_close_at_decoder_layer_boundaries() -> None:
+    """Small tensors (norms) no longer wait in one bucket until the end of the model: every
+    bucket holds one layer's tensors, and a layer's buckets all come before the next layer's."""
+    from kubedistill.runtime.weight_sync.manifest import layer_of
+
+    names = ["model.embed_tokens.weight"]
+    for layer in range(3):
+        p = f"model.layers.{layer}."
+        names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "mlp.down_proj.weight"]
+        names += [p + "post_attention_layernorm.weight"]
+    names += ["model.norm.weight"]
+    metas = [TensorMeta(name=n, dtype="float32", shape=[8] if "norm" in n else [512, 512]) for n in names]
+    manifest = bucket_layout(metas, bucket_bytes=1 << 24, direct_bytes=1 << 20)
+    check_layout(manifest)
+    # Segments of consecutive tensors in one layer (the embedding and the final norm are two).
+    segment = [0]
+    for prev, name in zip(names, names[1:]):
+        segment.append(segment[-1] + (layer_of(name) != layer_of(prev)))
+    per_bucket = [{segment[e.index] for e in b.entries} for b in manifest.buckets]
+    assert all(len(s) == 1 for s in per_bucket)
+    order = [min(s) for s in per_bucket]
+    assert order == sorted(order)
+    # The three norms of a layer travel together as soon as the layer ends, not at the end.
+    assert [len(b.entries) for b in manifest.buckets if len(b.entries) > 1] == [2, 2, 2]

@@ -3,6 +3,7 @@ receiver checks the layout it is sent."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,14 @@ if TYPE_CHECKING:
 from kubedistill.runtime.wire.dtypes import dtype_name, dtype_size, numel
 from kubedistill.runtime.wire.protocol import Bucket, BucketEntry, Manifest, TensorMeta
 
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> str | None:
+    """The decoder layer a weight belongs to ("model.layers.3.mlp..." -> "3"), if any."""
+    m = _LAYER.search(name)
+    return m.group(1) if m else None
+
 
 def bucket_layout(tensors: Sequence[TensorMeta], bucket_bytes: int, direct_bytes: int | None = None) -> Manifest:
     """Pack tensors in order into flat buckets of at most `bucket_bytes` (a larger tensor gets a
@@ -20,10 +29,21 @@ def bucket_layout(tensors: Sequence[TensorMeta], bucket_bytes: int, direct_bytes
     share buckets. Buckets are ordered by when they close, which is also when they can be sent.
     Tensors of at least `direct_bytes` get a bucket of their own: such a bucket is broadcast
     straight from the sender's tensor into the receiver's parameter where the engine allows it,
-    with no packing or unpacking copy."""
+    with no packing or unpacking copy.
+
+    Buckets close at decoder-layer boundaries: a receiver that reloads layer by layer (vLLM)
+    completes each layer as its last bucket lands, instead of keeping every layer's partial
+    weights until a bucket of small tensors (norms, biases) closes at the very end."""
     buckets: list[Bucket] = []
     open_: dict[str, tuple[list[BucketEntry], int]] = {}
+    layer: str | None = None
     for i, t in enumerate(tensors):
+        if i and layer_of(t.name) != layer:
+            for dtype, (entries, used) in open_.items():
+                if entries:
+                    buckets.append(Bucket(dtype=dtype, numel=used, entries=entries))
+            open_.clear()
+        layer = layer_of(t.name)
         size = dtype_size(t.dtype)
         n = numel(t.shape)
         if n == 0:
