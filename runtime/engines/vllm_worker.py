@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from kubedistill.runtime.weight_sync.group import WeightSyncGroup
@@ -29,6 +29,7 @@ class WeightSyncWorkerExtension:
         # only: vLLM refuses an extension whose attributes overlap the worker's.
         model_runner: GPUModelRunner
         model_config: ModelConfig
+        vllm_config: VllmConfig
 
     _kd_group: WeightSyncGroup | None = None
     _kd_state = "none"
@@ -104,6 +105,7 @@ class WeightSyncWorkerExtension:
 
     # --- receive ------------------------------------------------------------------------------
     def kd_ws_receive(self, manifest_json: str, load: bool) -> dict[str, float]:
+        from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         from kubedistill.runtime.weight_sync.transfer import receive
@@ -115,8 +117,6 @@ class WeightSyncWorkerExtension:
         model = self.model_runner.get_model()
         errors: list[str] = []
         t0 = time.perf_counter()
-        if load:
-            initialize_layerwise_reload(model)
 
         def consume(named: list[tuple[str, torch.Tensor]]) -> None:
             if errors or not load:
@@ -126,7 +126,11 @@ class WeightSyncWorkerExtension:
             except Exception as e:  # keep receiving so the collective stays in step
                 errors.append(f"{type(e).__name__}: {e}")
 
-        with torch.no_grad():
+        # Inside the engine's config context, as vLLM's own weight updates run: quantized layers
+        # read it while they (re)process loaded weights.
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            if load:
+                initialize_layerwise_reload(model)
             stats = receive(self._kd_group, manifest, consume)
             t_fin = time.perf_counter()
             if load:
