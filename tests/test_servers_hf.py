@@ -272,3 +272,10 @@ async def test_partial_rollout_resume_aborts_at_sync_then_continues_under_new_we
     assert resumed.versions == [v0 + 1] * 5 and resumed.finish_reason == "length"
     ref = reference_logprobs(model_with(tiny_models["student"], named), PROMPT + first.token_ids, resumed.token_ids)
     assert resumed.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_rollout_servers_report_their_weight_dtype_to_the_sender(hf_servers) -> None:
+    r = httpx.get(hf_servers.rollout_urls[0] + "/weights/group", timeout=30)
+    assert r.status_code == 200 and r.json()["dtype"] == "float32"
+    hf_servers.sender.ensure_group()
+    assert hf_servers.sender.wire_dtype == "float32"

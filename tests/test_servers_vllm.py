@@ -204,7 +204,7 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
         deadline = time.monotonic() + 10
         while (group := httpx.get(url + "/weights/group").json())["state"] != "ready" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert group == {"epoch": new.epoch, "state": "ready", "error": None}
+        assert group == {"epoch": new.epoch, "state": "ready", "error": None, "dtype": "float32"}
     v = max(httpx.get(u + "/version").json()["version"] for u in urls) + 1
     named = perturbed(tiny_models["student"], seed=13)
     new.sync(v, named)

@@ -25,6 +25,9 @@ class RecordingEngine:
         self.in_rendezvous = asyncio.Event()
         self.join_error: Exception | None = None
 
+    def weight_dtype(self) -> str | None:
+        return "bfloat16"
+
     def abort_weight_group(self) -> None:
         self.calls.append("abort")
 
@@ -63,7 +66,7 @@ async def test_switch_waits_for_the_old_sync_then_leaves_then_joins() -> None:
     assert m.status().state == "joining" and m.status().epoch == "e1"
     await m.wait_switched(5)
     assert engine.calls == ["abort", "old sync ended", "leave", "join e1", "joined e1"]
-    assert m.status().model_dump() == {"epoch": "e1", "state": "ready", "error": None}
+    assert m.status().model_dump() == {"epoch": "e1", "state": "ready", "error": None, "dtype": "bfloat16"}
     m.switch("e1")  # the trainer retrying its request: nothing to do
     assert not m.switching and m.switches == 1
 
@@ -95,7 +98,12 @@ async def test_a_failed_join_is_reported_and_the_same_epoch_can_retry() -> None:
     m = _membership(engine, {})
     m.switch("e1")
     await m.wait_switched(5)
-    assert m.status().model_dump() == {"epoch": "e1", "state": "failed", "error": "TimeoutError: rendezvous timed out"}
+    assert m.status().model_dump() == {
+        "epoch": "e1",
+        "state": "failed",
+        "error": "TimeoutError: rendezvous timed out",
+        "dtype": "bfloat16",
+    }
     engine.join_error = None
     m.switch("e1")
     await m.wait_switched(5)

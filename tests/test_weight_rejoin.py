@@ -86,7 +86,12 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(
             perturbed(tiny_models["student"], seed=11)
         )
-        assert httpx.get(url + "/weights/group").json() == {"epoch": first_epoch, "state": "ready", "error": None}
+        assert httpx.get(url + "/weights/group").json() == {
+            "epoch": first_epoch,
+            "state": "ready",
+            "error": None,
+            "dtype": "float32",
+        }
         os.kill(sender_proc.pid, signal.SIGKILL)
         sender_proc.wait(30)
 
@@ -97,7 +102,12 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
         sender = WeightSender(cfg.spec, cfg.endpoints)
         rejoin_seconds = time.monotonic() - t0
         assert sender.epoch != first_epoch
-        assert httpx.get(url + "/weights/group").json() == {"epoch": sender.epoch, "state": "ready", "error": None}
+        assert httpx.get(url + "/weights/group").json() == {
+            "epoch": sender.epoch,
+            "state": "ready",
+            "error": None,
+            "dtype": "float32",
+        }
         # The interrupted version-2 sync failed on the server; it never loaded.
         last = httpx.get(url + "/weights/last").json()
         assert last["version"] == 2 and "error" in last, last
@@ -145,7 +155,12 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
         named = perturbed(tiny_models["student"], seed=30)
         sender.sync(10, named)
         assert sender.reforms == 1
-        assert httpx.get(url + "/weights/group").json() == {"epoch": sender.epoch, "state": "ready", "error": None}
+        assert httpx.get(url + "/weights/group").json() == {
+            "epoch": sender.epoch,
+            "state": "ready",
+            "error": None,
+            "dtype": "float32",
+        }
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(named)
         sender.close()
     finally:

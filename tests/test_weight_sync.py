@@ -256,3 +256,41 @@ def test_buckets_close_at_decoder_layer_boundaries() -> None:
     assert order == sorted(order)
     # The three norms of a layer travel together as soon as the layer ends, not at the end.
     assert [len(b.entries) for b in manifest.buckets if len(b.entries) > 1] == [2, 2, 2]
+
+
+def test_weights_travel_in_the_dtype_the_servers_keep() -> None:
+    """Servers that keep bfloat16 weights get bfloat16 on the wire (half the bytes of the
+    trainer's float32 masters), rounded once on the trainer exactly as their own copy would."""
+    from kubedistill.runtime.weight_sync.sender import _on_device, as_wire_dtype, layout, tensor_meta, wire_dtype
+
+    assert wire_dtype(["bfloat16", "bfloat16"]) == "bfloat16"
+    assert wire_dtype(["bfloat16", "float32"]) is None  # servers differ: as the trainer holds them
+    assert wire_dtype(["bfloat16", None]) is None  # one has not said (still loading)
+    assert wire_dtype(["int8"]) is None
+
+    g = torch.Generator().manual_seed(2)
+    named = [("w", torch.randn(64, 64, generator=g)), ("steps", torch.arange(5)), ("n", torch.randn(7, generator=g))]
+    metas = [as_wire_dtype(tensor_meta(n, t), "bfloat16") for n, t in named]
+    assert [m.dtype for m in metas] == ["bfloat16", "int64", "bfloat16"]  # integers keep theirs
+    manifest = layout(metas, bucket_bytes=1 << 20)
+    port = free_port()
+    got: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def receiver() -> None:
+        try:
+            group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
+            receive(group, manifest, lambda batch: got.update({n: t.clone() for n, t in batch}))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    sender = WeightSyncGroup(GroupAddress("127.0.0.1", port, 0, 2, "gloo", 60))
+    stats = send(sender, manifest, _on_device(manifest, iter(named), sender.device))
+    t.join(60)
+    assert not errors, errors
+    assert stats.bytes == 64 * 64 * 2 + 5 * 8 + 7 * 2
+    for name, x in named:
+        expected = x.to(torch.bfloat16) if x.is_floating_point() else x
+        assert tensor_checksum(got[name]) == tensor_checksum(expected), name

@@ -192,6 +192,10 @@ class Engine(ABC):
     async def join_weight_group(self, addr: GroupAddress) -> None:
         """Join the weight-sync group; returns once joined (run it as a background task)."""
 
+    def weight_dtype(self) -> str | None:
+        """The dtype the engine's weights are stored in (None: not known yet, or mixed)."""
+        return None
+
     def abort_weight_group(self) -> None:
         """Break a weight receive blocked on the current group (its trainer is gone). Engines that
         hold the group in this process keep it in `self.group`; others override."""

@@ -33,6 +33,7 @@ from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, Pause
 from kubedistill.runtime.engines.hf_batch import PaddedKVBatch, score_batch
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.transfer import receive
+from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 
 if TYPE_CHECKING:
@@ -165,6 +166,12 @@ class HFEngine(Engine):
     @property
     def vocab_size(self) -> int:
         return int(self._model.config.vocab_size)
+
+    def weight_dtype(self) -> str | None:
+        if self.model is None:
+            return None
+        dtypes = {p.dtype for p in self.model.parameters()}
+        return dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
 
     @property
     def _model(self) -> PreTrainedModel:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
 from kubedistill.runtime.weight_sync.group import GroupAddress
+from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 
 if TYPE_CHECKING:
@@ -251,6 +252,11 @@ class VLLMEngine(Engine):
                 self.weight_group_state = "ready"
                 return
             await asyncio.sleep(0.2)
+
+    def weight_dtype(self) -> str | None:
+        if self.llm is None:
+            return None
+        return dtype_name(self.llm.model_config.dtype)
 
     def abort_weight_group(self) -> None:
         # The group lives in the worker processes, which take RPCs one at a time: a receive blocked

@@ -49,7 +49,7 @@ class WeightGroupMembership:
         state = self.engine.weight_group_state
         if self.epoch is not None and self.switching:
             state = "joining"
-        return WeightsGroupResponse(epoch=self.epoch, state=state, error=self.error)
+        return WeightsGroupResponse(epoch=self.epoch, state=state, error=self.error, dtype=self.engine.weight_dtype())
 
     @property
     def switching(self) -> bool:

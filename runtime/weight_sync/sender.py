@@ -35,7 +35,7 @@ from kubedistill.runtime.weight_sync.group import (
     resolve_backend,
 )
 from kubedistill.runtime.weight_sync.manifest import bucket_layout
-from kubedistill.runtime.weight_sync.transfer import TransferStats, send
+from kubedistill.runtime.weight_sync.transfer import TransferStats, send, torch_dtype
 from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.protocol import Manifest, TensorMeta, WeightsBeginRequest, WeightsGroupRequest
 
@@ -117,6 +117,9 @@ class WeightSender:
         self._addr = addr
         self.reforms = 0
         """Times the group was re-formed because a rollout server had left it (e.g. replaced)."""
+        self.wire_dtype: str | None = None
+        """The dtype floating weights travel in: what every rollout engine keeps them in (None:
+        as the trainer holds them). Learnt from GET /weights/group before each sync."""
         import httpx
 
         # One client for every control request: each new httpx client sets up a TLS context, a
@@ -168,16 +171,20 @@ class WeightSender:
         without a trainer restart. One GET /weights/group per server."""
         import httpx
 
-        def member(url: str) -> bool:
+        def member(url: str) -> tuple[bool, str | None]:
+            """(in this group and ready, the dtype its engine keeps weights in)."""
             try:
                 r = self._http.get(f"{url.rstrip('/')}/weights/group", timeout=30)
             except httpx.TransportError:
-                return False
-            return r.status_code == 200 and r.json().get("epoch") == self.epoch and r.json().get("state") == "ready"
+                return False, None
+            doc = r.json() if r.status_code == 200 else {}
+            return doc.get("epoch") == self.epoch and doc.get("state") == "ready", doc.get("dtype")
 
         with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
-            if all(pool.map(member, self.endpoints.rollout)):
-                return
+            answers = list(pool.map(member, self.endpoints.rollout))
+        self.wire_dtype = wire_dtype(dtype for _, dtype in answers)
+        if all(ok for ok, _ in answers):
+            return
         self.group.close()
         self._addr = replace(self._addr, epoch=new_epoch())
         self.epoch = self._addr.epoch
@@ -211,12 +218,13 @@ class WeightSender:
         budget = bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024
         draw: Callable[[], Iterable[tuple[str, torch.Tensor]]]
         if isinstance(weights, WeightSource):
-            manifest = layout(weights.weight_metas(), budget)
+            metas = weights.weight_metas()
             draw = weights.named_full_weights  # called only after every server began the sync
         else:
             named = list(weights)
-            manifest = build_manifest(named, budget)
+            metas = [tensor_meta(n, t) for n, t in named]
             draw = named.__iter__
+        manifest = layout([as_wire_dtype(m, self.wire_dtype) for m in metas], budget)
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch).model_dump(mode="json")
 
         def begin(url: str) -> str | None:
@@ -246,18 +254,57 @@ class WeightSender:
             raise WeightSyncError("; ".join(refusals))
         if failed:
             raise WeightSyncError(f"{failed} rollout worker(s) failed to load weight version {version}")
+        self._await_served(version)
         return stats
+
+    def _await_served(self, version: int) -> None:
+        """Every engine has loaded the weights once the failure all-reduce completes, but a
+        server bumps the version it serves (and tags new tokens with) only when its engine's
+        load call returns, a moment later: wait for that as well, so generation requested after
+        sync() returns is tagged with the new version. One GET /version per server."""
+        deadline = time.monotonic() + self.timeout
+        for url in self.endpoints.rollout:
+            while True:
+                r = self._http.get(f"{url.rstrip('/')}/version")
+                served = r.json().get("version") if r.status_code == 200 else None
+                if isinstance(served, int) and served >= version:
+                    break
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"{url} loaded weight version {version} but still serves {served}")
+                time.sleep(0.005)
+
+
+FLOATING = ("float32", "float16", "bfloat16")
+
+
+def wire_dtype(served: Iterable[str | None]) -> str | None:
+    """The dtype floating weights travel in: the one every rollout engine keeps them in, so the
+    bytes are the fewest and each receiver's copy is exact (the cast rounds once, on the
+    trainer, as the receiver's own copy would). None, as the trainer holds them, when the
+    servers differ or one does not say."""
+    kinds = set(served)
+    if len(kinds) != 1:
+        return None
+    (only,) = kinds
+    return only if only in FLOATING else None
+
+
+def as_wire_dtype(meta: TensorMeta, dtype: str | None) -> TensorMeta:
+    if dtype is None or meta.dtype not in FLOATING or meta.dtype == dtype:
+        return meta
+    return meta.model_copy(update={"dtype": dtype})
 
 
 def _on_device(
     manifest: Manifest, pairs: Iterable[tuple[str, torch.Tensor]], device: torch.device
 ) -> Iterator[torch.Tensor]:
-    """The tensors in manifest order, on the group's device, each checked against its name."""
+    """The tensors in manifest order, on the group's device and in the manifest's dtype, each
+    checked against its name."""
     for i, (name, t) in enumerate(pairs):
-        expected = manifest.tensors[i].name if i < len(manifest.tensors) else None
-        if name != expected:
-            raise WeightSyncError(f"weight {i} is {name!r}; the manifest says {expected!r}")
-        yield t.to(device)
+        meta = manifest.tensors[i] if i < len(manifest.tensors) else None
+        if meta is None or name != meta.name:
+            raise WeightSyncError(f"weight {i} is {name!r}; the manifest says {meta.name if meta else None!r}")
+        yield t.to(device=device, dtype=torch_dtype(meta.dtype))
 
 
 def _error_text(r: httpx.Response) -> str:

@@ -132,6 +132,9 @@ class WeightsGroupResponse(Wire):
     """The group this server is in or joining (None: never told to join one)."""
     state: Literal["none", "joining", "ready", "failed"] = "none"
     error: str | None = None
+    dtype: str | None = None
+    """The dtype the engine keeps its weights in (e.g. bfloat16): the sender casts floating
+    weights to it, so they travel in the fewest bytes and load without a conversion."""
 
 
 class WeightsBeginResponse(Wire):
