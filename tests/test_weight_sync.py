@@ -4,7 +4,7 @@ broadcast (sender and receiver threads in one process) that must arrive bit for 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from kubedistill.api.spec import Device, SyncBackend
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, resolve_backend
 from kubedistill.runtime.weight_sync.manifest import bucket_layout, check_against, check_layout, tensor_checksum
 from kubedistill.runtime.weight_sync.sender import build_manifest
-from kubedistill.runtime.weight_sync.transfer import receive, send
+from kubedistill.runtime.weight_sync.transfer import TransferStats, receive, send
 from kubedistill.runtime.wire.protocol import Manifest, TensorMeta
 from server_fixtures import free_port
 
@@ -166,6 +166,30 @@ def test_member_devices_and_ranks() -> None:
         sync_rank(3, None, 2)
 
 
+def _gloo_round_trip(
+    manifest: Manifest, tensors: Callable[[WeightSyncGroup], Iterable[torch.Tensor]]
+) -> tuple[TransferStats, dict[str, torch.Tensor]]:
+    """send() from a 2-member gloo group to a receiver thread; (send's stats, what arrived)."""
+    port = free_port()
+    got: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def receiver() -> None:
+        try:
+            group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
+            receive(group, manifest, lambda batch: got.update({n: t.clone() for n, t in batch}))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    sender = WeightSyncGroup(GroupAddress("127.0.0.1", port, 0, 2, "gloo", 60))
+    stats = send(sender, manifest, tensors(sender))
+    t.join(60)
+    assert not errors, errors
+    return stats, got
+
+
 def test_send_draws_a_lazy_source_bucket_by_bucket() -> None:
     """A trainer's weights come from a generator that all-gathers each tensor when reached: send
     must hold only the tensors of the buckets around the one on the wire, never the whole model."""
@@ -189,23 +213,7 @@ def test_send_draws_a_lazy_source_bucket_by_bucket() -> None:
             most = max(most, len(alive))
             yield full
 
-    port = free_port()
-    got: dict[str, torch.Tensor] = {}
-    errors: list[BaseException] = []
-
-    def receiver() -> None:
-        try:
-            group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
-            receive(group, manifest, lambda batch: got.update({n: t.clone() for n, t in batch}))
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=receiver)
-    t.start()
-    sender = WeightSyncGroup(GroupAddress("127.0.0.1", port, 0, 2, "gloo", 60))
-    send(sender, manifest, gathered())
-    t.join(60)
-    assert not errors, errors
+    _, got = _gloo_round_trip(manifest, lambda sender: gathered())
     assert {n: tensor_checksum(x) for n, x in named} == {n: tensor_checksum(x) for n, x in got.items()}
     # Ten large tensors each go alone (drawn, sent, dropped); the three small ones wait in the
     # bucket that closes last. Materialising the list first would hold all 13.
@@ -273,23 +281,7 @@ def test_weights_travel_in_the_dtype_the_servers_keep() -> None:
     metas = [as_wire_dtype(tensor_meta(n, t), "bfloat16") for n, t in named]
     assert [m.dtype for m in metas] == ["bfloat16", "int64", "bfloat16"]  # integers keep theirs
     manifest = layout(metas, bucket_bytes=1 << 20)
-    port = free_port()
-    got: dict[str, torch.Tensor] = {}
-    errors: list[BaseException] = []
-
-    def receiver() -> None:
-        try:
-            group = WeightSyncGroup(GroupAddress("127.0.0.1", port, 1, 2, "gloo", 60))
-            receive(group, manifest, lambda batch: got.update({n: t.clone() for n, t in batch}))
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=receiver)
-    t.start()
-    sender = WeightSyncGroup(GroupAddress("127.0.0.1", port, 0, 2, "gloo", 60))
-    stats = send(sender, manifest, _on_device(manifest, iter(named), sender.device))
-    t.join(60)
-    assert not errors, errors
+    stats, got = _gloo_round_trip(manifest, lambda sender: _on_device(manifest, iter(named), sender.device))
     assert stats.bytes == 64 * 64 * 2 + 5 * 8 + 7 * 2
     for name, x in named:
         expected = x.to(torch.bfloat16) if x.is_floating_point() else x
