@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kubedistill.api.spec import Advantage, Device, DistillationJobSpec, Engine, LossMode, Mode
+from kubedistill.api.spec import (
+    KUEUE_MAX_TEACHERS,
+    Advantage,
+    Device,
+    DistillationJobSpec,
+    Engine,
+    GangScheduler,
+    LossMode,
+    Mode,
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,24 @@ def _reachable(spec: DistillationJobSpec) -> bool:
 
 def _gpu_cel(field: str) -> str:
     return f"!has(self.{field}) || (self.device == 'cpu' ? self.{field} == 0 : self.{field} > 0)"
+
+
+MAX_TEACHERS = 8
+"""spec.teachers' maxItems: CEL has no sum over a list, so the job's pod count is written out."""
+
+
+def pod_count(spec: DistillationJobSpec) -> int:
+    """Every pod of the job: trainer, rollout and teacher replicas."""
+    return spec.trainer.replicas + spec.rollout.replicas + sum(t.replicas for t in spec.teachers)
+
+
+def _pod_count_cel() -> str:
+    teachers = " + ".join(f"(size(self.teachers) > {i} ? self.teachers[{i}].replicas : 0)" for i in range(MAX_TEACHERS))
+    return f"self.trainer.replicas + self.rollout.replicas + {teachers}"
+
+
+def _gang(spec: DistillationJobSpec, *kinds: GangScheduler) -> bool:
+    return spec.scheduling.gang_scheduler in kinds
 
 
 HF_ON_CUDA_MESSAGE = "hf runs on the CPU; on device cuda use vllm"
@@ -203,6 +230,51 @@ SPEC_RULES: list[Rule] = [
         ".teachers",
         lambda s: s.device is Device.cpu or all(t.inference.engine is not Engine.hf for t in s.teachers),
     ),
+    # spec.scheduling: each setting only where the chosen gang scheduler reads it, so a setting
+    # that would be ignored is refused rather than silently dropped.
+    Rule(
+        "spec",
+        "self.scheduling.gangScheduler != 'kueue' || has(self.scheduling.queue)",
+        "is required with gangScheduler kueue (the LocalQueue the job's pods wait in)",
+        ".scheduling.queue",
+        lambda s: not _gang(s, GangScheduler.kueue) or s.scheduling.queue is not None,
+    ),
+    Rule(
+        "spec",
+        "!has(self.scheduling.queue) || self.scheduling.gangScheduler in ['kueue', 'volcano']",
+        "applies only to gangScheduler kueue or volcano",
+        ".scheduling.queue",
+        lambda s: s.scheduling.queue is None or _gang(s, GangScheduler.kueue, GangScheduler.volcano),
+    ),
+    Rule(
+        "spec",
+        "!has(self.scheduling.minMember) || self.scheduling.gangScheduler in ['volcano', 'coscheduling']",
+        "applies only to gangScheduler volcano or coscheduling",
+        ".scheduling.minMember",
+        lambda s: s.scheduling.min_member is None or _gang(s, GangScheduler.volcano, GangScheduler.coscheduling),
+    ),
+    Rule(
+        "spec",
+        f"!has(self.scheduling.minMember) || self.scheduling.minMember <= {_pod_count_cel()}",
+        "must not exceed the job's pods (trainer, rollout and teacher replicas)",
+        ".scheduling.minMember",
+        lambda s: s.scheduling.min_member is None or s.scheduling.min_member <= pod_count(s),
+    ),
+    Rule(
+        "spec",
+        "!has(self.scheduling.scheduleTimeoutSeconds) || self.scheduling.gangScheduler == 'coscheduling'",
+        "applies only to gangScheduler coscheduling",
+        ".scheduling.scheduleTimeoutSeconds",
+        lambda s: s.scheduling.schedule_timeout_seconds is None or _gang(s, GangScheduler.coscheduling),
+    ),
+    Rule(
+        "spec",
+        f"self.scheduling.gangScheduler != 'kueue' || size(self.teachers) <= {KUEUE_MAX_TEACHERS}",
+        f"at most {KUEUE_MAX_TEACHERS} teachers with gangScheduler kueue (a Kueue pod group has at most 8 pod"
+        " shapes: trainer, rollout and one per teacher)",
+        ".teachers",
+        lambda s: not _gang(s, GangScheduler.kueue) or len(s.teachers) <= KUEUE_MAX_TEACHERS,
+    ),
 ]
 
 # Rules on the whole object (the API server lets root rules read metadata.name).
@@ -237,6 +309,8 @@ IMMUTABLE_SPEC_FIELDS: list[str] = [
     "data",
     "checkpoint",
     "weightSync",
+    # The pods' queue, group and scheduler are fixed when they are created.
+    "scheduling",
 ]
 IMMUTABLE_MESSAGE = "is immutable; delete and recreate the job to change it"
 

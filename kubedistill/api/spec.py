@@ -363,6 +363,44 @@ class WeightSyncSpec(ApiModel):
     """Timeout of one sync."""
 
 
+class GangScheduler(str, Enum):
+    none = "none"
+    kueue = "kueue"
+    volcano = "volcano"
+    coscheduling = "coscheduling"
+
+
+QueueName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
+KUEUE_MAX_TEACHERS = 6
+"""Kueue admits a plain pod group of at most 8 pod shapes: trainer, rollout and one per teacher."""
+
+
+class SchedulingSpec(ApiModel):
+    """How the job's pods are queued and placed: a queue, a gang scheduler, a priority
+    (docs/operator.md#gang-scheduling-and-queues)."""
+
+    gang_scheduler: GangScheduler = GangScheduler.none
+    """none (each pod scheduled on its own), kueue (Kueue's plain pod groups: the job is one
+    workload per gang attempt), volcano (a Volcano PodGroup) or coscheduling (the
+    scheduler-plugins PodGroup)."""
+    queue: QueueName | None = None
+    """kueue: the LocalQueue in the job's namespace (required). volcano: the Volcano Queue (unset:
+    Volcano's default queue). Not used by none or coscheduling."""
+    scheduler_name: Name | None = None
+    """Scheduler of every pod. Unset: volcano with gangScheduler volcano, else the cluster's
+    default scheduler (set the coscheduling scheduler's name here when scheduler-plugins runs as a
+    second scheduler)."""
+    priority_class_name: Name | None = None
+    """PriorityClass of every pod (and of the Volcano PodGroup)."""
+    min_member: Annotated[int, Field(ge=1, le=300000)] | None = None
+    """volcano and coscheduling: pods that must be placed together before any starts. Unset: every
+    pod of the job. The PodGroup's minResources sums the requests of the first minMember pods
+    (trainer first, then rollout, then teachers)."""
+    schedule_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] | None = None
+    """coscheduling: how long the plugin waits for the whole group before it gives up on a
+    placement attempt. Unset: the plugin's default."""
+
+
 class DistillationJobSpec(ApiModel):
     """What to distil, from which teachers, with which loop, on which pods."""
 
@@ -394,6 +432,8 @@ class DistillationJobSpec(ApiModel):
     """Checkpointing and resume."""
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
     """Weight broadcast settings."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Queue, gang scheduler, scheduler and priority of the job's pods."""
 
     # Pod template overrides shared by every role.
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
@@ -408,10 +448,6 @@ class DistillationJobSpec(ApiModel):
     """Pod tolerations (Kubernetes Toleration objects)."""
     affinity: FreeForm | None = None
     """Pod affinity (a Kubernetes Affinity object)."""
-    priority_class_name: Name | None = None
-    """PriorityClass of every pod."""
-    scheduler_name: Name | None = None
-    """Scheduler of every pod (e.g. volcano for gang scheduling)."""
     service_account_name: Name | None = None
     """ServiceAccount the pods run as."""
     image_pull_secrets: list[Name] = Field(default_factory=list, max_length=16)

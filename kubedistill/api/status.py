@@ -30,6 +30,9 @@ class ConditionType(str, Enum):
     succeeded = "Succeeded"
     failed = "Failed"
     suspended = "Suspended"
+    disrupted = "Disrupted"
+    """True while the trainer gang restarts because the cluster took a pod away (preemption,
+    eviction, node drain, a queue's eviction); set only once that has happened."""
 
 
 class ConditionStatus(str, Enum):
@@ -83,7 +86,8 @@ class DistillationJobStatus(ApiModel):
     message: Annotated[str, Field(max_length=4096)] = ""
     """Why the job is Blocked or Failed, in one line (empty otherwise)."""
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
-    """Created, Ready, Running, Succeeded, Failed, Suspended."""
+    """Created, Ready, Running, Succeeded, Failed, Suspended, and Disrupted once the cluster
+    took a trainer pod away."""
     roles: dict[str, RoleStatus] = Field(default_factory=dict, max_length=64)
     """Pod counts per role: trainer, rollout, teacher/<name>."""
     ready: ReadySummary = Field(default_factory=ReadySummary)
@@ -95,7 +99,10 @@ class DistillationJobStatus(ApiModel):
     last_checkpoint: str | None = None
     """Path of the newest complete checkpoint."""
     restarts: Annotated[int, Field(ge=0)] = 0
-    """Trainer gang restarts so far (bounded by spec.backoffLimit)."""
+    """Trainer gang restarts caused by the job's own failures so far (bounded by spec.backoffLimit)."""
+    disruptions: Annotated[int, Field(ge=0)] = 0
+    """Trainer gang restarts caused by the cluster (preemption, eviction, node drain); not counted
+    against spec.backoffLimit. The gang attempt is restarts + disruptions."""
     observed_generation: Annotated[int, Field(ge=0)] = 0
     """metadata.generation the status reflects."""
     start_time: str | None = None
