@@ -22,10 +22,12 @@ import kopf
 
 from kubedistill.api.job import GROUP, PLURAL, VERSION
 from kubedistill.api.roleconfig import Role
-from kubedistill.operator.kube import Kube, KubeConfig, KubeError, fetch_json
+from kubedistill.api.spec import GangScheduler
+from kubedistill.operator.kube import UNWATCHED, Kube, KubeConfig, KubeError, fetch_json
 from kubedistill.operator.metrics import OperatorMetrics
 from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, status_patch
 from kubedistill.operator.policy import (
+    GANG_APIS,
     JobView,
     Plan,
     Progress,
@@ -33,6 +35,7 @@ from kubedistill.operator.policy import (
     RefusalKey,
     create_backoff,
     current_status,
+    gang_attempt,
     is_refusal,
     plan,
     refusal_reason,
@@ -51,6 +54,9 @@ Key = tuple[str, str]
 """(namespace, job name)."""
 RECENT_SECONDS = 60.0
 """How long a created child counts as present if no watch event about it ever arrives."""
+API_CHECK_SECONDS = 30.0
+"""How long a discovery answer (is a gang scheduler's API served?) is trusted: installing the
+scheduler unblocks waiting jobs within this time."""
 
 
 @dataclass
@@ -91,6 +97,14 @@ class Reconciler:
         # Children the API server refused to create, per job: the plan holds them back until
         # their backoff ends and shows the job Blocked meanwhile.
         self._refused: dict[Key, dict[RefusalKey, Refusal]] = {}
+        # Children of kinds the operator does not watch (PodGroups: their CRDs may be absent, and
+        # watching them would need list/watch RBAC on every cluster): present once created or
+        # found existing (409). An operator restart creates them again (a 409 each).
+        self._made: dict[Key, set[ChildRef]] = {}
+        # The last view of each pod the cluster took away (DisruptionTarget...), by job and pod
+        # name: the condition is visible only while the pod terminates, the decision may come after.
+        self._disrupted: dict[Key, dict[str, PodView]] = {}
+        self._apis: dict[GangScheduler, tuple[float, bool]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
     def kube(self) -> Kube:
@@ -112,6 +126,13 @@ class Reconciler:
             ev = self._wakeups.get((namespace, job))
             if ev is not None:
                 ev.set()
+
+    def pod_event(self, namespace: str | None, job: str | None, body: Mapping[str, Any]) -> None:
+        """A watch event about a pod: remember it if the cluster is taking it away, then as any child."""
+        view = PodView.of(body)
+        if namespace and job and view.disruption:
+            self._disrupted.setdefault((namespace, job), {})[view.name] = view
+        self.child_event(namespace, job, "Pod", view.name)
 
     def child_event(self, namespace: str | None, job: str | None, kind: str, name: str) -> None:
         """A watch event about a child: the indices now know it (kopf indexes before it calls
@@ -147,6 +168,22 @@ class Reconciler:
             self._progress[key] = progress
             self.poke(*key)
 
+    async def _missing_apis(self, spec: Mapping[str, Any]) -> set[GangScheduler]:
+        """The job's gang scheduler, if its API is not served (discovery, cached)."""
+        try:
+            gang = GangScheduler((spec.get("scheduling") or {}).get("gangScheduler", "none"))
+        except ValueError:
+            return set()  # an invalid spec: the plan reports it
+        api = GANG_APIS.get(gang)
+        if api is None:
+            return set()
+        checked = self._apis.get(gang)
+        if checked is None or time.monotonic() - checked[0] > API_CHECK_SECONDS:
+            served = await self.kube().serves(api.group_version, api.plural)
+            checked = (time.monotonic(), served)
+            self._apis[gang] = checked
+        return set() if checked[1] else {gang}
+
     # -- one pass ------------------------------------------------------------------------
     async def reconcile(
         self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildRef], logger: kopf.Logger
@@ -154,7 +191,11 @@ class Reconciler:
         """Run one pass; the seconds until the next one (None: the job was deleted)."""
         name, namespace = body.meta["name"], body.meta["namespace"]
         key = (namespace, name)
-        observed = Observed(pods={p.name: p for p in pods}, others=set(others))
+        observed = Observed(
+            pods={p.name: p for p in pods},
+            others=set(others) | self._made.get(key, set()),
+            disrupted=dict(self._disrupted.get(key, {})),
+        )
         recent = self._recent.setdefault(key, {})
         now_mono = time.monotonic()
         for (kind, child), (made, obj) in list(recent.items()):
@@ -174,8 +215,9 @@ class Reconciler:
         started = time.perf_counter()
         try:
             now = datetime.now(UTC)
-            p = plan(job, observed, now, self._progress.get(key), self._refused.get(key))
-            newly_refused = await self._apply(body, job, p, now)
+            missing = await self._missing_apis(job.spec)
+            p = plan(job, observed, now, self._progress.get(key), self._refused.get(key), missing)
+            newly_refused, made_unwatched = await self._apply(body, job, p, now)
             self._last_error.pop(key, None)
         except (TimeoutError, KubeError) as exc:
             self._error(body, key, str(exc), logger)
@@ -194,7 +236,7 @@ class Reconciler:
             (
                 q
                 for q in observed.pods.values()
-                if q.role is Role.trainer and q.replica == 0 and q.attempt == p.status.restarts
+                if q.role is Role.trainer and q.replica == 0 and q.attempt == gang_attempt(p.status)
             ),
             None,
         )
@@ -204,6 +246,8 @@ class Reconciler:
             delay = min(delay, max(p.wake_after, 0.05))
         if newly_refused:
             delay = 0.05  # plan again at once: the status must say Blocked, and why
+        if made_unwatched:
+            delay = 0.05  # no watch event will say it exists: the pods waiting for it go now
         return delay
 
     def _error(self, body: kopf.Body, key: Key, message: str, logger: kopf.Logger) -> None:
@@ -213,10 +257,11 @@ class Reconciler:
             self._last_error[key] = message
             kopf.event(body, type="Warning", reason="ReconcileError", message=message[:1000])
 
-    async def _apply(self, body: kopf.Body, job: JobView, p: Plan, now: datetime) -> bool:
-        """Carry out the plan; True when the API server refused a child it had not refused before."""
+    async def _apply(self, body: kopf.Body, job: JobView, p: Plan, now: datetime) -> tuple[bool, bool]:
+        """Carry out the plan; (the API server refused a child it had not refused before, a child
+        of an unwatched kind was created or found)."""
         kube = self.kube()
-        newly_refused = False
+        newly_refused = made_unwatched = False
         if p.create:
             kopf.adopt(p.create, owner=body)
             for obj in p.create:
@@ -237,7 +282,11 @@ class Reconciler:
                     failure = failure or made
                     continue
                 refused.pop(child, None)
-                recent[child] = (time.monotonic(), obj)
+                if obj["kind"] in UNWATCHED:
+                    self._made.setdefault((job.namespace, job.name), set()).add(ChildRef(*child))
+                    made_unwatched = True
+                else:
+                    recent[child] = (time.monotonic(), obj)
                 if made:
                     self.metrics.children_created.labels(kind=obj["kind"]).inc()
             if failure is not None:
@@ -258,7 +307,15 @@ class Reconciler:
             kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
         if p.delete_job:
             await kube.delete("DistillationJob", job.namespace, job.name)
-        return newly_refused
+        self._forget_old_disruptions((job.namespace, job.name), gang_attempt(p.status))
+        return newly_refused, made_unwatched
+
+    def _forget_old_disruptions(self, key: Key, attempt: int) -> None:
+        """Disruptions of earlier gang attempts were decided on already."""
+        seen = self._disrupted.get(key)
+        if seen:
+            for name in [n for n, v in seen.items() if v.attempt is not None and v.attempt < attempt]:
+                del seen[name]
 
     def _refusal(self, last: Refusal | None, exc: KubeError, now: datetime) -> Refusal:
         attempts = (last.attempts if last else 0) + 1
@@ -301,6 +358,8 @@ class Reconciler:
             self._written.pop(key, None)
             self._recent.pop(key, None)
             self._refused.pop(key, None)
+            self._made.pop(key, None)
+            self._disrupted.pop(key, None)
             task = self._polling.pop(key, None)
             if task is not None:
                 task.cancel()
@@ -369,7 +428,10 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
 
         return poke
 
-    kopf.on.event("pods", labels=selector, registry=registry, id="poke_pods")(_child_event("Pod"))
+    @kopf.on.event("pods", labels=selector, registry=registry, id="poke_pods")
+    async def _pod_event(*, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
+        reconciler.pod_event(namespace, labels.get(LABEL_JOB), body)
+
     for plural, kind in CHILD_KINDS.items():
         group_version = "networking.k8s.io/v1" if plural == "networkpolicies" else "v1"
         kopf.on.event(group_version, plural, labels=selector, registry=registry, id=f"poke_{plural}")(

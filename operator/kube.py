@@ -27,6 +27,10 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "DistillationJob": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
+UNWATCHED: dict[str, str] = {"PodGroup": "podgroups"}
+"""kind -> plural of children the operator only creates (never lists, watches or deletes: the
+job's owner reference deletes them), under the apiVersion the object names. A PodGroup's kind is
+served by two projects (Volcano, scheduler-plugins), hence no fixed API prefix here."""
 
 
 class KubeError(Exception):
@@ -83,6 +87,14 @@ def collection_path(kind: str, namespace: str) -> str:
     return f"{prefix}/namespaces/{namespace}/{plural}"
 
 
+def object_collection_path(obj: Mapping[str, Any]) -> str:
+    """Where an object is created: by kind, or for UNWATCHED kinds by its own apiVersion."""
+    kind, namespace = obj["kind"], obj["metadata"]["namespace"]
+    if kind in UNWATCHED:
+        return f"/apis/{obj['apiVersion']}/namespaces/{namespace}/{UNWATCHED[kind]}"
+    return collection_path(kind, namespace)
+
+
 class Kube:
     def __init__(self, config: KubeConfig, timeout: float = 30.0):
         self.config = config
@@ -124,7 +136,7 @@ class Kube:
 
     async def create(self, obj: Mapping[str, Any]) -> bool:
         """Create; False when it already exists (409 is success: reconciling twice is harmless)."""
-        path = collection_path(obj["kind"], obj["metadata"]["namespace"])
+        path = object_collection_path(obj)
         try:
             await self._call("POST", path, obj)
         except KubeError as exc:
@@ -132,6 +144,20 @@ class Kube:
                 return False
             raise
         return True
+
+    async def serves(self, group_version: str, plural: str | None = None) -> bool:
+        """Whether the API server serves an API group (`group`) or a group version (`group/version`),
+        and in it the resource `plural` if given: discovery, which every authenticated client may
+        read (system:discovery)."""
+        try:
+            doc = await self._call("GET", f"/apis/{group_version}")
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        if plural is None:
+            return True
+        return any(r.get("name") == plural for r in (doc or {}).get("resources") or [])
 
     async def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Delete (background propagation); False when it is already gone."""

@@ -53,7 +53,14 @@ CONDITION_ORDER = [
     ConditionType.succeeded,
     ConditionType.failed,
     ConditionType.suspended,
+    ConditionType.disrupted,
 ]
+DISRUPTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
+"""Pod conditions the cluster sets on a pod it is about to take away: Kubernetes' DisruptionTarget
+(scheduler preemption, the Eviction API of a node drain, the taint manager, the kubelet's
+node-pressure eviction) and Kueue's TerminationTarget (it evicts or preempts a pod group)."""
+DISRUPTION_REASONS = ("Preempted", "Evicted")
+"""Pod status reasons of the same, for clusters that set no condition."""
 
 
 def rfc3339(t: datetime) -> str:
@@ -83,6 +90,9 @@ class PodView:
     http_port: int | None = None
     reason: str = ""
     """Why it failed: the pod's reason or the container's termination reason and exit code."""
+    disruption: str = ""
+    """Why the cluster took the pod away (a DISRUPTION_CONDITIONS reason, or Preempted/Evicted);
+    empty when it did not."""
 
     @property
     def group(self) -> str:
@@ -120,6 +130,7 @@ class PodView:
             pod_ip=status.get("podIP"),
             http_port=port,
             reason=_failure_reason(status),
+            disruption=_disruption(status),
         )
 
 
@@ -139,6 +150,14 @@ def _failure_reason(status: Mapping[str, Any]) -> str:
     return status.get("reason") or status.get("message") or ""
 
 
+def _disruption(status: Mapping[str, Any]) -> str:
+    for c in status.get("conditions") or []:
+        if c.get("type") in DISRUPTION_CONDITIONS and c.get("status") == "True":
+            return str(c.get("reason") or c.get("type"))
+    reason = status.get("reason")
+    return str(reason) if reason in DISRUPTION_REASONS else ""
+
+
 @dataclass(frozen=True)
 class ChildRef:
     kind: str
@@ -151,7 +170,10 @@ class Observed:
 
     pods: dict[str, PodView] = field(default_factory=dict)
     others: set[ChildRef] = field(default_factory=set)
-    """ConfigMaps, Services and NetworkPolicies present (by kind and name)."""
+    """ConfigMaps, Services, NetworkPolicies and PodGroups present (by kind and name)."""
+    disrupted: dict[str, PodView] = field(default_factory=dict)
+    """The last view of each pod the cluster took away, by name, kept after the pod is gone: a
+    deleted pod's DisruptionTarget condition is seen only while it terminates."""
 
 
 def job_of(obj: Mapping[str, Any]) -> str | None:

@@ -6,7 +6,12 @@ operator can run it after every watch event, on a timer, and after a restart.
 Failure policy (docs/operator.md):
   * a failed trainer pod restarts the whole gang (every trainer pod deleted, then recreated with
     the next attempt label) while status.restarts < spec.backoffLimit; then the job is Failed;
-    so does a trainer pod that vanished (deleted, evicted) once the gang had started;
+    so does a trainer pod that vanished (deleted by hand) once the gang had started;
+  * a trainer pod the cluster took away (preempted, evicted, drained: a DisruptionTarget
+    condition or reason Preempted/Evicted) restarts the gang too, counted in status.disruptions,
+    not against backoffLimit, with the Disrupted condition saying why;
+  * with gangScheduler kueue the gang is the whole job (one Kueue pod group per attempt);
+  * a gang scheduler whose API the cluster does not serve holds the pods back: Blocked;
   * a failed rollout or teacher pod is deleted and recreated alone;
   * activeDeadlineSeconds after startTime the job is Failed;
   * trainer pod 0 Succeeded -> the job is Succeeded and the pods still running are deleted;
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -29,7 +34,7 @@ from typing import Any
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.roleconfig import Role
-from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import DistillationJobSpec, GangScheduler
 from kubedistill.api.status import ConditionStatus, ConditionType, DistillationJobStatus, Phase, ReadySummary
 from kubedistill.api.validate import problems_of
 from kubedistill.operator import render
@@ -47,6 +52,31 @@ from kubedistill.operator.observed import (
 )
 
 TERMINAL = (Phase.succeeded, Phase.failed)
+
+
+@dataclass(frozen=True)
+class GangApi:
+    """The API a gang scheduler's objects live in, as discovery shows it."""
+
+    group_version: str
+    """e.g. scheduling.volcano.sh/v1beta1; a bare group (kueue.x-k8s.io) checks the group."""
+    plural: str | None
+    """The resource the operator creates there, or None when it creates none (Kueue)."""
+    project: str
+
+
+GANG_APIS: dict[GangScheduler, GangApi] = {
+    GangScheduler.kueue: GangApi("kueue.x-k8s.io", None, "Kueue"),
+    GangScheduler.volcano: GangApi(render.POD_GROUP_API[GangScheduler.volcano], "podgroups", "Volcano"),
+    GangScheduler.coscheduling: GangApi(
+        render.POD_GROUP_API[GangScheduler.coscheduling], "podgroups", "scheduler-plugins (coscheduling)"
+    ),
+}
+
+
+def gang_attempt(status: DistillationJobStatus) -> int:
+    """The current gang attempt: every restart, counted (restarts) or not (disruptions)."""
+    return status.restarts + status.disruptions
 
 
 @dataclass(frozen=True)
@@ -171,7 +201,9 @@ def plan(
     now: datetime,
     progress: Progress | None = None,
     refusals: Mapping[RefusalKey, Refusal] | None = None,
+    missing_apis: Collection[GangScheduler] = (),
 ) -> Plan:
+    """`missing_apis`: gang schedulers whose API the cluster does not serve (discovery)."""
     status = current_status(job.status)
     previous = status.phase
     status.observed_generation = job.generation
@@ -203,10 +235,32 @@ def plan(
             _ttl(p, spec, now)
     if status.phase not in TERMINAL:
         status.message = ""
+        _hold_unscheduled(p, spec, missing_apis, now)
         _hold_refused(p, refusals or {}, now)
     _conditions(p, spec, observed, now)
     _phase_event(p, previous)
     return p
+
+
+def _hold_unscheduled(p: Plan, spec: DistillationJobSpec, missing: Collection[GangScheduler], now: datetime) -> None:
+    """Pods of a job whose gang scheduler is not installed would run unqueued and ungrouped, which
+    is what the user asked to avoid: hold them (and the PodGroup) until its API appears."""
+    gang = spec.scheduling.gang_scheduler
+    if gang not in missing:
+        return
+    held = [o for o in p.create if o["kind"] in ("Pod", "PodGroup")]
+    if not held:
+        return
+    p.create = [o for o in p.create if o["kind"] not in ("Pod", "PodGroup")]
+    api = GANG_APIS[gang]
+    what = f"{api.group_version} {api.plural}" if api.plural else f"the {api.group_version} API"
+    message = (
+        f"spec.scheduling.gangScheduler is {gang.value}, but this cluster does not serve {what}: install "
+        f"{api.project} or set gangScheduler none; the pods are created once it is there"
+    )
+    p.status.phase = Phase.blocked
+    p.status.message = message
+    set_condition(p.status, ConditionType.created, False, "GangSchedulerMissing", message, now)
 
 
 def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime) -> None:
@@ -247,33 +301,53 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
             return
         p.wake_after = left
 
+    attempt = gang_attempt(st)
     live = [q for q in observed.pods.values() if not q.deleting]
-    trainers = [q for q in live if q.role is Role.trainer]
-    current = [q for q in trainers if q.attempt == st.restarts]
-    stale = [q for q in trainers if q.attempt != st.restarts]
+    gang = [q for q in live if q.role is not None and render.in_gang(spec, q.role)]
+    current = [q for q in gang if q.attempt == attempt]
+    stale = [q for q in gang if q.attempt != attempt]
 
     rank0 = next((q for q in current if q.replica == 0), None)
     if rank0 is not None and rank0.phase is PodPhase.succeeded:
         _finish(p, observed, Phase.succeeded, "TrainerSucceeded", f"trainer pod {rank0.name} completed", now)
         return
 
-    failed = sorted((q for q in current if q.phase is PodPhase.failed), key=lambda q: q.replica)
+    failed = sorted(
+        (q for q in current if q.role is Role.trainer and q.phase is PodPhase.failed), key=lambda q: q.replica
+    )
     lost = _lost_trainers(job, spec, observed, st.phase)
     if failed or lost:
-        if failed:
-            first = failed[0]
-            why = f"trainer pod {first.name} failed" + (f" ({first.reason})" if first.reason else "")
+        # The job's own failure (non-zero exit, OOM, a pod deleted by hand) counts against
+        # backoffLimit; the cluster taking a pod away (preemption, eviction, drain) does not.
+        causes = [(q.name, q.disruption, _failed_why(q)) for q in failed]
+        causes += [(name, _disruption_of(name, observed, attempt), "is gone") for name in lost]
+        own = [c for c in causes if not c[1]]
+        if own:
+            name, _, how = own[0]
+            why = f"trainer pod {name} {how}"
+            if st.restarts >= spec.backoff_limit:
+                msg = f"{why}; backoffLimit {spec.backoff_limit} reached after {st.restarts} gang restarts"
+                _finish(p, observed, Phase.failed, "BackoffLimitExceeded", msg, now)
+                return
+            st.restarts += 1
+            p.events.append(
+                Event(
+                    "Warning", "GangRestart", f"{why}; restarting the trainer gang ({st.restarts}/{spec.backoff_limit})"
+                )
+            )
         else:
-            why = f"trainer pod {lost[0]} is gone"
-        if st.restarts >= spec.backoff_limit:
-            msg = f"{why}; backoffLimit {spec.backoff_limit} reached after {st.restarts} gang restarts"
-            _finish(p, observed, Phase.failed, "BackoffLimitExceeded", msg, now)
-            return
-        st.restarts += 1
-        stale = trainers
-        p.events.append(
-            Event("Warning", "GangRestart", f"{why}; restarting the trainer gang ({st.restarts}/{spec.backoff_limit})")
-        )
+            name, reason, _ = causes[0]
+            st.disruptions += 1
+            ckpt = f" ({st.last_checkpoint})" if st.last_checkpoint else ""
+            msg = (
+                f"trainer pod {name} was {_taken_how(reason)} by the cluster ({reason}); restarting the trainer "
+                f"gang from the last checkpoint{ckpt}; not counted against backoffLimit (disruption "
+                f"{st.disruptions}, restarts {st.restarts}/{spec.backoff_limit})"
+            )
+            set_condition(st, ConditionType.disrupted, True, reason, msg, now)
+            p.events.append(Event("Warning", "GangDisrupted", msg))
+        attempt = gang_attempt(st)
+        stale = gang
     _delete_pods(p, stale)
 
     for q in live:
@@ -283,14 +357,19 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
             p.events.append(Event("Warning", "ServerReplaced", f"{q.group} pod {q.name} failed{why}; replacing it"))
 
     # Pods to (re)create: missing ones; a restarted gang starts only once the old one is gone.
-    gang_gone = not stale and not any(q.role is Role.trainer and q.deleting for q in observed.pods.values())
+    gang_gone = not stale and not any(
+        q.role is not None and render.in_gang(spec, q.role) and q.deleting for q in observed.pods.values()
+    )
+    pod_group_ready = _pod_group_ready(job, spec, observed)
     for slot in render.slots(spec):
         name = slot.pod_name(job.name)
         if name in observed.pods:
             continue
-        if slot.role is Role.trainer and not gang_gone:
+        if render.in_gang(spec, slot.role) and not gang_gone:
             continue
-        p.create.append(render.render_pod(job.name, job.namespace, spec, slot, attempt=st.restarts))
+        if not pod_group_ready:
+            continue
+        p.create.append(render.render_pod(job.name, job.namespace, spec, slot, attempt=attempt))
     if p.create and st.start_time is None:
         st.start_time = rfc3339(now)
 
@@ -298,7 +377,7 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
     pods = [observed.pods.get(s.pod_name(job.name)) for s in desired]
     present = [q for q in pods if q is not None and not q.deleting]
     current_trainers_running = all(
-        q is not None and not q.deleting and q.attempt == st.restarts and q.phase is PodPhase.running
+        q is not None and not q.deleting and q.attempt == attempt and q.phase is PodPhase.running
         for s, q in zip(desired, pods)
         if s.role is Role.trainer
     )
@@ -317,6 +396,35 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
         st.phase = Phase.initializing
     else:
         st.phase = Phase.pending
+
+
+def _failed_why(q: PodView) -> str:
+    return "failed" + (f" ({q.reason})" if q.reason else "")
+
+
+def _disruption_of(name: str, observed: Observed, attempt: int) -> str:
+    """Why the cluster took a vanished trainer pod of this attempt away, if it did."""
+    pod = observed.pods.get(name)
+    if pod is not None and pod.disruption:
+        return pod.disruption
+    seen = observed.disrupted.get(name)
+    return seen.disruption if seen is not None and seen.attempt == attempt else ""
+
+
+def _taken_how(reason: str) -> str:
+    text = reason.lower()
+    if "preempt" in text:
+        return "preempted"
+    if "evict" in text:
+        return "evicted"
+    return "taken away"
+
+
+def _pod_group_ready(job: JobView, spec: DistillationJobSpec, observed: Observed) -> bool:
+    """Pods wait for their PodGroup: Volcano and coscheduling place a pod by its group."""
+    if spec.scheduling.gang_scheduler not in render.POD_GROUP_API:
+        return True
+    return ChildRef("PodGroup", render.pod_group_name(job.name)) in observed.others
 
 
 def _lost_trainers(job: JobView, spec: DistillationJobSpec, observed: Observed, phase: Phase) -> list[str]:
@@ -411,6 +519,10 @@ def _conditions(p: Plan, spec: DistillationJobSpec | None, observed: Observed, n
         set_condition(st, ConditionType.succeeded, False, "NotSucceeded", "the trainer has not completed", now)
     if st.phase is not Phase.failed:
         set_condition(st, ConditionType.failed, False, "NotFailed", "no terminal failure", now)
+    disrupted = condition(st, ConditionType.disrupted)
+    if disrupted is not None and disrupted.status is ConditionStatus.true and st.phase is Phase.running:
+        message = f"the gang runs again after: {disrupted.message}"
+        set_condition(st, ConditionType.disrupted, False, "Recovered", message[:32768], now)
     suspended = st.phase is Phase.suspended
     set_condition(
         st,

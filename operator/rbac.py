@@ -7,6 +7,7 @@ cluster-scoped (kopf reads CRDs and namespaces to discover what it watches).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 PolicyRule = dict[str, list[str]]
@@ -42,12 +43,24 @@ CLUSTER: list[PolicyRule] = [
 ]
 
 
-def rules(all_namespaces: bool) -> dict[str, list[PolicyRule]]:
+GANG_SCHEDULER_RULES: dict[str, PolicyRule] = {
+    # The PodGroup of a job with spec.scheduling.gangScheduler volcano or coscheduling: created
+    # once (a 409 when it exists), deleted by the job's owner reference, never listed or watched.
+    # Granted only where that scheduler is installed (Helm value gangSchedulers.<name>). Kueue
+    # needs nothing: it reads the pods' labels.
+    "volcano": {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create"]},
+    "coscheduling": {"apiGroups": ["scheduling.x-k8s.io"], "resources": ["podgroups"], "verbs": ["get", "create"]},
+}
+
+
+def rules(all_namespaces: bool, gang_schedulers: Collection[str] = ()) -> dict[str, list[PolicyRule]]:
     """{"role": rules for each watched namespace, "clusterRole": cluster rules} — with
-    --all-namespaces the namespaced rules move into the ClusterRole."""
+    --all-namespaces the namespaced rules move into the ClusterRole. `gang_schedulers`: the
+    enabled GANG_SCHEDULER_RULES."""
+    namespaced = [*NAMESPACED, *(GANG_SCHEDULER_RULES[g] for g in GANG_SCHEDULER_RULES if g in gang_schedulers)]
     if all_namespaces:
-        return {"role": [], "clusterRole": [*CLUSTER, *NAMESPACED]}
-    return {"role": list(NAMESPACED), "clusterRole": list(CLUSTER)}
+        return {"role": [], "clusterRole": [*CLUSTER, *namespaced]}
+    return {"role": namespaced, "clusterRole": list(CLUSTER)}
 
 
 def as_yaml_rules(rules_list: list[PolicyRule]) -> list[dict[str, Any]]:

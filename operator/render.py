@@ -15,12 +15,14 @@ and pod hostname stays a 63-character DNS label):
   Pod            <job>-trainer-<i>            hostname <job>-trainer-<i>, subdomain <job>-trainer
   Pod            <job>-rollout-<i>            hostname <job>-rollout-<i>, subdomain <job>-rollout
   Pod            <job>-teacher-<teacher>-<i>  hostname <teacher>-<i>,    subdomain <job>-t-<teacher>
+  PodGroup       <job>                        gangScheduler volcano or coscheduling only
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from kubedistill.api.job import API_VERSION, KIND
@@ -35,14 +37,15 @@ from kubedistill.api.roleconfig import (
     role_overrides,
     user_env,
 )
-from kubedistill.api.spec import DistillationJobSpec, EnvVar, RoleOverrides
+from kubedistill.api.spec import DistillationJobSpec, EnvVar, GangScheduler, RoleOverrides
 
 LABEL_JOB = "kubedistill.io/job"
 LABEL_ROLE = "kubedistill.io/role"
 LABEL_REPLICA = "kubedistill.io/replica"
 LABEL_TEACHER = "kubedistill.io/teacher"
 LABEL_ATTEMPT = "kubedistill.io/attempt"
-"""Trainer pods only: the gang attempt (status.restarts when the pod was made)."""
+"""Pods of the gang (the trainer pods; every pod with gangScheduler kueue): the gang attempt
+(status.restarts + status.disruptions when the pod was made)."""
 SCRAPER_LABEL = "kubedistill.io/scraper"
 """Pods labelled `kubedistill.io/scraper: "true"` (Prometheus, the operator) may reach the job's
 HTTP port through its NetworkPolicy."""
@@ -78,6 +81,23 @@ spec.containerSecurityContext."""
 SCRATCH_DIR = "/tmp"
 """The writable emptyDir of every pod; HOME points here, so every cache (HF, vLLM, torch,
 triton) lands in it while the root filesystem stays read-only."""
+
+# Gang schedulers: the keys each project reads (Kueue plain pod groups, Volcano, scheduler-plugins).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_ROLE_HASH_ANNOTATION = "kueue.x-k8s.io/role-hash"
+"""Kueue groups a pod group's pods into PodSets by a hash of each pod's shape, which our per-pod
+labels and env (replica, rank) would make unique per pod; naming the role keeps one PodSet per
+role (Kueue allows at most 8)."""
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+VOLCANO_SCHEDULER = "volcano"
+COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+POD_GROUP_API = {
+    GangScheduler.volcano: "scheduling.volcano.sh/v1beta1",
+    GangScheduler.coscheduling: "scheduling.x-k8s.io/v1alpha1",
+}
+"""apiVersion of the PodGroup each gang scheduler reads."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +140,24 @@ def service_name(job: str, role: Role, teacher: str | None = None) -> str:
 
 def config_map_name(job: str) -> str:
     return f"{job}-config"
+
+
+def pod_group_name(job: str) -> str:
+    """The Volcano or coscheduling PodGroup: one per job, kept across gang attempts (the running
+    servers count toward minMember while a new trainer gang is placed)."""
+    return job
+
+
+def kueue_group_name(job: str, attempt: int) -> str:
+    """Kueue's pod group (one Workload) of one gang attempt: a new attempt is queued afresh, so
+    the old attempt's quota is released when its pods are gone."""
+    return f"{job}-attempt-{attempt}"
+
+
+def in_gang(spec: DistillationJobSpec, role: Role) -> bool:
+    """Whether a role's pods restart with the trainer gang. With Kueue the whole job is one pod
+    group per attempt, so every pod belongs to the attempt; otherwise only the trainers."""
+    return role is Role.trainer or spec.scheduling.gang_scheduler is GangScheduler.kueue
 
 
 def pod_dns(job: str, namespace: str, slot: PodSlot) -> str:
@@ -377,7 +415,7 @@ def _scratch_volumes(spec: DistillationJobSpec, slot: PodSlot) -> list[tuple[dic
 
 def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot, attempt: int = 0) -> dict[str, Any]:
     lbl = labels(job, slot.role, slot.replica, slot.teacher)
-    if slot.role is Role.trainer:
+    if in_gang(spec, slot.role):
         lbl[LABEL_ATTEMPT] = str(attempt)
     scratch = _scratch_volumes(spec, slot)
     ports = [{"name": "http", "containerPort": Ports.HTTP, "protocol": "TCP"}]
@@ -430,19 +468,121 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
         pod_spec["tolerations"] = list(spec.tolerations)
     if spec.affinity:
         pod_spec["affinity"] = spec.affinity
-    if spec.priority_class_name:
-        pod_spec["priorityClassName"] = spec.priority_class_name
-    if spec.scheduler_name:
-        pod_spec["schedulerName"] = spec.scheduler_name
+    annotations = _scheduling(job, spec, slot, attempt, lbl, pod_spec)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    meta = _meta(slot.pod_name(job), namespace, lbl)
+    if annotations:
+        meta["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _scheduling(
+    job: str, spec: DistillationJobSpec, slot: PodSlot, attempt: int, lbl: dict[str, str], pod_spec: dict[str, Any]
+) -> dict[str, str]:
+    """Put spec.scheduling on a pod (labels and pod spec in place); the pod's annotations."""
+    sched = spec.scheduling
+    annotations: dict[str, str] = {}
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    scheduler = sched.scheduler_name
+    if sched.gang_scheduler is GangScheduler.kueue:
+        lbl[KUEUE_QUEUE_LABEL] = sched.queue or ""
+        lbl[KUEUE_GROUP_LABEL] = kueue_group_name(job, attempt)
+        annotations[KUEUE_TOTAL_ANNOTATION] = str(len(slots(spec)))
+        annotations[KUEUE_ROLE_HASH_ANNOTATION] = slot.role.value if slot.teacher is None else f"t-{slot.teacher}"
+    elif sched.gang_scheduler is GangScheduler.volcano:
+        annotations[VOLCANO_GROUP_ANNOTATION] = pod_group_name(job)
+        scheduler = scheduler or VOLCANO_SCHEDULER
+    elif sched.gang_scheduler is GangScheduler.coscheduling:
+        lbl[COSCHEDULING_GROUP_LABEL] = pod_group_name(job)
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
+    return annotations
+
+
+# Resource quantities, enough to sum pod requests into a PodGroup's minResources.
+_DECIMAL_SUFFIXES = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_BINARY_SUFFIXES = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+
+
+def parse_quantity(text: str) -> Decimal:
+    """A Kubernetes resource quantity ("8", "500m", "64Gi", "1e3") in base units."""
+    q = text.strip()
+    for suffix, power in _BINARY_SUFFIXES.items():
+        if q.endswith(suffix):
+            return _number(q[: -len(suffix)], text) * (Decimal(2) ** power)
+    if q and q[-1] in _DECIMAL_SUFFIXES and not q[-1].isdigit():
+        return _number(q[:-1], text) * (Decimal(10) ** _DECIMAL_SUFFIXES[q[-1]])
+    return _number(q, text)
+
+
+def _number(digits: str, text: str) -> Decimal:
+    try:
+        return Decimal(digits)
+    except InvalidOperation:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)") from None
+
+
+def format_quantity(value: Decimal) -> str:
+    """An exact canonical form: binary suffixes from Mi up for whole multiples (memory), plain
+    integers below (CPU and GPU counts), millis for fractions (Kubernetes rounds quantities up to
+    the milli)."""
+    if value != value.to_integral_value():
+        return f"{int((value * 1000).to_integral_value(rounding='ROUND_CEILING'))}m"
+    whole = int(value)
+    for suffix, power in reversed(_BINARY_SUFFIXES.items()):
+        if power >= 20 and whole and whole % (2**power) == 0:
+            return f"{whole // 2**power}{suffix}"
+    return str(whole)
+
+
+def pod_requests(spec: DistillationJobSpec, slot: PodSlot) -> dict[str, Decimal]:
+    """What the scheduler reserves for a pod: its requests, and limits where a resource has no
+    request (the API server defaults the request to the limit)."""
+    res = _resources(spec, slot)
+    total = {k: parse_quantity(v) for k, v in res.get("limits", {}).items()}
+    total.update({k: parse_quantity(v) for k, v in res.get("requests", {}).items()})
+    return total
+
+
+def min_member(spec: DistillationJobSpec) -> int:
+    return spec.scheduling.min_member or len(slots(spec))
+
+
+def min_resources(spec: DistillationJobSpec) -> dict[str, str]:
+    """The requests of the first minMember pods (trainer first: the gang that must run), summed."""
+    total: dict[str, Decimal] = {}
+    for slot in slots(spec)[: min_member(spec)]:
+        for name, amount in pod_requests(spec, slot).items():
+            total[name] = total.get(name, Decimal(0)) + amount
+    return {name: format_quantity(total[name]) for name in sorted(total)}
+
+
+def render_pod_group(job: str, namespace: str, spec: DistillationJobSpec) -> dict[str, Any] | None:
+    """The PodGroup of gangScheduler volcano or coscheduling (None for the others)."""
+    sched = spec.scheduling
+    api = POD_GROUP_API.get(sched.gang_scheduler)
+    if api is None:
+        return None
+    body: dict[str, Any] = {"minMember": min_member(spec)}
+    resources = min_resources(spec)
+    if resources:
+        body["minResources"] = resources
+    if sched.gang_scheduler is GangScheduler.volcano:
+        if sched.queue:
+            body["queue"] = sched.queue
+        if sched.priority_class_name:
+            body["priorityClassName"] = sched.priority_class_name
+    elif sched.schedule_timeout_seconds is not None:
+        body["scheduleTimeoutSeconds"] = sched.schedule_timeout_seconds
     return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": _meta(slot.pod_name(job), namespace, lbl),
-        "spec": pod_spec,
+        "apiVersion": api,
+        "kind": "PodGroup",
+        "metadata": _meta(pod_group_name(job), namespace, labels(job, SHARED_ROLE, ALL_REPLICAS)),
+        "spec": body,
     }
 
 
@@ -451,16 +591,24 @@ def static_refs(job: str, spec: DistillationJobSpec) -> list[tuple[str, str]]:
     out = [("ConfigMap", config_map_name(job))]
     out += [("Service", service_name(job, Role.trainer)), ("Service", service_name(job, Role.rollout))]
     out += [("Service", service_name(job, Role.teacher, t.name)) for t in spec.teachers]
-    return [*out, ("NetworkPolicy", job)]
+    out.append(("NetworkPolicy", job))
+    if spec.scheduling.gang_scheduler in POD_GROUP_API:
+        out.append(("PodGroup", pod_group_name(job)))
+    return out
 
 
 def render_static(job: str, namespace: str, spec: DistillationJobSpec) -> list[dict[str, Any]]:
-    """The children that live as long as the job: ConfigMap, Services, NetworkPolicy."""
-    return [
+    """The children that live as long as the job: ConfigMap, Services, NetworkPolicy, and the
+    PodGroup of a Volcano or coscheduling gang (before the pods: the scheduler needs it)."""
+    out = [
         render_config_map(job, namespace, spec),
         *render_services(job, namespace, spec),
         render_network_policy(job, namespace),
     ]
+    group = render_pod_group(job, namespace, spec)
+    if group is not None:
+        out.append(group)
+    return out
 
 
 def render_pods(job: str, namespace: str, spec: DistillationJobSpec, attempt: int = 0) -> list[dict[str, Any]]:

@@ -118,6 +118,8 @@ def test_helm_lint_strict(values: Path | None) -> None:
         (["--set", "metrics.prometheusRule.staleDropRatio=2"], "staleDropRatio"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "metrics.serviceMonitor.interval=often"], "interval"),
+        (["--set", "gangSchedulers.kueue=true"], "gangSchedulers"),
+        (["--set", "gangSchedulers.volcano=maybe"], "volcano"),
     ],
 )
 def test_values_schema_refuses_bad_values(setting: list[str], complaint: str) -> None:
@@ -399,11 +401,24 @@ def test_rbac_one_role_per_watched_namespace(namespaced_docs: list[dict[str, Any
 def test_rbac_cluster_wide_by_value(full_docs: list[dict[str, Any]]) -> None:
     from kubedistill.operator import rbac
 
-    expected = rbac.rules(all_namespaces=True)
+    expected = rbac.rules(all_namespaces=True, gang_schedulers=["volcano", "coscheduling"])
     assert not by_kind(full_docs, "Role") and not by_kind(full_docs, "RoleBinding")
     assert _norm(one(full_docs, "ClusterRole")["rules"]) == _norm(expected["clusterRole"])
     crb = one(full_docs, "ClusterRoleBinding")
     assert crb["subjects"][0]["name"] == "kd-operator"
+
+
+@pytest.mark.parametrize("enabled", [[], ["volcano"], ["coscheduling"], ["volcano", "coscheduling"]])
+def test_pod_group_rbac_only_for_enabled_gang_schedulers(enabled: list[str]) -> None:
+    from kubedistill.operator import rbac
+
+    docs = render(*[a for g in enabled for a in ("--set", f"gangSchedulers.{g}=true")])
+    role = one(docs, "Role")
+    assert _norm(role["rules"]) == _norm(rbac.rules(all_namespaces=False, gang_schedulers=enabled)["role"])
+    groups = {g for r in role["rules"] if "podgroups" in r["resources"] for g in r["apiGroups"]}
+    assert groups == {{"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io"}[g] for g in enabled}
+    # Created once, deleted by the job's owner reference: never listed, watched or deleted.
+    assert all(set(r["verbs"]) == {"get", "create"} for r in role["rules"] if "podgroups" in r["resources"])
 
 
 def test_rbac_grants_no_wildcards(full_docs: list[dict[str, Any]], default_docs: list[dict[str, Any]]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,20 @@ from kubedistill.api.roleconfig import CONFIG_PATH, JobConfig, Ports
 from kubedistill.api.status import Phase
 from kubedistill.api.validate import load_job
 from kubedistill.operator import main as operator_main
-from kubedistill.operator.kube import RESOURCES
+from kubedistill.operator.kube import RESOURCES, UNWATCHED
 from kubedistill.operator.metrics import METRICS, OperatorMetrics
 from kubedistill.operator.rbac import CLUSTER, NAMESPACED, rules
-from kubedistill.operator.render import SCRATCH_DIR, render_children, render_static, static_refs
+from kubedistill.operator.render import (
+    POD_GROUP_API,
+    SCRATCH_DIR,
+    format_quantity,
+    parse_quantity,
+    render_children,
+    render_static,
+    static_refs,
+)
 from pod_security import restricted_violations
+from podgroup_schemas import pod_group_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -50,6 +60,9 @@ def test_every_rendered_object_validates_strictly(example: Path) -> None:
     children = _children(example)
     assert children
     for obj in children:
+        if obj["kind"] == "PodGroup":  # not a built-in kind: checked against its project's API
+            assert pod_group_errors(obj) == [], obj["metadata"]["name"]
+            continue
         # Raises ValidationError on any schema violation or unknown field.
         kubernetes_validate.validate(json.loads(json.dumps(obj)), K8S_VERSION, strict=True)
 
@@ -253,7 +266,7 @@ def test_cpu_job_threads_kv_cache_and_role_overrides() -> None:
     doc = read_manifest(ROOT / "examples" / "quickstart-cpu.yaml")
     doc["spec"]["env"] = [{"name": "SHARED", "value": "job"}, {"name": "OMP_NUM_THREADS", "value": "7"}]
     doc["spec"]["nodeSelector"] = {"pool": "cpu"}
-    doc["spec"]["schedulerName"] = "volcano"
+    doc["spec"]["scheduling"] = {"schedulerName": "custom-scheduler"}
     doc["spec"]["serviceAccountName"] = "trainer-sa"
     doc["spec"]["imagePullPolicy"] = "Always"
     doc["spec"]["trainer"]["overrides"] = {
@@ -270,7 +283,7 @@ def test_cpu_job_threads_kv_cache_and_role_overrides() -> None:
     assert env["OMP_NUM_THREADS"] == "7" and env["SHARED"] == "trainer"
     assert [e["name"] for e in trainer["spec"]["containers"][0]["env"]].count("SHARED") == 1
     assert trainer["spec"]["nodeSelector"] == {"pool": "cpu", "zone": "a"}
-    assert trainer["spec"]["schedulerName"] == "volcano"
+    assert trainer["spec"]["schedulerName"] == "custom-scheduler"
     assert trainer["spec"]["serviceAccountName"] == "trainer-sa"
     c = trainer["spec"]["containers"][0]
     assert c["imagePullPolicy"] == "Always"
@@ -367,3 +380,119 @@ def test_a_trainer_pod_with_several_gpus_runs_one_rank_per_gpu_under_torchrun() 
     assert _env(pods[f"{name}-trainer-1"])["WORLD_SIZE"] == "4"
     # One-GPU pods (and every server) run the role directly.
     assert pods[f"{name}-rollout-0"]["spec"]["containers"][0]["command"][:3] == ["kubedistill", "role", "rollout"]
+
+
+# --- spec.scheduling: what each gang scheduler gets ------------------------------------------------
+
+
+def test_volcano_pod_group_sums_the_pods_requests_and_every_pod_names_it() -> None:
+    children = _children(ROOT / "examples" / "gang-volcano.yaml")
+    (group,) = _by(children, "PodGroup").values()
+    assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1"
+    assert group["metadata"]["name"] == "gang-volcano"
+    # 2 trainers (16 CPU, 96Gi), 2 rollout (8, 32Gi), 1 teacher (8, 48Gi), one GPU each.
+    assert group["spec"] == {
+        "minMember": 5,
+        "minResources": {"cpu": "56", "memory": "304Gi", "nvidia.com/gpu": "5"},
+        "queue": "research",
+        "priorityClassName": "training",
+    }
+    pods = _by(children, "Pod")
+    assert len(pods) == 5
+    for pod in pods.values():
+        assert pod["metadata"]["annotations"] == {"scheduling.k8s.io/group-name": "gang-volcano"}
+        assert pod["spec"]["schedulerName"] == "volcano" and pod["spec"]["priorityClassName"] == "training"
+    # The group before the pods: the scheduler places a pod by its group.
+    kinds = [c["kind"] for c in children]
+    assert kinds.index("PodGroup") < kinds.index("Pod")
+
+
+def test_coscheduling_pod_group_min_member_counts_the_trainers_first() -> None:
+    doc = read_manifest(ROOT / "examples" / "gang-coscheduling.yaml")
+    doc["spec"]["scheduling"]["minMember"] = 3
+    job = DistillationJob.model_validate(doc)
+    children = render_children(job.metadata.name, "ml", job.spec)
+    (group,) = _by(children, "PodGroup").values()
+    assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    # The first 3 pods: both trainers (16 CPU, 96Gi each) and rollout 0 (8, 32Gi).
+    assert group["spec"] == {
+        "minMember": 3,
+        "minResources": {"cpu": "40", "memory": "224Gi", "nvidia.com/gpu": "3"},
+        "scheduleTimeoutSeconds": 600,
+    }
+    assert pod_group_errors(group) == []
+    for pod in _by(children, "Pod").values():
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == job.metadata.name
+        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+        assert "annotations" not in pod["metadata"]
+
+
+def test_kueue_labels_every_pod_with_its_queue_and_the_attempts_group() -> None:
+    job = _job(ROOT / "examples" / "gang-kueue.yaml")
+    assert not _by(render_children(job.metadata.name, "ml", job.spec), "PodGroup")
+    for attempt in (0, 3):
+        pods = _by(render_children(job.metadata.name, "ml", job.spec, attempt=attempt), "Pod")
+        assert len(pods) == 5
+        for name, pod in pods.items():
+            meta = pod["metadata"]
+            assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "research"
+            assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == f"gang-kueue-attempt-{attempt}"
+            # With Kueue the whole job is the gang: servers carry the attempt too.
+            assert meta["labels"]["kubedistill.io/attempt"] == str(attempt), name
+            assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "5"
+            assert "schedulerName" not in pod["spec"] and pod["spec"]["priorityClassName"] == "training"
+        # One PodSet per role, however many replicas (Kueue allows 8 per group).
+        hashes = {n: p["metadata"]["annotations"]["kueue.x-k8s.io/role-hash"] for n, p in pods.items()}
+        assert sorted(set(hashes.values())) == ["rollout", "t-teacher", "trainer"]
+
+
+def test_no_gang_scheduler_leaves_pods_ungrouped() -> None:
+    job = _job(ROOT / "examples" / "multi-teacher-6gpu.yaml")
+    children = render_children(job.metadata.name, "ml", job.spec)
+    assert not _by(children, "PodGroup")
+    pods = _by(children, "Pod")
+    for name, pod in pods.items():
+        assert "annotations" not in pod["metadata"] and "schedulerName" not in pod["spec"]
+        assert not [k for k in pod["metadata"]["labels"] if "kueue" in k or "scheduling" in k]
+        assert ("kubedistill.io/attempt" in pod["metadata"]["labels"]) == ("trainer" in name)
+
+
+def test_pod_group_schemas_catch_mistakes() -> None:
+    (group,) = _by(_children(ROOT / "examples" / "gang-volcano.yaml"), "PodGroup").values()
+    bad = json.loads(json.dumps(group))
+    bad["spec"]["minAvailable"] = 5  # Volcano's Job field, not the PodGroup's
+    assert pod_group_errors(bad)
+    bad = json.loads(json.dumps(group))
+    bad["spec"]["minResources"]["memory"] = "304 GiB"
+    assert pod_group_errors(bad)
+    bad = json.loads(json.dumps(group))
+    bad["apiVersion"] = "scheduling.x-k8s.io/v1alpha1"  # coscheduling has no queue
+    assert any("queue" in e for e in pod_group_errors(bad))
+
+
+@pytest.mark.parametrize(
+    "amounts, total",
+    [
+        (["500m", "1500m"], "2"),
+        (["1Gi", "512Mi"], "1536Mi"),
+        (["1.5"], "1500m"),
+        (["1e3", "24"], "1024"),
+        (["1k", "1M"], "1001000"),
+        (["64Gi", "64Gi"], "128Gi"),
+    ],
+)
+def test_quantities_sum_exactly(amounts: list[str], total: str) -> None:
+    assert format_quantity(sum((parse_quantity(a) for a in amounts), Decimal(0))) == total
+
+
+def test_a_bad_quantity_is_named() -> None:
+    with pytest.raises(ValueError, match="'8 cores' is not a Kubernetes quantity"):
+        parse_quantity("8 cores")
+
+
+def test_rbac_lets_the_operator_create_each_pod_group() -> None:
+    for gang, api_version in POD_GROUP_API.items():
+        group = api_version.split("/")[0]
+        (rule,) = rules(all_namespaces=False, gang_schedulers=[gang.value])["role"][len(NAMESPACED) :]
+        assert group in rule["apiGroups"] and "podgroups" in rule["resources"] and "create" in rule["verbs"]
+        assert UNWATCHED["PodGroup"] == "podgroups"

@@ -88,6 +88,18 @@ same data (NAMESPACED, CLUSTER); tests/test_helm_chart.py checks that the chart 
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- if .Values.gangSchedulers.volcano }}
+# PodGroups of jobs with gangScheduler volcano: created once, deleted with the job (owner reference).
+- apiGroups: ["scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["get", "create"]
+{{- end }}
+{{- if .Values.gangSchedulers.coscheduling }}
+# PodGroups of jobs with gangScheduler coscheduling (scheduler-plugins).
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "create"]
+{{- end }}
 {{- end -}}
 
 {{/* Cluster-scoped reads: kopf's resource discovery and namespace scanning. */}}
