@@ -50,6 +50,7 @@ def job_yaml(
     every: int = 100,
     asyncspec: dict[str, Any] | None = None,
     loss: str = "forwardKLTopK",
+    policy_gradient: bool = False,
     lr: float = 1e-3,
     max_model_len: int = 64,
     temperature: float = 1.0,
@@ -86,7 +87,7 @@ def job_yaml(
             "mixedPrecision": "float32",
             "overrides": {"cpuThreads": 1},
         },
-        "algorithm": {"distillation": {"lossMode": loss, "topK": 4}},
+        "algorithm": {"distillation": {"lossMode": loss, "topK": 4, "usePolicyGradient": policy_gradient}},
         "data": {"train": [str(data)], "maxPromptLength": 32},
         "checkpoint": {"path": str(base / "ckpt"), "everySteps": every},
         # vLLM-CPU servers start slowly on a busy 2-core machine; the trainer waits for them.

@@ -43,6 +43,7 @@ def job_config(
     bucket_mb: int = 1,
     partial_rollout: str | None = None,
     teacher_engine: str | None = None,
+    loss_mode: str = "k3",
 ) -> JobConfig:
     spec = {
         "device": "cpu",
@@ -61,7 +62,7 @@ def job_config(
         },
         "data": {"train": ["/dev/null"]},
         "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": 600},
-        "algorithm": {"distillation": {"topK": 4}},
+        "algorithm": {"distillation": {"topK": 4, "lossMode": loss_mode}},
     }
     if partial_rollout:
         spec["async"] = {"partialRollout": True, "partialRolloutStrategy": partial_rollout}
@@ -162,6 +163,7 @@ def start_servers(
     engines: list[str],
     teacher_engine: str,
     partial_rollout: str | None = None,
+    loss_mode: str = "k3",
 ) -> Servers:
     """Rollout replica i runs engines[i] (replicas may mix engines: same group, same broadcast)."""
     from kubedistill.runtime.weight_sync.sender import WeightSender
@@ -182,6 +184,7 @@ def start_servers(
             weight_sync_port=wport,
             partial_rollout=partial_rollout,
             teacher_engine=teacher_engine,
+            loss_mode=loss_mode,
         )
         path = base / f"rollout{i}.json"
         cfg.dump(path)
@@ -194,6 +197,7 @@ def start_servers(
         teacher_urls=[turl],
         weight_sync_port=wport,
         partial_rollout=partial_rollout,
+        loss_mode=loss_mode,
     )
     cfg.dump(base / "teacher.json")
     teacher = Server("teacher", base / "teacher.json", tport)
@@ -225,7 +229,10 @@ def start_servers(
 
 @pytest.fixture(scope="session")
 def vllm_servers(tiny_models, tmp_path_factory):
-    servers = start_servers(tmp_path_factory.mktemp("vllm-servers"), tiny_models, ["vllm", "hf"], "vllm")
+    # reverseKLTopK: the servers return the rollout's top-k ids and gather the teacher's log-probs at them.
+    servers = start_servers(
+        tmp_path_factory.mktemp("vllm-servers"), tiny_models, ["vllm", "hf"], "vllm", loss_mode="reverseKLTopK"
+    )
     yield servers
     for s in servers._all:
         s.stop()

@@ -12,6 +12,7 @@ class Out:
     def __init__(self, ids, version):
         self.token_ids, self.logprobs = list(ids), [-0.25 * (i + 1) for i in range(len(ids))]
         self.versions, self.finish_reason = [version] * len(ids), "stop"
+        self.topk_ids = None
 
 
 def scored_group(gid: int, n: int = 2, version: int = 0, top_k: int = 2) -> SampleGroup:

@@ -17,6 +17,7 @@ class Out:
     def __init__(self, ids, version, reason="stop"):
         self.token_ids, self.logprobs = list(ids), [-0.5] * len(ids)
         self.versions, self.finish_reason = [version] * len(ids), reason
+        self.topk_ids = None
 
 
 def staleness_rule(**kw) -> StalenessPolicy:

@@ -56,7 +56,17 @@ def _half_generated(d: Driver) -> SampleGroup:
     s = g.samples[0]
     s.continuation()
     s.extend(
-        type("Out", (), {"token_ids": [5, 6], "logprobs": [-1.0, -2.0], "versions": [0, 0], "finish_reason": "abort"})()
+        type(
+            "Out",
+            (),
+            {
+                "token_ids": [5, 6],
+                "logprobs": [-1.0, -2.0],
+                "versions": [0, 0],
+                "finish_reason": "abort",
+                "topk_ids": None,
+            },
+        )()
     )
     return g
 

@@ -156,3 +156,49 @@ async def test_resume_on_the_hf_engine_matches_an_uninterrupted_generation(tiny_
     assert s.versions == [0, 0] + [1] * (len(whole.token_ids) - 2)
     assert s.finish_reason == whole.finish_reason and s.resumed == 1
     await engine.shutdown()
+
+
+def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
+    from kubedistill.runtime.driver.batcher import BatchRequirements, to_train_batch
+    from kubedistill.runtime.wire.protocol import ScoreResponse
+
+    s = Sample(group_id=1, index=0, prompt_ids=[1, 2], max_tokens=4, data_source="arith")
+    c = s.continuation()
+    s.extend(
+        GenerateResponse(
+            request_id=c.request_id,
+            token_ids=[5],
+            logprobs=[-0.1],
+            versions=[0],
+            finish_reason="abort",
+            topk_ids=[[5, 6]],
+        )
+    )
+    c = s.continuation()
+    s.extend(
+        GenerateResponse(
+            request_id=c.request_id,
+            token_ids=[7, 3],
+            logprobs=[-0.2, -0.3],
+            versions=[1, 1],
+            finish_reason="stop",
+            topk_ids=[[7, 5], [3, 4]],
+        )
+    )
+    assert s.rollout_topk_ids == [[5, 6], [7, 5], [3, 4]]
+    scores = dict(logprobs=[-1.0] * 3, topk_ids=[[5]] * 3, topk_logprobs=[[-0.5]] * 3)
+    with pytest.raises(ValueError, match="gathered log-prob rows do not match"):
+        s.set_scores("t", ScoreResponse(**scores, gather_logprobs=[[-1.0, -2.0]] * 2))
+    s.set_scores("t", ScoreResponse(**scores, gather_logprobs=[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]))
+    req = BatchRequirements(group_size=1, mini_batch_size=1, rollout_top_k=2)
+    batch = to_train_batch([s], req, trainer_version=1)
+    assert batch.top_k_scores() == ([[[5, 6], [7, 5], [3, 4]]], [[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]])
+    assert batch.teacher_topk_ids is None and batch.lag(0) == 1
+    # A continuation without rows, after a prefix that has them, is refused.
+    s.restart()
+    assert s.rollout_topk_ids is None and s.teacher_logprobs_at_rollout_topk is None
+    c = s.continuation()
+    s.extend(response(c.request_id, [5], [-0.1], 0, "abort").model_copy(update={"topk_ids": [[5, 6]]}))
+    c = s.continuation()
+    with pytest.raises(ValueError, match="without the top-k ids"):
+        s.extend(response(c.request_id, [7], [-0.2], 0, "stop"))

@@ -30,7 +30,10 @@ RESUMING = {
 }
 JOBS: dict[str, dict[str, Any]] = {
     "sync": dict(mode="sync", steps=3),
-    "onestepoff": dict(mode="oneStepOff", steps=4),
+    # k1 + policy gradient on one-step-stale samples: the off-policy statistics in the history.
+    "onestepoff": dict(mode="oneStepOff", steps=4, loss="k1", policy_gradient=True),
+    # reverseKLTopK: the rollout's top-k ids ride along each sample, across resumes, and the
+    # teacher scores them (hf here, vLLM below).
     "fullyasync": dict(
         mode="fullyAsync",
         steps=4,
@@ -39,8 +42,9 @@ JOBS: dict[str, dict[str, Any]] = {
         temperature=0.0,
         asyncspec=RESUMING,
         max_num_seqs=1,
+        loss="reverseKLTopK",
     ),
-    "vllm": dict(mode="fullyAsync", steps=4, engine="vllm", max_tokens=6, asyncspec=FULLY_ASYNC),
+    "vllm": dict(mode="fullyAsync", steps=4, engine="vllm", max_tokens=6, asyncspec=FULLY_ASYNC, loss="reverseKLTopK"),
     # trainer.replicas 2: two gloo CPU ranks (FSDP), rank 0 drives, syncs and checkpoints
     "multirank": dict(mode="sync", steps=2, every=2, trainer_replicas=2),
 }
@@ -126,6 +130,15 @@ def test_one_step_off_mode(runs) -> None:
     assert hist[0]["stalenessMax"] == 0
     # batch k+1 was generated while batch k trained, under the older weights
     assert any(h["stalenessMax"] == 1 for h in hist[1:])
+    # The off-policy statistics of the k1 + policy-gradient loss: at step 1 every sample is at
+    # lag 0, where the trainer's log-probs equal the hf engine's; later the lag histogram shows
+    # the stale ones and their importance weights.
+    assert hist[0]["lagHistogram"] == {"0": 4}
+    first = hist[0]["offPolicy"]
+    assert first["logprobDiffLag0AbsMax"] < 1e-4 and first["isWeightMean"] == pytest.approx(1.0, abs=1e-4)
+    assert abs(first["advantageMean"]) < 1e-4  # the batch-mean baseline centres the advantages
+    stale = [h for h in hist[1:] if "1" in h["lagHistogram"]]
+    assert stale and all(0.0 < h["offPolicy"]["isWeightMean"] <= 2.0 for h in stale)
 
 
 def _spec(r):

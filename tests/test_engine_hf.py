@@ -222,3 +222,43 @@ async def test_concurrent_scores_share_one_forward_and_match_the_model(tiny_mode
         assert out.topk_ids == top.indices.tolist()
         assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=1e-4)
     await engine.shutdown()
+
+
+async def test_top_k_ids_per_generated_position_and_teacher_gathers(tiny_models: dict[str, Path]) -> None:
+    # lossMode reverseKLTopK: the rollout returns its top-k ids at each position it samples, and
+    # the teacher returns its log-probs at exactly those ids.
+    student = HFEngine(str(tiny_models["student"]), dtype="float32")
+    teacher = HFEngine(str(tiny_models["teacher"]), dtype="float32")
+    await student.start()
+    await teacher.start()
+    try:
+        prompt = PROMPTS["a"]
+        req = GenerateRequest(
+            request_id="k",
+            prompt_token_ids=prompt,
+            sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True, top_k_ids=3),
+        )
+        out = await student.generate(req)
+        # The same request without top-k ids: the same tokens, no ids.
+        plain = await student.generate(greedy("plain", prompt, 6))
+        assert plain.topk_ids is None and plain.token_ids == out.token_ids
+        assert out.topk_ids is not None and len(out.topk_ids) == len(out.token_ids) == 6
+        model = plain_model(tiny_models["student"])
+        ids = list(prompt)
+        for token, row in zip(out.token_ids, out.topk_ids):
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
+            assert row == lp.topk(3).indices.tolist() and row[0] == token  # greedy: the best id
+            ids.append(token)
+        score = await teacher.score(
+            ScoreRequest(token_ids=ids, prompt_len=len(prompt), top_k=2, gather_ids=out.topk_ids)
+        )
+        tmodel = plain_model(tiny_models["teacher"])
+        with torch.no_grad():
+            tlp = torch.log_softmax(tmodel(input_ids=torch.tensor([ids])).logits[0], -1)[len(prompt) - 1 : -1]
+        assert score.gather_logprobs is not None
+        for t, row in enumerate(out.topk_ids):
+            assert score.gather_logprobs[t] == pytest.approx(tlp[t, row].tolist(), abs=1e-4)
+    finally:
+        await student.shutdown()
+        await teacher.shutdown()

@@ -104,3 +104,68 @@ def test_role_command_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"job": "x"}')
     r = run_cli("role", "teacher", "--config", str(tmp_path / "bad.json"))
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "spec" in r.stderr
+
+
+def test_vllm_top_k_ids_and_gather_requests() -> None:
+    from types import SimpleNamespace
+
+    from kubedistill.runtime.engines.vllm_engine import gather_params, ranked_ids
+
+    def lp(rank: int) -> SimpleNamespace:
+        return SimpleNamespace(logprob=-float(rank), rank=rank)
+
+    # The sampled token (id 9, rank 7) rides along in vLLM's dict; it is not among the 3 best.
+    entry = {4: lp(2), 9: lp(7), 2: lp(1), 7: lp(3)}
+    assert ranked_ids(entry, 3) == [2, 4, 7]
+    assert ranked_ids(entry, 2) == [2, 4]
+    rows = [[5, 6, 7], [8]]
+    # V2 runner: exactly those ids, padded with -1, from the row predicting the first response token.
+    assert gather_params(rows, prompt_len=4, top_k=2, v2_runner=True) == {
+        "prompt_logprobs": 2,
+        "prompt_logprob_token_ids": [[5, 6, 7], [8, -1, -1]],
+        "prompt_logprob_start": 3,
+    }
+    # V1 runner (vLLM-CPU): the whole distribution, gathered by the server.
+    assert gather_params(rows, prompt_len=4, top_k=2, v2_runner=False) == {"prompt_logprobs": -1}
+
+
+def test_engines_return_as_many_log_probs_as_the_loss_needs(tiny_models: dict[str, Path]) -> None:
+    from kubedistill.runtime.engines.factory import rollout_max_logprobs, teacher_max_logprobs
+
+    def spec(**distillation: object) -> DistillationJobSpec:
+        s = job_config(
+            tiny_models["student"],
+            tiny_models["teacher"],
+            engine="hf",
+            rollout_urls=["http://x"],
+            teacher_urls=["http://y"],
+            weight_sync_port=1,
+        ).spec
+        return s.model_copy(
+            update={
+                "algorithm": s.algorithm.model_copy(
+                    update={"distillation": s.algorithm.distillation.model_copy(update=distillation)}
+                )
+            }
+        )
+
+    from kubedistill.api.spec import LossMode
+
+    forward = spec(loss_mode=LossMode.forward_kl_top_k, top_k=8)
+    assert (rollout_max_logprobs(forward), teacher_max_logprobs(forward)) == (0, 8)
+    reverse = spec(loss_mode=LossMode.reverse_kl_top_k, top_k=8)
+    assert (rollout_max_logprobs(reverse), teacher_max_logprobs(reverse)) == (8, -1)
+
+
+def test_gather_ids_need_one_row_per_response_token() -> None:
+    from pydantic import ValidationError
+
+    ScoreRequest(token_ids=[1, 2, 3, 4], prompt_len=2, gather_ids=[[5], [6, 7]])
+    with pytest.raises(ValidationError, match="gather_ids: 1 rows, expected one per response token \\(2\\)"):
+        ScoreRequest(token_ids=[1, 2, 3, 4], prompt_len=2, gather_ids=[[5]])
+    with pytest.raises(ValidationError, match="1 to 256 ids"):
+        ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, gather_ids=[[]])
+    with pytest.raises(BadRequest, match="gather_ids"):
+        check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, top_k=2, gather_ids=[[12]]), 100, 10)
+    with pytest.raises(BadRequest, match="top_k_ids \\(11\\) exceeds"):
+        check_generate(GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=Sampling(top_k_ids=11)), 100, 10)

@@ -213,3 +213,34 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
         assert httpx.get(url + "/version").json()["version"] == v
         got = httpx.get(url + "/weights/checksums", timeout=120).json()
         assert {n for n in want if got.get(n) != want[n]} == set(), url
+
+
+async def test_rollout_top_k_ids_and_teacher_gather_on_vllm(vllm_servers, tiny_models) -> None:
+    # lossMode reverseKLTopK on vLLM: the rollout's top-k ids at each sampled position, then the
+    # teacher's log-probs at those ids (gathered from its whole distribution on vLLM-CPU's V1 runner).
+    async with RolloutClient(vllm_servers.rollout_urls[0]) as c:
+        version = await c.version()
+        out = await c.generate(
+            GenerateRequest(
+                request_id="topk",
+                prompt_token_ids=PROMPT,
+                sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True, top_k_ids=3),
+            )
+        )
+    assert out.topk_ids is not None and len(out.topk_ids) == 6
+    assert all(len(row) == 3 and row[0] == tok for row, tok in zip(out.topk_ids, out.token_ids))
+    tokens = PROMPT + out.token_ids
+    if version == 0:
+        model = hf_model(tiny_models["student"])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[len(PROMPT) - 1 : -1]
+        assert out.topk_ids == lp.topk(3, -1).indices.tolist()
+    async with TeacherClient(vllm_servers.teacher.url) as c:
+        score = await c.score(ScoreRequest(token_ids=tokens, prompt_len=len(PROMPT), top_k=2, gather_ids=out.topk_ids))
+    teacher = hf_model(tiny_models["teacher"])
+    with torch.no_grad():
+        tlp = torch.log_softmax(teacher(input_ids=torch.tensor([tokens])).logits[0], -1)[len(PROMPT) - 1 : -1]
+    assert score.gather_logprobs is not None
+    for t, row in enumerate(out.topk_ids):
+        assert score.gather_logprobs[t] == pytest.approx(tlp[t, row].tolist(), abs=2e-3)
+    assert score.topk_ids == tlp.topk(2, -1).indices.tolist()

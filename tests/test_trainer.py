@@ -322,3 +322,40 @@ def test_followers_dispatch_commands_through_the_table() -> None:
         CommandChannel(_FakeRanks([])).follow({Command.close: ran.append})
     with pytest.raises(RuntimeError, match="Trainer.step is called on rank 0 only"):
         CommandChannel(_FakeRanks([])).broadcast(Command.step)
+
+
+@pytest.mark.parametrize("proximal", ["recompute", "current"])
+def test_proximal_pass_anchors_later_mini_batches_to_the_step_start(
+    tiny_models: dict[str, Path], tmp_path: Path, proximal: str
+) -> None:
+    spec = make_spec(
+        tiny_models["student"],
+        tmp_path / "c",
+        **{
+            "algorithm.distillation": {"lossMode": "k1", "usePolicyGradient": True},
+            "algorithm.offPolicy": {"proximal": proximal},
+            "trainer.optim": {"lr": 1e-2},
+        },
+    )
+    t = Trainer(spec)
+    try:
+        batch = make_batch()
+        # Behaviour log-probs = the trainer's own at the start, at lag 0 (as a rollout engine
+        # serving the same weights would report them).
+        t._recompute_proximal([batch])
+        start = t._proximal.pop()
+        batch.rollout_logprobs = [start[i].tolist() for i in range(len(batch))]
+        batch.trainer_version = 0
+        first, second = t.train([batch, batch])
+    finally:
+        t.close()
+    assert first.off_policy["logprobDiffLag0AbsMax"] == pytest.approx(0.0, abs=1e-5)
+    assert first.off_policy["isWeightMean"] == pytest.approx(1.0, abs=1e-5)
+    if proximal == "recompute":
+        # The second mini-batch is weighted against the step's start: still the behaviour policy.
+        assert second.off_policy["isWeightMax"] == pytest.approx(1.0, abs=1e-5)
+    else:
+        # Against the weights the first update moved, the same samples are off-policy.
+        assert second.off_policy["isWeightMax"] > 1.0 + 1e-3
+    # The trainer's own log-probs moved in both cases (lr 1e-2): the lag-0 diff shows it.
+    assert second.off_policy["logprobDiffLag0AbsMean"] > 1e-3

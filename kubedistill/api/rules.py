@@ -148,6 +148,17 @@ SPEC_RULES: list[Rule] = [
     ),
     Rule(
         "spec",
+        "self.algorithm.distillation.lossMode != 'reverseKLTopK' || !self.algorithm.distillation.usePolicyGradient",
+        "lossMode reverseKLTopK is a direct loss: usePolicyGradient must be false (as an advantage it is the "
+        "same for every token sampled at a position, so its policy gradient is zero in expectation)",
+        ".algorithm.distillation.usePolicyGradient",
+        lambda s: (
+            s.algorithm.distillation.loss_mode is not LossMode.reverse_kl_top_k
+            or not s.algorithm.distillation.use_policy_gradient
+        ),
+    ),
+    Rule(
+        "spec",
         "self.algorithm.distillation.enabled || self.algorithm.distillation.useTaskRewards",
         "with distillation disabled, useTaskRewards must be true (there is no training signal otherwise)",
         ".algorithm.distillation.enabled",

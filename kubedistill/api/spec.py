@@ -43,11 +43,32 @@ class LossMode(str, Enum):
     k1 = "k1"
     k3 = "k3"
     forward_kl_top_k = "forwardKLTopK"
+    reverse_kl_top_k = "reverseKLTopK"
 
 
 class Advantage(str, Enum):
     grpo = "grpo"
     none = "none"
+
+
+class AdvantageBaseline(str, Enum):
+    none = "none"
+    batch_mean = "batchMean"
+
+
+class ProximalPolicy(str, Enum):
+    recompute = "recompute"
+    current = "current"
+
+
+class ImportanceLevel(str, Enum):
+    token = "token"
+    sequence = "sequence"
+
+
+class ImportanceMode(str, Enum):
+    truncate = "truncate"
+    mask = "mask"
 
 
 class LossAggregation(str, Enum):
@@ -271,21 +292,48 @@ class DistillationSpec(ApiModel):
     enabled: bool = True
     """Use the teacher signal. false: pure RL on task rewards (needs useTaskRewards)."""
     loss_mode: LossMode = LossMode.k3
-    """k1 (per-token reverse KL; policy gradient only), k3 (forward-KL gradient) or forwardKLTopK."""
+    """k1 (per-token reverse KL; policy gradient only), k3 (forward-KL gradient), forwardKLTopK (over
+    the teacher's top-k) or reverseKLTopK (exact reverse KL over the student's top-k)."""
     use_policy_gradient: bool = False
     """Turn the distillation loss into a per-token advantage fed to the PPO clipped surrogate."""
     top_k: Annotated[int, Field(ge=1, le=256)] = 32
-    """Teacher top-k ids scored per position (forwardKLTopK)."""
+    """Ids per position in the top-k losses: the teacher's (forwardKLTopK) or the student's (reverseKLTopK)."""
     renormalize: bool = False
-    """forwardKLTopK: renormalise teacher and student probabilities over the top-k set."""
+    """Top-k losses: renormalise teacher and student probabilities over the top-k set."""
     loss_max_clamp: Annotated[float, Field(gt=0.0)] = 10.0
     """Clamp of the per-token distillation loss (and of the policy-gradient advantage)."""
     log_prob_min_clamp: Annotated[float, Field(lt=0.0)] = -10.0
-    """Lower clamp of student log-probs gathered at teacher ids (forwardKLTopK)."""
+    """Lower clamp of log-probs gathered at top-k ids: the student's (forwardKLTopK), the teacher's (reverseKLTopK)."""
     use_task_rewards: bool = False
     """Add group-normalised task-reward advantages (GRPO) to the loss."""
     coef: Annotated[float, Field(ge=0.0)] = 1.0
     """Weight of the distillation term when combined with task rewards."""
+    advantage_baseline: AdvantageBaseline = AdvantageBaseline.batch_mean
+    """usePolicyGradient with k1/k3: batchMean subtracts the batch's mean term from every per-token advantage."""
+
+
+class ImportanceCorrectionSpec(ApiModel):
+    """The importance weight w = pi_proximal / mu between the trainer's proximal policy and the
+    rollout's behaviour policy mu (stale weights, engine numerics)."""
+
+    level: ImportanceLevel = ImportanceLevel.token
+    """token: a weight per token; sequence: every token gets its sample's product of ratios."""
+    mode: ImportanceMode = ImportanceMode.truncate
+    """truncate: min(w, high) (TIS); mask: weight 0 outside [low, high], else w (MIS)."""
+    low: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    """mask: the smallest weight kept."""
+    high: Annotated[float, Field(ge=1.0, le=1000.0)] = 2.0
+    """truncate: the cap C of min(w, C); mask: the largest weight kept."""
+
+
+class OffPolicySpec(ApiModel):
+    """Decoupled PPO: the proximal policy anchors the clip; importance weights correct for mu."""
+
+    proximal: ProximalPolicy = ProximalPolicy.recompute
+    """recompute: the trainer's log-probs at the start of the step, before any of its mini-batch
+    updates (AReaL's decoupled PPO); current: each mini-batch's own weights (no trust region)."""
+    importance: ImportanceCorrectionSpec = Field(default_factory=ImportanceCorrectionSpec)
+    """Correction between the proximal and the behaviour policy."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -297,8 +345,8 @@ class AlgorithmSpec(ApiModel):
     """Task-reward advantage estimator (used with distillation.useTaskRewards)."""
     clip_ratio: Annotated[float, Field(gt=0.0, le=10.0)] = 0.2
     """PPO surrogate clip range epsilon."""
-    importance_weight_cap: Annotated[float, Field(ge=1.0)] = 2.0
-    """C in the truncated importance weight min(pi_theta / mu, C) for stale samples."""
+    off_policy: OffPolicySpec = Field(default_factory=OffPolicySpec)
+    """How policy-gradient terms treat samples the rollout drew from other weights (docs/algorithms.md)."""
     loss_aggregation: LossAggregation = LossAggregation.token_mean
     """How per-token losses are averaged over the batch."""
 

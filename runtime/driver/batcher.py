@@ -33,6 +33,9 @@ class BatchRequirements:
     """forwardKLTopK: teacher top-k rows (1..top_k entries) at every position (0: not needed)."""
     rewards: bool = False
     """Task rewards in the loss: a reward on every sample."""
+    rollout_top_k: int = 0
+    """reverseKLTopK: the rollout's top-k ids at every position and the teacher's log-probs at
+    them (0: not needed)."""
 
     @classmethod
     def from_spec(cls, spec: DistillationJobSpec) -> BatchRequirements:
@@ -45,6 +48,7 @@ class BatchRequirements:
             teacher_scores=d.enabled,
             top_k=d.top_k if d.enabled and d.loss_mode is LossMode.forward_kl_top_k else 0,
             rewards=d.use_task_rewards,
+            rollout_top_k=d.top_k if d.enabled and d.loss_mode is LossMode.reverse_kl_top_k else 0,
         )
 
     @property
@@ -65,11 +69,11 @@ class StepSamples:
 
     def train_batches(self, req: BatchRequirements) -> list[TrainBatch]:
         """One TrainBatch per mini-batch."""
-        return [to_train_batch(mb, req) for mb in self.minibatches]
+        return [to_train_batch(mb, req, self.trainer_version) for mb in self.minibatches]
 
     def train_batch(self, req: BatchRequirements) -> TrainBatch:
         """The whole step as one TrainBatch."""
-        return to_train_batch(self.samples, req)
+        return to_train_batch(self.samples, req, self.trainer_version)
 
     def staleness(self) -> list[int]:
         """trainer_version - min_version of each sample."""
@@ -93,18 +97,36 @@ def check_sample(s: Sample, req: BatchRequirements) -> None:
             got = None if s.teacher_logprobs is None else len(s.teacher_logprobs)
             raise ValueError(f"{where}: teacher log-probs for {got} of {t} response tokens")
         if req.top_k:
-            ids, lps = s.teacher_topk_ids, s.teacher_topk_logprobs
-            if ids is None or lps is None or len(ids) != t or len(lps) != t:
-                raise ValueError(f"{where}: teacher top-k missing or not one row per response token")
-            for i, (a, b) in enumerate(zip(ids, lps)):
-                # A vocabulary smaller than topK gives shorter rows; TrainBatch masks the rest.
-                if not 1 <= len(a) <= req.top_k or len(a) != len(b):
-                    raise ValueError(
-                        f"{where}: teacher top-k row {i} has {len(a)} ids and {len(b)} log-probs "
-                        f"(need 1..topK={req.top_k}, equal)"
-                    )
+            _check_top_k(where, "teacher top-k", s.teacher_topk_ids, s.teacher_topk_logprobs, t, req.top_k)
+        if req.rollout_top_k:
+            _check_top_k(
+                where,
+                "rollout top-k",
+                s.rollout_topk_ids,
+                s.teacher_logprobs_at_rollout_topk,
+                t,
+                req.rollout_top_k,
+            )
     if req.rewards and s.reward is None:
         raise ValueError(f"{where} has no task reward (useTaskRewards is on)")
+
+
+def _check_top_k(
+    where: str,
+    what: str,
+    ids: Sequence[Sequence[int]] | None,
+    logprobs: Sequence[Sequence[float]] | None,
+    tokens: int,
+    k: int,
+) -> None:
+    if ids is None or logprobs is None or len(ids) != tokens or len(logprobs) != tokens:
+        raise ValueError(f"{where}: {what} ids or teacher log-probs missing or not one row per response token")
+    for i, (a, b) in enumerate(zip(ids, logprobs)):
+        # A vocabulary smaller than topK gives shorter rows; TrainBatch masks the rest.
+        if not 1 <= len(a) <= k or len(a) != len(b):
+            raise ValueError(
+                f"{where}: {what} row {i} has {len(a)} ids and {len(b)} log-probs (need 1..topK={k}, equal)"
+            )
 
 
 def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_version: int) -> StepSamples:
@@ -123,7 +145,7 @@ def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_vers
     return StepSamples(trainer_version, [flat[i : i + mb] for i in range(0, len(flat), mb)])
 
 
-def to_train_batch(samples: Sequence[Sample], req: BatchRequirements) -> TrainBatch:
+def to_train_batch(samples: Sequence[Sample], req: BatchRequirements, trainer_version: int | None = None) -> TrainBatch:
     """The trainer's batch of these samples: prompt + response ids, behaviour log-probs, the
     teacher scores and rewards the loss needs, and each sample's oldest weight version."""
     for s in samples:
@@ -143,9 +165,18 @@ def to_train_batch(samples: Sequence[Sample], req: BatchRequirements) -> TrainBa
         teacher_topk_logprobs=(
             [list(_checked(s.teacher_topk_logprobs, s, "teacher top-k")) for s in samples] if req.top_k else None
         ),
+        rollout_topk_ids=(
+            [list(_checked(s.rollout_topk_ids, s, "rollout top-k")) for s in samples] if req.rollout_top_k else None
+        ),
+        teacher_logprobs_at_rollout_topk=(
+            [list(_checked(s.teacher_logprobs_at_rollout_topk, s, "teacher scores of the top-k")) for s in samples]
+            if req.rollout_top_k
+            else None
+        ),
         rewards=[float(_checked(s.reward, s, "task reward")) for s in samples] if req.rewards else None,
         group_ids=[s.group_id for s in samples] if req.rewards else None,
         weight_versions=[_checked(s.min_version, s, "tokens") for s in samples],
+        trainer_version=trainer_version,
     )
     batch.validate()
     return batch

@@ -23,7 +23,7 @@ import concurrent.futures as cf
 import logging
 import pickle
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -70,12 +70,14 @@ class StepStatsLike(Protocol):
     def kl(self) -> float | None: ...
     @property
     def seconds(self) -> float: ...
+    @property
+    def off_policy(self) -> Mapping[str, float]: ...
 
 
 class TrainerLike(Protocol):
     """runtime/trainer's Trainer, as rank 0's driver calls it (tensors are torch's)."""
 
-    def step(self, batch: TrainBatch) -> StepStatsLike: ...
+    def train(self, batches: Sequence[TrainBatch]) -> Sequence[StepStatsLike]: ...
     def weight_metas(self) -> list[TensorMeta]: ...
     def named_full_weights(self) -> Iterator[tuple[str, Any]]: ...
     def save_checkpoint(self, step: int, weight_version: int, driver_state: bytes) -> Path: ...
@@ -280,7 +282,7 @@ class Driver:
         trainer_version = self.version
         step_samples = assemble(groups, self.req, trainer_version)
         batches = step_samples.train_batches(self.req)
-        stats = await self._on_trainer(lambda: [self.trainer.step(b) for b in batches])
+        stats = await self._on_trainer(lambda: self.trainer.train(batches))
         self.step += 1
         self.status.step = self.step
         self._consumed += len(step_samples.samples)
@@ -336,6 +338,8 @@ class Driver:
                 "trainSeconds": round(sum(s.seconds for s in stats), 4),
                 "syncSeconds": round(sync_seconds, 4),
                 "droppedStale": self.buffer.counters["dropped_stale"],
+                "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
+                "offPolicy": _mean_per_key([s.off_policy for s in stats]),
             }
         )
 
@@ -382,7 +386,11 @@ class Driver:
                 prompt_token_ids=c.prompt_token_ids,
                 prefix_token_ids=c.prefix_token_ids,
                 sampling=Sampling(
-                    max_tokens=c.max_tokens, temperature=sp.temperature, top_p=sp.top_p, seed=request_seed(sp.seed, s)
+                    max_tokens=c.max_tokens,
+                    temperature=sp.temperature,
+                    top_p=sp.top_p,
+                    seed=request_seed(sp.seed, s),
+                    top_k_ids=self.req.rollout_top_k,
                 ),
             )
             url = self.pool.acquire()
@@ -411,7 +419,11 @@ class Driver:
         t0 = self.clock()
         ids, prompt_len = s.score_input()
         req = ScoreRequest(
-            token_ids=ids, prompt_len=prompt_len, top_k=self.spec.algorithm.distillation.top_k, images=group.images
+            token_ids=ids,
+            prompt_len=prompt_len,
+            top_k=self.spec.algorithm.distillation.top_k,
+            images=group.images,
+            gather_ids=s.rollout_topk_ids if self.req.rollout_top_k else None,
         )
         while True:
             name, url = self.router.acquire(s.route_value)
@@ -435,3 +447,9 @@ class Driver:
     def _observe(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics["step_seconds"].labels(phase=phase).observe(seconds)
+
+
+def _mean_per_key(dicts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each key's mean over the dicts holding it (one per mini-batch of a step)."""
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in sorted(keys)}

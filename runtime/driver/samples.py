@@ -32,6 +32,8 @@ class GenerationOutput(Protocol):
     def versions(self) -> Sequence[int]: ...
     @property
     def finish_reason(self) -> str: ...
+    @property
+    def topk_ids(self) -> Sequence[Sequence[int]] | None: ...
 
 
 class ScoreOutput(Protocol):
@@ -43,6 +45,8 @@ class ScoreOutput(Protocol):
     def topk_ids(self) -> Sequence[Sequence[int]]: ...
     @property
     def topk_logprobs(self) -> Sequence[Sequence[float]]: ...
+    @property
+    def gather_logprobs(self) -> Sequence[Sequence[float]] | None: ...
 
 
 @dataclass
@@ -84,6 +88,8 @@ class Sample:
     """Rollout (behaviour-policy) log-prob of each response token."""
     versions: list[int] = field(default_factory=list)
     """Weight version that sampled each response token."""
+    rollout_topk_ids: list[list[int]] | None = None
+    """The behaviour policy's most likely ids at each response position (lossMode reverseKLTopK)."""
     finish_reason: str | None = None
     """None while generating; stop, length, or abort (interrupted, to be resumed)."""
     requests: int = 0
@@ -94,6 +100,8 @@ class Sample:
     teacher_logprobs: list[float] | None = None
     teacher_topk_ids: list[list[int]] | None = None
     teacher_topk_logprobs: list[list[float]] | None = None
+    teacher_logprobs_at_rollout_topk: list[list[float]] | None = None
+    """The teacher's log-prob of each of rollout_topk_ids, row for row (lossMode reverseKLTopK)."""
 
     @property
     def sample_id(self) -> str:
@@ -164,9 +172,18 @@ class Sample:
                 f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens "
                 f"exceed maxTokens {self.max_tokens}"
             )
+        topk = None if out.topk_ids is None else [list(map(int, row)) for row in out.topk_ids]
+        if topk is not None and len(topk) != len(ids):
+            raise ValueError(
+                f"sample {self.sample_id}: generate output has {len(topk)} top-k rows for {len(ids)} tokens"
+            )
+        if topk is None and self.rollout_topk_ids is not None and ids:
+            raise ValueError(f"sample {self.sample_id}: a continuation came back without the top-k ids its prefix has")
         self.response_ids.extend(ids)
         self.logprobs.extend(float(x) for x in lps)
         self.versions.extend(int(v) for v in vers)
+        if topk is not None:
+            self.rollout_topk_ids = (self.rollout_topk_ids or []) + topk
         reason = out.finish_reason
         # An abort that lands exactly on the budget is a finished sample: nothing is left to resume.
         if reason == "abort" and len(self.response_ids) >= self.max_tokens:
@@ -186,14 +203,24 @@ class Sample:
                 f"sample {self.sample_id}: teacher {teacher} scored {len(lps)} log-probs, {len(ids)} top-k id rows "
                 f"and {len(tlps)} top-k log-prob rows for {t} response tokens"
             )
+        gathered = None if out.gather_logprobs is None else [list(map(float, row)) for row in out.gather_logprobs]
+        if gathered is not None:
+            widths = [len(row) for row in self.rollout_topk_ids or []]
+            if [len(row) for row in gathered] != widths:
+                raise ValueError(
+                    f"sample {self.sample_id}: teacher {teacher} gathered log-prob rows do not match the "
+                    f"rollout's top-k rows ({len(gathered)} rows for {len(widths)})"
+                )
         self.teacher = teacher
         self.teacher_logprobs = [float(x) for x in lps]
         self.teacher_topk_ids = [list(map(int, row)) for row in ids]
         self.teacher_topk_logprobs = [list(map(float, row)) for row in tlps]
+        self.teacher_logprobs_at_rollout_topk = gathered
 
     def restart(self) -> None:
         """Forget the tokens generated so far (resume without partial rollouts: start over)."""
         self.response_ids, self.logprobs, self.versions = [], [], []
+        self.rollout_topk_ids = None
         self.finish_reason = None
         self.clear_scores()
 
@@ -201,6 +228,7 @@ class Sample:
         self.reward = None
         self.teacher = None
         self.teacher_logprobs = self.teacher_topk_ids = self.teacher_topk_logprobs = None
+        self.teacher_logprobs_at_rollout_topk = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

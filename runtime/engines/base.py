@@ -43,6 +43,8 @@ class InFlight:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    topk_ids: list[list[int]] | None = None
+    """The most likely ids at each generated position, when the request asked for them."""
     aborted: bool = False
     done: asyncio.Future[None] = field(kw_only=True)
     """Resolved once the request has left the engine (abort waits on it)."""
@@ -54,6 +56,7 @@ class InFlight:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             finish_reason="abort" if self.aborted else finish_reason,
+            topk_ids=[list(row) for row in self.topk_ids] if self.topk_ids is not None else None,
         )
 
 
@@ -77,6 +80,8 @@ def check_generate(req: GenerateRequest, max_model_len: int, vocab_size: int) ->
             f"prefix_token_ids already holds {len(req.prefix_token_ids)} tokens, "
             f"sampling.max_tokens is {req.sampling.max_tokens}: nothing left to generate"
         )
+    if req.sampling.top_k_ids > vocab_size:
+        raise BadRequest(f"sampling.top_k_ids ({req.sampling.top_k_ids}) exceeds the vocabulary size ({vocab_size})")
     return min(remaining, max_model_len - context)
 
 
@@ -95,6 +100,8 @@ def check_score(req: ScoreRequest, max_model_len: int, vocab_size: int) -> None:
     if req.top_k > vocab_size:
         raise BadRequest(f"top_k ({req.top_k}) exceeds the vocabulary size ({vocab_size})")
     _check_vocab(req.token_ids, vocab_size, "token_ids")
+    if req.gather_ids is not None:
+        _check_vocab([i for row in req.gather_ids for i in row], vocab_size, "gather_ids")
 
 
 def _check_vocab(ids: Sequence[int], vocab_size: int, field_name: str) -> None:

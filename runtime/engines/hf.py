@@ -59,6 +59,7 @@ class _Request:
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     finished: asyncio.Future[FinishReason]
+    top_k_ids: int = 0
     reason: FinishReason | Literal["error"] | None = None  # set when it leaves the batch
 
     def finish(self, reason: FinishReason) -> None:
@@ -82,6 +83,7 @@ class _Score:
 class _StepResult:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[list[int] | None] = field(default_factory=list)
     scores: list[ScoreResponse | Exception] = field(default_factory=list)
 
 
@@ -233,11 +235,15 @@ class HFEngine(Engine):
                         s.done.set_exception(e)
                 continue
             self._rows = active + joiners
-            for r, token, logprob in zip(self._rows, result.tokens, result.logprobs):
+            for r, token, logprob, topk in zip(self._rows, result.tokens, result.logprobs, result.topk_ids):
                 st = r.state
                 st.token_ids.append(token)
                 st.logprobs.append(logprob)
                 st.versions.append(version)
+                if topk is not None:
+                    if st.topk_ids is None:
+                        st.topk_ids = []
+                    st.topk_ids.append(topk)
                 if token in r.stop_ids:
                     r.finish("stop")
                 elif len(st.token_ids) >= r.max_new:
@@ -304,7 +310,9 @@ class HFEngine(Engine):
                 tokens = sample_rows(all_logits, rows)
                 result.tokens = tokens.tolist()
                 tokens = tokens.to(all_logits.device)
-                result.logprobs = torch.log_softmax(all_logits, -1).gather(1, tokens[:, None])[:, 0].tolist()
+                all_lp = torch.log_softmax(all_logits, -1)
+                result.logprobs = all_lp.gather(1, tokens[:, None])[:, 0].tolist()
+                result.topk_ids = top_k_rows(all_lp, [r.top_k_ids for r in rows])
                 if self._batch is not None:
                     self._batch.last = tokens[: self._batch.rows]
                 if joined is not None:
@@ -326,6 +334,7 @@ class HFEngine(Engine):
             generator=torch.Generator().manual_seed(s.seed) if s.seed is not None else None,
             stop_ids=frozenset() if s.ignore_eos else self._eos,
             finished=asyncio.get_running_loop().create_future(),
+            top_k_ids=s.top_k_ids,
         )
         self._queue.append(r)
         self._wake.set()
@@ -497,7 +506,28 @@ def _score_response(req: ScoreRequest, lp: torch.Tensor) -> ScoreResponse:
     targets = torch.tensor(req.token_ids[req.prompt_len :], dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, targets[:, None])[:, 0]
     top = lp.topk(req.top_k, dim=-1)
-    return ScoreResponse(logprobs=chosen.tolist(), topk_ids=top.indices.tolist(), topk_logprobs=top.values.tolist())
+    gathered = None
+    if req.gather_ids is not None:
+        gathered = [lp[t, _ids(row, lp.device)].tolist() for t, row in enumerate(req.gather_ids)]
+    return ScoreResponse(
+        logprobs=chosen.tolist(),
+        topk_ids=top.indices.tolist(),
+        topk_logprobs=top.values.tolist(),
+        gather_logprobs=gathered,
+    )
+
+
+def _ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def top_k_rows(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[int] | None]:
+    """Each row's `ks[i]` most likely ids, best first (None where 0: the request asked for none)."""
+    widest = max(ks, default=0)
+    if widest == 0:
+        return [None] * len(ks)
+    top = logprobs.topk(widest, dim=-1).indices.tolist()
+    return [row[:k] if k else None for row, k in zip(top, ks)]
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:

@@ -81,7 +81,7 @@ def _load(args: argparse.Namespace) -> tuple[JobConfig, Identity, int]:
 def _run_server(args: argparse.Namespace) -> int:
     config, identity, port = _load(args)
     spec = config.spec
-    from kubedistill.runtime.engines.factory import make_engine
+    from kubedistill.runtime.engines.factory import make_engine, rollout_max_logprobs, teacher_max_logprobs
     from kubedistill.runtime.servers.http import serve
 
     threads = None
@@ -91,14 +91,14 @@ def _run_server(args: argparse.Namespace) -> int:
         if identity.replica >= spec.rollout.replicas:
             raise ValueError(f"--replica {identity.replica}: the job has {spec.rollout.replicas} rollout replicas")
         threads = spec.rollout.overrides.cpu_threads
-        engine = make_engine(spec, spec.student, spec.rollout.inference)
+        engine = make_engine(spec, spec.student, spec.rollout.inference, max_logprobs=rollout_max_logprobs(spec))
         app = build_rollout_app(config, identity, engine)
     else:
         from kubedistill.runtime.servers.teacher import build_teacher_app, find_teacher
 
         teacher = find_teacher(config, identity.teacher)
         threads = teacher.overrides.cpu_threads
-        engine = make_engine(spec, teacher, teacher.inference, max_logprobs=spec.algorithm.distillation.top_k)
+        engine = make_engine(spec, teacher, teacher.inference, max_logprobs=teacher_max_logprobs(spec))
         app = build_teacher_app(config, identity, teacher, engine)
     if threads:
         import torch

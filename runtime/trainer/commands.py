@@ -19,6 +19,7 @@ class Command(str, Enum):
     """A collective call of rank 0, named after the Trainer method that makes it."""
 
     step = "step"
+    recompute_proximal = "recompute_proximal"
     named_full_weights = "named_full_weights"
     save_checkpoint = "save_checkpoint"
     resume = "resume"

@@ -81,6 +81,11 @@ class Ranks:
         if self.world > 1:
             dist.all_reduce(tensor, group=self._ctrl)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Element-wise maximum of a CPU tensor over the ranks, in place."""
+        if self.world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._ctrl)
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self._ctrl)

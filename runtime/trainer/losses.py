@@ -11,12 +11,13 @@ Notation per response token t: ``s`` = log pi_student(y_t) (with grad), ``mu`` =
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
-from kubedistill.api.spec import AlgorithmSpec, LossMode
+from kubedistill.api.spec import AlgorithmSpec, ImportanceLevel, ImportanceMode, LossMode
 
 Aggregation = Literal["tokenMean", "seqMeanTokenMean"]
 
@@ -78,9 +79,63 @@ def forward_kl_top_k(
     return terms.sum(dim=-1).clamp_min(0.0)
 
 
-def distillation_advantages(distill_loss: torch.Tensor, loss_max_clamp: float) -> torch.Tensor:
-    """Per-token advantage a_t = -clamp(loss_t, ±loss_max_clamp), detached (a reward, not a loss)."""
-    return -distill_loss.detach().clamp(-loss_max_clamp, loss_max_clamp)
+def reverse_kl_top_k(
+    student_topk_logprobs: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    *,
+    renormalize: bool = False,
+    log_prob_min_clamp: float = -10.0,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_{v in K_t} q(v) (log q(v) - T_t(v)) over the **student's** top-k ids K_t, ``[N, k] -> [N]``.
+
+    The exact reverse KL(student || teacher) at each position of the student's own sample,
+    restricted to where the student puts its mass: no sampled token enters the value, so the
+    gradient through q and log q has none of the per-token sampling noise of k1 + policy gradient.
+    ``student_topk_logprobs`` are the student's full-vocabulary log-probs at K_t (with grad);
+    ``teacher_topk_logprobs`` the teacher's at the same ids, clamped below at
+    ``log_prob_min_clamp`` (a token the teacher all but forbids would give an unbounded term).
+    With ``renormalize`` both sides are renormalised over K_t: a true KL between distributions on
+    K_t, never negative. Without it the tail outside K_t is left out, and a position whose teacher
+    holds more of K_t's mass than the student can give a slightly negative value; it is not
+    clamped, so its gradient stays. ``valid`` (bool ``[N, k]``) excludes padded slots.
+    """
+    s = student_topk_logprobs
+    t = teacher_topk_logprobs.clamp_min(log_prob_min_clamp)
+    if valid is not None:
+        neg_inf = torch.finfo(s.dtype).min
+        s = s.masked_fill(~valid, neg_inf)
+        t = t.masked_fill(~valid, neg_inf) if renormalize else t
+    if renormalize:
+        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
+    terms = torch.exp(s) * (s - t)
+    if valid is not None:
+        terms = terms.masked_fill(~valid, 0.0)
+    return terms.sum(dim=-1)
+
+
+def distillation_advantages(distill_loss: torch.Tensor, loss_max_clamp: float, baseline: float = 0.0) -> torch.Tensor:
+    """Per-token advantage a_t = -(clamp(loss_t, ±loss_max_clamp) - b), detached (a reward, not a loss).
+
+    b is a constant over the batch (:func:`batch_baseline`): any b that does not depend on the
+    sampled token leaves the gradient's expectation unchanged and can only lower its variance.
+    """
+    return -(distill_loss.detach().clamp(-loss_max_clamp, loss_max_clamp) - baseline)
+
+
+def batch_baseline(
+    loss_mode: LossMode, behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, loss_max_clamp: float
+) -> float:
+    """The batch's mean per-token distillation term at the rollout's log-probs, b = mean_t clamp(D(mu_t, T_t)).
+
+    Known before the step (no forward pass), identical on every rank and micro-batch, and close
+    to the mean of the terms the step computes: centring the advantages on it stops a
+    policy-gradient step from pushing every sampled token down (k1 and k3 terms are mostly
+    positive), which hands their probability to tokens nobody sampled.
+    """
+    d = (k1 if loss_mode is LossMode.k1 else k3)(behaviour_logprobs, teacher_logprobs)
+    return float(d.clamp(-loss_max_clamp, loss_max_clamp).mean()) if d.numel() else 0.0
 
 
 def grpo_advantages(
@@ -102,31 +157,63 @@ def grpo_advantages(
     return out.to(torch.float32)
 
 
+def importance_weights(
+    log_ratio: torch.Tensor,
+    *,
+    level: ImportanceLevel = ImportanceLevel.token,
+    mode: ImportanceMode = ImportanceMode.truncate,
+    low: float = 0.0,
+    high: float = 2.0,
+    segments: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights w = pi_prox / mu of the behaviour policy's tokens, and which were cut.
+
+    `log_ratio` is log pi_prox - mu per token (detached). At ``sequence`` level every token of a
+    sample gets the sample's ratio exp(sum of its log ratios); `segments` ([N], sample index per
+    token) says which tokens form a sample. ``truncate`` (TIS) caps w at `high`; ``mask`` (MIS)
+    gives weight 0 to tokens (or whole samples) whose w lies outside [`low`, `high`], and keeps
+    the others at their ratio. Returns (weights, cut), cut being a bool ``[N]`` of the tokens
+    truncated or masked.
+    """
+    log_ratio = log_ratio.detach()
+    if level is ImportanceLevel.sequence:
+        if segments is None:
+            raise ValueError("sequence-level importance weights need each token's sample (segments)")
+        per_sample = torch.zeros(int(segments.max()) + 1 if segments.numel() else 0, dtype=log_ratio.dtype)
+        per_sample = per_sample.to(log_ratio.device).index_add_(0, segments, log_ratio)
+        log_ratio = per_sample[segments]
+    # exp of a clamped log ratio: a sample whose ratio overflows is cut either way.
+    w = torch.exp(log_ratio.clamp(max=math.log(high) + 1.0))
+    if mode is ImportanceMode.truncate:
+        return w.clamp(max=high), w > high
+    cut = (w < low) | (w > high)
+    return w.masked_fill(cut, 0.0), cut
+
+
 def ppo_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor,
+    importance_weight: torch.Tensor,
     *,
     clip_ratio: float = 0.2,
-    importance_weight_cap: float = 2.0,
 ) -> torch.Tensor:
-    """Decoupled PPO clipped surrogate with a truncated importance weight (per token).
+    """Decoupled PPO clipped surrogate (per token).
 
-    r = exp(s - s_old) is the ratio to the proximal policy (the trainer's weights at the start of
-    the step) and is clipped to [1 - eps, 1 + eps]; w = min(exp(s_old - mu), C) (detached) corrects
-    for the rollout's behaviour policy mu being older than the trainer (stale samples):
+    r = exp(s - s_prox) is the ratio to the proximal policy (the trainer's weights at the start of
+    the step) and is clipped to [1 - eps, 1 + eps]; `importance_weight` w (detached, see
+    :func:`importance_weights`) corrects for the rollout's behaviour policy mu differing from the
+    proximal one (stale samples, engine numerics):
 
         loss_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps, 1 + eps))
 
-    With one optimiser step per batch s_old = s.detach(), so r = 1 and the gradient is
-    -w_t A_t grad s_t: the truncated importance-sampled policy gradient.
+    With one optimiser step per batch s_prox = s.detach(), so r = 1 and the gradient is
+    -w_t A_t grad s_t: the importance-sampled policy gradient.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp(logprobs - proximal_logprobs)
     clipped = ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
     surrogate = torch.maximum(-advantages * ratio, -advantages * clipped)
-    weight = torch.exp(old_logprobs.detach() - behaviour_logprobs).clamp(max=importance_weight_cap)
-    return weight * surrogate
+    return importance_weight.detach() * surrogate
 
 
 def token_weights(lengths: Sequence[int], mode: Aggregation) -> torch.Tensor:
@@ -170,8 +257,14 @@ def per_token_losses(
     topk_valid: torch.Tensor | None = None,
     task_advantages: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+    advantage_baseline: float = 0.0,
 ) -> dict[str, torch.Tensor]:
-    """The configured loss per response token: ``{"distill", "pg", "total"}`` (each ``[N]``).
+    """The configured loss per response token: ``{"distill", "pg", "total"}`` (each ``[N]``), plus
+    what the step reports about it: ``log_ratio`` = s_old - mu (the log importance weight before
+    correction), ``is_weight`` and ``is_cut`` (the importance weights applied and the tokens
+    truncated or masked, see :func:`importance_weights`) and ``advantage`` (the distillation
+    advantage of a policy-gradient loss, else 0). `segments` ([N]) numbers each token's sample.
 
     * distill: the per-token distillation term, clamped to ±lossMaxClamp. As a direct loss
       (usePolicyGradient false) it is the training signal; with usePolicyGradient it becomes the
@@ -181,14 +274,20 @@ def per_token_losses(
     """
     d = algorithm.distillation
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    ppo = dict(clip_ratio=algorithm.clip_ratio, importance_weight_cap=algorithm.importance_weight_cap)
+    log_ratio = (old - behaviour_logprobs).detach()
+    imp = algorithm.off_policy.importance
+    is_weight, is_cut = importance_weights(
+        log_ratio, level=imp.level, mode=imp.mode, low=imp.low, high=imp.high, segments=segments
+    )
     zero = torch.zeros_like(logprobs)
     distill = zero
+    advantage = zero
     if d.enabled:
-        if d.loss_mode is LossMode.forward_kl_top_k:
+        if d.loss_mode in (LossMode.forward_kl_top_k, LossMode.reverse_kl_top_k):
             if student_topk_logprobs is None or teacher_topk_logprobs is None:
-                raise ValueError("lossMode forwardKLTopK needs teacher top-k ids and log-probs in the batch")
-            raw = forward_kl_top_k(
+                raise ValueError(f"lossMode {d.loss_mode.value} needs top-k ids and teacher log-probs in the batch")
+            top_k_loss = forward_kl_top_k if d.loss_mode is LossMode.forward_kl_top_k else reverse_kl_top_k
+            raw = top_k_loss(
                 student_topk_logprobs,
                 teacher_topk_logprobs,
                 renormalize=d.renormalize,
@@ -203,14 +302,22 @@ def per_token_losses(
             raw = (k1 if d.loss_mode is LossMode.k1 else k3)(logprobs, teacher_logprobs)
         clamped = raw.clamp(-d.loss_max_clamp, d.loss_max_clamp)
         if d.use_policy_gradient:
-            adv = distillation_advantages(raw, d.loss_max_clamp)
-            distill = ppo_loss(logprobs, old, behaviour_logprobs, adv, **ppo)
+            advantage = distillation_advantages(raw, d.loss_max_clamp, advantage_baseline)
+            distill = ppo_loss(logprobs, old, advantage, is_weight, clip_ratio=algorithm.clip_ratio)
         else:
             distill = clamped
     pg = zero
     if d.use_task_rewards:
         if task_advantages is None:
             raise ValueError("useTaskRewards needs task advantages (rewards and group ids in the batch)")
-        pg = ppo_loss(logprobs, old, behaviour_logprobs, task_advantages, **ppo)
+        pg = ppo_loss(logprobs, old, task_advantages, is_weight, clip_ratio=algorithm.clip_ratio)
     coef = d.coef if d.use_task_rewards else 1.0
-    return {"distill": distill, "pg": pg, "total": pg + coef * distill}
+    return {
+        "distill": distill,
+        "pg": pg,
+        "total": pg + coef * distill,
+        "log_ratio": log_ratio,
+        "is_weight": is_weight,
+        "is_cut": is_cut,
+        "advantage": advantage,
+    }

@@ -91,6 +91,8 @@ class MicroBatch:
     topk_logprobs: torch.Tensor | None = None  # [N, k]
     topk_valid: torch.Tensor | None = None  # [N, k]
     task_advantages: torch.Tensor | None = None  # [N]
+    lags: torch.Tensor | None = None  # [N] versions each token's sample lags the trainer (-1: unknown)
+    segments: torch.Tensor | None = None  # [N] which sample of the micro-batch each token belongs to (0, 1, ...)
     real_tokens: int = 0  # prompt + response tokens (no padding), 0 for a filler
     position_ids: torch.Tensor | None = None  # [rows, L] when rows hold packed samples
 
@@ -116,8 +118,8 @@ def collate(
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     packed = any(len(row) > 1 for row in rows)
     positions = torch.zeros((len(rows), width), dtype=torch.long) if packed else None
-    gather, targets, mu, w, teacher, adv = [], [], [], [], [], []
-    teacher_topk = _teacher_topk(batch)
+    gather, targets, mu, w, teacher, adv, lags, segments = [], [], [], [], [], [], [], []
+    scored_topk = batch.top_k_scores()
     topk_rows: list[list[int]] = []
     topk_lp_rows: list[list[float]] = []
     real = 0
@@ -134,13 +136,16 @@ def collate(
             gather.append(torch.arange(p - 1, n - 1) + r * width + offset)
             targets.extend(tokens[p:])
             mu.extend(batch.rollout_logprobs[i])
+            lag = batch.lag(i)
+            lags.extend([-1 if lag is None else lag] * (n - p))
+            segments.extend([len(gather) - 1] * (n - p))
             w.append(torch.zeros(n - p) if filler else token_weight[i])
             if batch.teacher_logprobs is not None:
                 teacher.extend(batch.teacher_logprobs[i])
             if sample_advantages is not None:
                 adv.append(sample_advantages[i].expand(n - p))
-            if teacher_topk is not None:
-                topk_ids, topk_logprobs = teacher_topk
+            if scored_topk is not None:
+                topk_ids, topk_logprobs = scored_topk
                 topk_rows.extend(topk_ids[i])
                 topk_lp_rows.extend(topk_logprobs[i])
             offset += n
@@ -158,9 +163,11 @@ def collate(
         weights=torch.cat(w).to(torch.float32),
         teacher_logprobs=torch.tensor(teacher, dtype=torch.float32) if batch.teacher_logprobs is not None else None,
         task_advantages=torch.cat(adv).to(torch.float32) if sample_advantages is not None else None,
+        lags=torch.tensor(lags, dtype=torch.long),
+        segments=torch.tensor(segments, dtype=torch.long),
         real_tokens=0 if filler else real,
     )
-    if teacher_topk is not None:
+    if scored_topk is not None:
         k = max(len(r) for r in topk_rows)
         n_tok = len(topk_rows)
         tid = torch.zeros((n_tok, k), dtype=torch.long)
@@ -174,12 +181,3 @@ def collate(
             valid = None  # the common case: every row has k entries; skip masking work
         mb.topk_ids, mb.topk_logprobs, mb.topk_valid = tid, tlp, valid
     return mb
-
-
-def _teacher_topk(batch: TrainBatch) -> tuple[list[list[list[int]]], list[list[list[float]]]] | None:
-    """The teacher's top-k ids and log-probs of `batch`, or None when it has none."""
-    if batch.teacher_topk_ids is None:
-        return None
-    if batch.teacher_topk_logprobs is None:
-        raise ValueError("TrainBatch.teacher_topk_ids and teacher_topk_logprobs must be given together")
-    return batch.teacher_topk_ids, batch.teacher_topk_logprobs

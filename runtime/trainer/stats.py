@@ -4,7 +4,7 @@ ranks into :class:`StepStats`, and the trainer's Prometheus metrics of it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +35,8 @@ class StepStats:
     (None when the batch has no teacher log-probs of the sampled tokens)."""
     seconds: float
     tokens_per_second: float
+    off_policy: dict[str, float] = field(default_factory=dict)
+    """How far the samples are from the policy trained (camelCase keys, see :meth:`StepSums.off_policy`)."""
 
 
 @dataclass
@@ -57,6 +59,22 @@ class StepSums:
     tokens: float = 0.0
     """Prompt + response tokens forwarded (no padding)."""
     response_tokens: float = 0.0
+    # Off-policy diagnostics. Lag 0 = sampled by the very weights the trainer holds, where the
+    # trainer's log-prob minus the engine's (s - mu) measures engine numerics alone.
+    lag0_tokens: float = 0.0
+    lag0_diff_sum: float = 0.0
+    lag0_abs_diff_sum: float = 0.0
+    lag0_abs_diff_max: float = field(default=0.0, metadata={"reduce": "max"})
+    stale_tokens: float = 0.0
+    """Tokens of samples lagging the trainer by one or more weight versions."""
+    stale_diff_sum: float = 0.0
+    is_weight_sum: float = 0.0
+    """Importance weights applied (after truncation or masking)."""
+    is_weight_max: float = field(default=0.0, metadata={"reduce": "max"})
+    is_cut_tokens: float = 0.0
+    """Tokens whose importance weight was truncated or masked."""
+    advantage_sum: float = 0.0
+    advantage_sq_sum: float = 0.0
 
     def add(
         self, mb: MicroBatch, losses: Mapping[str, torch.Tensor], logprobs: torch.Tensor, world: int, filler: bool
@@ -74,12 +92,66 @@ class StepSums:
                 self.kl_tokens += logprobs.numel()
             self.tokens += mb.real_tokens
             self.response_tokens += logprobs.numel()
+            self._add_off_policy(mb, losses, logprobs)
 
-    def all_reduce(self, sum_over_ranks: Callable[[torch.Tensor], None]) -> StepSums:
-        """The sums over every rank; `sum_over_ranks` sums a float64 tensor over ranks in place."""
-        packed = torch.tensor(astuple(self), dtype=torch.float64)
-        sum_over_ranks(packed)
-        return StepSums(*packed.tolist())
+    def _add_off_policy(self, mb: MicroBatch, losses: Mapping[str, torch.Tensor], logprobs: torch.Tensor) -> None:
+        diff = logprobs.detach().double() - mb.behaviour_logprobs.double()
+        if mb.lags is not None:
+            lag0, stale = mb.lags == 0, mb.lags > 0
+            if bool(lag0.any()):
+                d0 = diff[lag0]
+                self.lag0_tokens += d0.numel()
+                self.lag0_diff_sum += float(d0.sum())
+                self.lag0_abs_diff_sum += float(d0.abs().sum())
+                self.lag0_abs_diff_max = max(self.lag0_abs_diff_max, float(d0.abs().max()))
+            self.stale_tokens += int(stale.sum())
+            self.stale_diff_sum += float(diff[stale].sum())
+        if "is_weight" in losses and logprobs.numel():
+            w = losses["is_weight"].double()
+            self.is_weight_sum += float(w.sum())
+            self.is_weight_max = max(self.is_weight_max, float(w.max()))
+            self.is_cut_tokens += int(losses["is_cut"].sum())
+        if "advantage" in losses:
+            a = losses["advantage"].double()
+            self.advantage_sum += float(a.sum())
+            self.advantage_sq_sum += float((a * a).sum())
+
+    def all_reduce(
+        self,
+        sum_over_ranks: Callable[[torch.Tensor], None],
+        max_over_ranks: Callable[[torch.Tensor], None] | None = None,
+    ) -> StepSums:
+        """The totals over every rank: `sum_over_ranks` sums a float64 tensor over ranks in place,
+        `max_over_ranks` takes the element-wise maximum (the fields marked reduce=max)."""
+        summed = [f.name for f in fields(self) if f.metadata.get("reduce") != "max"]
+        maxed = [f.name for f in fields(self) if f.metadata.get("reduce") == "max"]
+        sums = torch.tensor([getattr(self, n) for n in summed], dtype=torch.float64)
+        maxima = torch.tensor([getattr(self, n) for n in maxed], dtype=torch.float64)
+        sum_over_ranks(sums)
+        if max_over_ranks is not None:
+            max_over_ranks(maxima)
+        return StepSums(**dict(zip(summed, sums.tolist())), **dict(zip(maxed, maxima.tolist())))
+
+    def off_policy(self) -> dict[str, float]:
+        """The step's off-policy diagnostics (docs/learning.md explains each), for the history."""
+        out: dict[str, float] = {}
+        if self.lag0_tokens:
+            out["lag0Tokens"] = self.lag0_tokens
+            out["logprobDiffLag0Mean"] = self.lag0_diff_sum / self.lag0_tokens
+            out["logprobDiffLag0AbsMean"] = self.lag0_abs_diff_sum / self.lag0_tokens
+            out["logprobDiffLag0AbsMax"] = self.lag0_abs_diff_max
+        if self.stale_tokens:
+            out["staleTokens"] = self.stale_tokens
+            out["logprobDiffStaleMean"] = self.stale_diff_sum / self.stale_tokens
+        if self.response_tokens:
+            n = self.response_tokens
+            mean = self.advantage_sum / n
+            out["isWeightMean"] = self.is_weight_sum / n
+            out["isWeightMax"] = self.is_weight_max
+            out["isCutFraction"] = self.is_cut_tokens / n
+            out["advantageMean"] = mean
+            out["advantageStd"] = max(self.advantage_sq_sum / n - mean * mean, 0.0) ** 0.5
+        return out
 
     @property
     def kl(self) -> float | None:

@@ -40,23 +40,28 @@ than the batch's longest sample, with position ids restarting per sample, so a s
 real tokens rather than padding (long-tailed response lengths waste most of a padded batch); a
 start-up check falls back to padded rows for a model whose attention ignores such packing.
 
-One optimiser step per ``step(batch)``: the driver calls it once per mini-batch.
+One optimiser step per ``step(batch)``. The driver calls ``train(batches)`` with a step's
+mini-batches: with ``algorithm.offPolicy.proximal: recompute`` and more than one mini-batch it
+first computes every sample's log-prob under the weights at the start of the step (the proximal
+policy of decoupled PPO), so later mini-batches clip against those rather than against weights
+earlier mini-batches already moved. With one mini-batch the two are the same weights, and the
+pass is skipped.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kubedistill.api.spec import DistillationJobSpec, LossMode
+from kubedistill.api.spec import AdvantageBaseline, AlgorithmSpec, DistillationJobSpec, LossMode, ProximalPolicy
 from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handler
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
-from kubedistill.runtime.trainer.microbatch import collate, micro_batches, shard_samples
+from kubedistill.runtime.trainer.microbatch import MicroBatch, collate, micro_batches, shard_samples
 from kubedistill.runtime.trainer.model import full_weights, load_student, pad_token_id, use_packing, weight_metas
 from kubedistill.runtime.trainer.schedule import lr_factor
 from kubedistill.runtime.trainer.state import Resumed, TrainerState
@@ -98,6 +103,9 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, o, spec.trainer.total_steps)
         )
         self.step_count = 0
+        # The proximal log-probs of the current step's mini-batches still to train, per sample of
+        # this rank's share (recompute_proximal fills it, _step consumes one entry per call).
+        self._proximal: list[dict[int, torch.Tensor]] = []
         self.state = TrainerState(spec, self.ranks, self.model, self.optimizer, self.scheduler, self.model_path)
 
     @property
@@ -121,6 +129,7 @@ class Trainer:
     def _follower_handlers(self) -> Mapping[Command, Handler]:
         return {
             Command.step: self._step,
+            Command.recompute_proximal: self._recompute_proximal,
             Command.named_full_weights: lambda _: _exhaust(full_weights(self.model)),
             Command.save_checkpoint: lambda _: self.state.join_save(),
             Command.resume: lambda _: self._join_resume(),
@@ -134,6 +143,53 @@ class Trainer:
         self.ranks.close()
 
     # ---- train step ----------------------------------------------------------------------------
+
+    def train(self, batches: Sequence[TrainBatch]) -> list[StepStats]:
+        """One optimiser step per mini-batch of a driver step, after the proximal pass when the
+        spec asks for it (rank 0; the followers join)."""
+        if needs_proximal_pass(self.spec.algorithm, len(batches)):
+            for b in batches:
+                b.validate()
+            self.commands.broadcast(Command.recompute_proximal, list(batches))
+            self._recompute_proximal(batches)
+        return [self.step(b) for b in batches]
+
+    def _recompute_proximal(self, batches: Sequence[TrainBatch]) -> None:
+        self._proximal = []
+        self.model.eval()
+        with torch.no_grad():
+            for batch in batches:
+                mine: dict[int, torch.Tensor] = {}
+                for rows, mb, filler in self._micro_batches(batch):
+                    logprobs, _ = self.model(mb.input_ids, mb.gather_index, mb.targets, None, mb.position_ids)
+                    if filler:
+                        continue
+                    lens = [batch.response_len(i) for row in rows for i in row]
+                    for i, part in zip((i for row in rows for i in row), torch.split(logprobs.float(), lens)):
+                        mine[i] = part.cpu()
+                self._proximal.append(mine)
+
+    def _micro_batches(
+        self,
+        batch: TrainBatch,
+        per_sample_w: list[torch.Tensor] | None = None,
+        advantages: torch.Tensor | None = None,
+    ) -> Iterator[tuple[list[list[int]], MicroBatch, bool]]:
+        """This rank's micro-batches of `batch` as (rows, tensors on the device, filler): every
+        rank yields the same number, fillers (zero weights) keeping FSDP's collectives matched."""
+        lengths = [len(t) for t in batch.token_ids]
+        if per_sample_w is None:
+            per_sample_w = [torch.zeros(batch.response_len(i)) for i in range(len(batch))]
+        shards = shard_samples(lengths, self.world)
+        plans = [micro_batches(s, lengths, self.spec.trainer.micro_batch_tokens, pack=self.pack) for s in shards]
+        n_micro = max(len(p) for p in plans)
+        mine = plans[self.rank]
+        for j in range(n_micro):
+            filler = j >= len(mine)
+            rows = mine[j] if not filler else (mine[-1] if mine else [[0]])
+            mb = collate(batch, rows, per_sample_w, advantages, self.pad_id, filler=filler)
+            self.model.set_requires_gradient_sync(j == n_micro - 1)
+            yield rows, mb.to(self.device), filler
 
     def step(self, batch: TrainBatch) -> StepStats:
         """One optimiser step on `batch` (rank 0; the followers join). Returns global stats."""
@@ -149,6 +205,11 @@ class Trainer:
             raise ValueError(
                 "TrainBatch.teacher_topk_ids: lossMode forwardKLTopK needs teacher top-k ids and log-probs"
             )
+        if d.enabled and d.loss_mode is LossMode.reverse_kl_top_k and batch.rollout_topk_ids is None:
+            raise ValueError(
+                "TrainBatch.rollout_topk_ids: lossMode reverseKLTopK needs the rollout's top-k ids and the "
+                "teacher's log-probs at them"
+            )
         if d.enabled and d.loss_mode in (LossMode.k1, LossMode.k3) and batch.teacher_logprobs is None:
             raise ValueError(f"TrainBatch.teacher_logprobs: lossMode {d.loss_mode.value} needs teacher log-probs")
         if d.use_task_rewards and batch.rewards is None:
@@ -162,23 +223,19 @@ class Trainer:
         algo = spec.algorithm
         n = len(batch)
         resp_lens = [batch.response_len(i) for i in range(n)]
-        lengths = [len(t) for t in batch.token_ids]
         weights = L.token_weights(resp_lens, algo.loss_aggregation.value) * self.world
         per_sample_w = list(torch.split(weights, resp_lens))
         advantages = _task_advantages(batch) if algo.distillation.use_task_rewards else None
+        baseline = _distillation_baseline(batch, algo)
 
-        shards = shard_samples(lengths, self.world)
-        plans = [micro_batches(s, lengths, spec.trainer.micro_batch_tokens, pack=self.pack) for s in shards]
-        n_micro = max(len(p) for p in plans)
-        mine = plans[self.rank]
+        proximal = self._proximal.pop(0) if self._proximal else None
         sums = StepSums()
         self.model.train()
-        for j in range(n_micro):
-            filler = j >= len(mine)
-            rows = mine[j] if not filler else (mine[-1] if mine else [[0]])
-            mb = collate(batch, rows, per_sample_w, advantages, self.pad_id, filler=filler).to(self.device)
-            self.model.set_requires_gradient_sync(j == n_micro - 1)
+        for rows, mb, filler in self._micro_batches(batch, per_sample_w, advantages):
             logprobs, topk_lp = self.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids, mb.position_ids)
+            old = None
+            if proximal is not None and not filler:
+                old = torch.cat([proximal[i] for row in rows for i in row]).to(logprobs.device, logprobs.dtype)
             losses = L.per_token_losses(
                 algo,
                 logprobs=logprobs,
@@ -188,6 +245,9 @@ class Trainer:
                 teacher_topk_logprobs=mb.topk_logprobs,
                 topk_valid=mb.topk_valid,
                 task_advantages=mb.task_advantages,
+                old_logprobs=old,
+                segments=mb.segments,
+                advantage_baseline=baseline,
             )
             (losses["total"] * mb.weights).sum().backward()
             sums.add(mb, losses, logprobs, self.world, filler)
@@ -199,7 +259,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        total = sums.all_reduce(self.ranks.all_reduce_sum)
+        total = sums.all_reduce(self.ranks.all_reduce_sum, self.ranks.all_reduce_max)
         seconds = time.perf_counter() - start
         tokens = int(total.tokens)
         stats = StepStats(
@@ -215,6 +275,7 @@ class Trainer:
             kl=total.kl,
             seconds=seconds,
             tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+            off_policy=total.off_policy(),
         )
         if self.metrics is not None:
             record_step(self.metrics, stats)
@@ -269,6 +330,28 @@ def _task_advantages(batch: TrainBatch) -> torch.Tensor:
     if batch.rewards is None or batch.group_ids is None:
         raise ValueError("TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
     return L.grpo_advantages(torch.tensor(batch.rewards, dtype=torch.float32), batch.group_ids)
+
+
+def needs_proximal_pass(algo: AlgorithmSpec, mini_batches: int) -> bool:
+    """Whether a step must compute its proximal log-probs before training: a policy-gradient term
+    is in the loss, the spec asks for recompute, and more than one optimiser step follows (with
+    one, the proximal weights are the weights of the only update)."""
+    d = algo.distillation
+    pg = d.use_task_rewards or (d.enabled and d.use_policy_gradient)
+    return pg and algo.off_policy.proximal is ProximalPolicy.recompute and mini_batches > 1
+
+
+def _distillation_baseline(batch: TrainBatch, algo: AlgorithmSpec) -> float:
+    """The constant subtracted from every per-token distillation advantage of this batch (0 unless
+    a k1/k3 policy-gradient loss asks for a batch-mean baseline)."""
+    d = algo.distillation
+    if not (d.enabled and d.use_policy_gradient and d.loss_mode in (LossMode.k1, LossMode.k3)):
+        return 0.0
+    if d.advantage_baseline is not AdvantageBaseline.batch_mean or batch.teacher_logprobs is None:
+        return 0.0
+    mu = torch.tensor([x for row in batch.rollout_logprobs for x in row], dtype=torch.float64)
+    teacher = torch.tensor([x for row in batch.teacher_logprobs for x in row], dtype=torch.float64)
+    return L.batch_baseline(d.loss_mode, mu, teacher, d.loss_max_clamp)
 
 
 def _exhaust(weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kubedistill.runtime.wire.dtypes import dtype_size
 
@@ -34,6 +34,9 @@ class Sampling(WireRequest):
     """Per-request seed; torch's generators take at most 64 bits."""
     ignore_eos: bool = False
     """Keep generating past EOS until max_tokens (benchmarks with fixed response lengths)."""
+    top_k_ids: Annotated[int, Field(ge=0, le=256)] = 0
+    """Also return the ids of the k most likely tokens at each generated position, best first
+    (the behaviour policy's top-k; lossMode reverseKLTopK has the teacher score them). 0: none."""
 
 
 class GenerateRequest(WireRequest):
@@ -56,6 +59,8 @@ class GenerateResponse(Wire):
     versions: list[int]
     """Weight version that produced each token in token_ids."""
     finish_reason: FinishReason
+    topk_ids: list[list[int]] | None = None
+    """With sampling.top_k_ids = k: the k most likely ids at each position of token_ids, best first."""
 
 
 class AbortRequest(WireRequest):
@@ -149,6 +154,21 @@ class ScoreRequest(WireRequest):
     top_k: Annotated[int, Field(ge=1, le=256)] = 32
     images: list[str] | None = None
     """Base64-encoded images of the sample (vision teachers; passed to vLLM as multi-modal data)."""
+    gather_ids: list[list[TokenId]] | None = None
+    """Ids whose teacher log-probs to return at each response position (one row per response
+    token, at most 256 ids each): the student's top-k for lossMode reverseKLTopK."""
+
+    @model_validator(mode="after")
+    def _gather_rows_match_the_response(self) -> ScoreRequest:
+        if self.gather_ids is not None:
+            response = len(self.token_ids) - self.prompt_len
+            if len(self.gather_ids) != response:
+                raise ValueError(
+                    f"gather_ids: {len(self.gather_ids)} rows, expected one per response token ({response})"
+                )
+            if any(not 1 <= len(row) <= 256 for row in self.gather_ids):
+                raise ValueError("gather_ids: every row holds 1 to 256 ids")
+        return self
 
 
 class ScoreResponse(Wire):
@@ -157,6 +177,8 @@ class ScoreResponse(Wire):
     topk_ids: list[list[int]]
     """Teacher top-k token ids at each response position, best first."""
     topk_logprobs: list[list[float]]
+    gather_logprobs: list[list[float]] | None = None
+    """The teacher's log-prob of each of the request's gather_ids, row for row."""
 
 
 class ErrorResponse(Wire):
