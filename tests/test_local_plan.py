@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from k8s_offline import read_manifest
@@ -109,3 +110,45 @@ def test_run_refuses_a_value_from_it_cannot_resolve(tmp_path: Path) -> None:
         f"{path}: spec.env TOKEN: valueFrom (a Kubernetes reference) cannot be resolved by "
         "`kubedistill run`; give it a value for local runs"
     ]
+
+
+def test_one_gpu_is_shared_by_trainer_rollout_and_teacher(tmp_path: Path) -> None:
+    """examples/one-gpu.yaml asks for three GPUs; on a machine with one, Ray places each role on a
+    third of it, each vLLM server is held to 0.3 of its memory (the trainer keeps the rest), and
+    the NCCL weight-sync members get distinct NCCL host ids (NCCL refuses two ranks on one GPU)."""
+    from kubedistill.runtime.entrypoints.local import fit_gpus
+
+    config, procs = local_processes(_job("one-gpu.yaml"), tmp_path / "config.json")
+    assert sorted(p.gpus for p in procs) == [1, 1, 1]
+    shared = fit_gpus(config, procs, available=1)
+    assert {p.name: p.gpus for p in procs} == {"teacher-teacher-0": 0.33, "rollout-0": 0.33, "trainer-0": 0.33}
+    assert shared.spec.rollout.inference.gpu_memory_utilization == 0.3
+    assert shared.spec.teachers[0].inference.gpu_memory_utilization == 0.3
+    assert config.spec.rollout.inference.gpu_memory_utilization == 0.85  # a new config, the old one kept
+    host_ids = {p.env["NCCL_HOSTID"] for p in procs}
+    assert len(host_ids) == 3 and all(p.env["NCCL_NET"] == "Socket" for p in procs)
+
+    config, procs = local_processes(_job("one-gpu.yaml"), tmp_path / "config.json")
+    assert fit_gpus(config, procs, available=3) is config  # they fit: nothing changes
+    assert [p.gpus for p in procs] == [1, 1, 1] and not any("NCCL_HOSTID" in p.env for p in procs)
+
+
+def test_gpu_sharing_rules() -> None:
+    from kubedistill.api.roleconfig import Role
+    from kubedistill.runtime.entrypoints.gpu_share import GpuDemand, share_gpus
+
+    demands = [
+        GpuDemand(name="rollout-0", role=Role.rollout, gpus=1),
+        GpuDemand(name="rollout-1", role=Role.rollout, gpus=1),
+        GpuDemand(name="trainer-0", role=Role.trainer, gpus=1),
+        GpuDemand(name="cpu-helper", role=Role.teacher, gpus=0),
+    ]
+    two = share_gpus(demands, available=2, nccl=False)  # three GPU roles, two per GPU at most
+    assert [two[n].num_gpus for n in ("rollout-0", "rollout-1", "trainer-0", "cpu-helper")] == [0.5, 0.5, 0.5, 0]
+    assert two["rollout-0"].memory_utilization == 0.45 and two["trainer-0"].memory_utilization is None
+    assert all(not s.env for s in two.values())  # gloo: no NCCL settings
+    with pytest.raises(ValueError, match="Ray sees none"):
+        share_gpus(demands, available=0, nccl=True)
+    tp2 = [GpuDemand(name="rollout-0", role=Role.rollout, gpus=2), GpuDemand(name="t", role=Role.trainer, gpus=1)]
+    with pytest.raises(ValueError, match="only single-GPU roles can share one, but rollout-0 asks for 2"):
+        share_gpus(tp2, available=1, nccl=True)

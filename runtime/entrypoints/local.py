@@ -35,6 +35,7 @@ from kubedistill.api.progress import HISTORY_ENV, TrainerProgress
 from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.driver.progress import read_history
+from kubedistill.runtime.entrypoints.gpu_share import GpuDemand, share_gpus
 
 HOST = "127.0.0.1"
 
@@ -48,7 +49,8 @@ class ProcessPlan:
     port: int
     env: dict[str, str]
     cpus: float
-    gpus: int
+    gpus: float
+    """Ray's num_gpus: a fraction when roles share a GPU (see gpu_share.py)."""
     argv: list[str] = field(default_factory=list)
 
 
@@ -184,6 +186,33 @@ def local_processes(job: DistillationJob, config_path: Path) -> tuple[JobConfig,
     return config, processes
 
 
+def fit_gpus(config: JobConfig, processes: list[ProcessPlan], available: int) -> JobConfig:
+    """Fit the processes on the `available` GPUs (share_gpus): sets each process's num_gpus and
+    extra env, and returns the config with the vLLM servers' gpu_memory_utilization lowered to
+    their share (never raised). Unchanged when the GPUs suffice."""
+    from kubedistill.runtime.weight_sync.group import resolve_backend  # imports torch: not at `kubedistill --help`
+
+    spec = config.spec
+    nccl = resolve_backend(spec.weight_sync.backend, spec.device) == "nccl"
+    shares = share_gpus(
+        [GpuDemand(name=p.name, role=p.identity.role, gpus=int(p.gpus)) for p in processes], available, nccl
+    )
+    memory: float | None = None
+    for p in processes:
+        share = shares[p.name]
+        p.gpus = share.num_gpus
+        p.env.update(share.env)
+        if share.memory_utilization is not None:
+            memory = share.memory_utilization
+    if memory is None:
+        return config
+    data = spec.model_dump(by_alias=True)
+    for section in [data["rollout"], *data["teachers"]]:
+        inference = section["inference"]
+        inference["gpuMemoryUtilization"] = min(inference["gpuMemoryUtilization"], memory)
+    return config.model_copy(update={"spec": DistillationJobSpec.model_validate(data)})
+
+
 def _process_actor_class() -> Any:
     """The Ray actor class (a ray.remote class: typed Any, like the rest of ray)."""
     import ray
@@ -295,7 +324,6 @@ def run(
     except ValueError as exc:
         log(f"{job_path}: {exc}")
         return 1
-    config.dump(config_path)
     history_path = run_dir / "history.jsonl"
     history_path.unlink(missing_ok=True)
     for p in processes:
@@ -316,6 +344,13 @@ def run(
             log_to_driver=False,
             configure_logging=False,
         )
+    try:
+        config = fit_gpus(config, processes, int(ray.cluster_resources().get("GPU", 0)))
+    except ValueError as exc:
+        ray.shutdown()
+        log(f"{job_path}: {exc}")
+        return 1
+    config.dump(config_path)
     RoleProcess = _process_actor_class()
     actors: dict[str, Any] = {}
     started = time.time()

@@ -1,0 +1,68 @@
+"""How `kubedistill run` fits a job's roles on fewer GPUs than they ask for (one GPU for trainer,
+rollout and teacher, as bench/gpu_smoke.sh does): Ray places each role process with a fraction
+of a GPU, each vLLM server is held to a share of the GPU's memory so the trainer keeps the rest,
+and processes in one NCCL group get distinct NCCL host ids, since NCCL refuses two ranks on the
+same GPU ("Duplicate GPU detected") unless they look like different hosts (it then connects them
+through its socket transport, over loopback). Pure: the caller applies the plan."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from kubedistill.api.roleconfig import Role
+
+SERVER_MEMORY_SHARE = 0.9
+"""Of a process's share of a GPU, what a vLLM server may take (gpu_memory_utilization): the rest
+is headroom for CUDA contexts and the allocator."""
+
+
+class GpuDemand(BaseModel):
+    """One role process and the GPUs it asks for."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    role: Role
+    gpus: int
+
+
+class GpuShare(BaseModel):
+    """What a process gets: Ray's num_gpus, for a vLLM server its memory share, extra env."""
+
+    model_config = ConfigDict(frozen=True)
+    num_gpus: float
+    memory_utilization: float | None = None
+    env: dict[str, str] = {}
+
+
+def share_gpus(demands: Sequence[GpuDemand], available: int, nccl: bool) -> dict[str, GpuShare]:
+    """Each process's share when `available` GPUs must hold them all. Nothing changes when they
+    fit. Otherwise every GPU process must ask for exactly one GPU (a tensor-parallel server or a
+    multi-GPU trainer cannot be split), and up to k = ceil(n / available) of them share a GPU:
+    num_gpus 1/k (rounded down, so k of them fit), a server gpu_memory_utilization 0.9/k."""
+    gpu_procs = [d for d in demands if d.gpus > 0]
+    wanted = sum(d.gpus for d in gpu_procs)
+    if wanted <= available:
+        return {d.name: GpuShare(num_gpus=d.gpus) for d in demands}
+    if available < 1:
+        raise ValueError(f"the job asks for {wanted} GPUs and Ray sees none; run on a GPU machine or use device: cpu")
+    multi = [d for d in gpu_procs if d.gpus > 1]
+    if multi:
+        raise ValueError(
+            f"the job asks for {wanted} GPUs and Ray sees {available}: only single-GPU roles can share one, "
+            f"but {multi[0].name} asks for {multi[0].gpus}"
+        )
+    per_gpu = math.ceil(len(gpu_procs) / available)
+    fraction = math.floor(100 / per_gpu) / 100
+    memory = math.floor(100 * SERVER_MEMORY_SHARE / per_gpu) / 100
+    out: dict[str, GpuShare] = {}
+    for d in demands:
+        if d.gpus == 0:
+            out[d.name] = GpuShare(num_gpus=0)
+            continue
+        env = {"NCCL_HOSTID": f"kubedistill-{d.name}", "NCCL_NET": "Socket"} if nccl else {}
+        server = d.role in (Role.rollout, Role.teacher)
+        out[d.name] = GpuShare(num_gpus=fraction, memory_utilization=memory if server else None, env=env)
+    return out
