@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kubedistill.runtime.trainer import Trainer
@@ -101,6 +102,24 @@ def test_two_ranks_match_one_rank_and_resume_replays_a_step(tiny_models: dict[st
     assert two["resumed"] == (1, 7, {"cursor": 11}, 1)
     for name, w in two["after_two"].items():
         assert torch.allclose(w, two["replayed"][name], atol=1e-6), name
+
+
+def test_proximal_pass_over_two_ranks_matches_one_rank(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    overrides = {"algorithm.distillation": {"lossMode": "k1", "usePolicyGradient": True}}
+    spec = make_spec(tiny_models["student"], tmp_path / "ckpt", **overrides)
+    two = run_ranks(2, spec.model_dump_json(by_alias=True), tmp_path, "proximal")
+    reference = Trainer(make_spec(tiny_models["student"], tmp_path / "ckpt-1", **overrides))
+    try:
+        stats = reference.train([make_batch(), make_batch(seed=1)])
+        one = {n: t.clone() for n, t in reference.named_full_weights()}
+    finally:
+        reference.close()
+    for s1, s2 in zip(stats, two["stats"]):
+        assert abs(s1.loss_total - s2.loss_total) < 1e-6
+        # The second mini-batch's importance weights are taken against the step's start on both.
+        assert s1.off_policy["isWeightMean"] == pytest.approx(s2.off_policy["isWeightMean"], abs=1e-6)
+    for name, w1 in one.items():
+        assert torch.allclose(w1, two["weights"][name], atol=1e-4), name
 
 
 def _hf_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -84,6 +84,10 @@ def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario:
             result["resumed"] = (resumed.step, resumed.weight_version, resumed.driver_state, trainer.step_count)
             trainer.step(make_batch(seed=2))
             result["replayed"] = {n: t.clone() for n, t in trainer.named_full_weights()}
+        elif scenario == "proximal":
+            # Two mini-batches in one step: the proximal pass runs its forwards on every rank.
+            result["stats"] = trainer.train([make_batch(), make_batch(seed=1)])
+            result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
         trainer.close()
         torch.save(result, out)
     dist.barrier()
