@@ -309,6 +309,9 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
 
     rank0 = next((q for q in current if q.replica == 0), None)
     if rank0 is not None and rank0.phase is PodPhase.succeeded:
+        # The trainer exits 0 only after its last step, usually between two /status polls: the
+        # last steps it reported may lag (36 of 40 was seen).
+        st.step = max(st.step or 0, spec.trainer.total_steps)
         _finish(p, observed, Phase.succeeded, "TrainerSucceeded", f"trainer pod {rank0.name} completed", now)
         return
 

@@ -222,6 +222,9 @@ def test_trainer_rank0_success_completes_the_job_and_deletes_servers() -> None:
     assert (p.status.step, p.status.weight_version, p.status.last_checkpoint) == (100, 100, "/ckpt/step-100")
     assert [(e.type, e.reason) for e in p.events] == [("Normal", "TrainerSucceeded")]
     assert p.wake_after == 60
+    # A final /status the operator never saw: success means every step was trained.
+    late = plan(job, world, T0, Progress(step=96, weight_version=96, last_checkpoint="/ckpt/step-90"))
+    assert late.status.step == _spec(job).trainer.total_steps
     # TTL: later, the job itself goes.
     done = _next(job, p)
     assert not plan(done, world, T0 + timedelta(seconds=30)).delete_job

@@ -93,7 +93,7 @@ class DistillationJobStatus(ApiModel):
     ready: ReadySummary = Field(default_factory=ReadySummary)
     """ready/desired summaries shown by kubectl get."""
     step: Annotated[int, Field(ge=0)] = 0
-    """Last completed train step (reported by the trainer)."""
+    """Last completed train step (reported by the trainer; totalSteps once it succeeded)."""
     weight_version: Annotated[int, Field(ge=0)] = 0
     """Weight version the rollout servers serve."""
     last_checkpoint: str | None = None
