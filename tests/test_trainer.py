@@ -139,6 +139,8 @@ def test_full_weights_have_hf_names_and_export_round_trips(
         assert torch.equal(state[name], tensor), name
     assert torch.equal(exported.lm_head.weight, exported.model.embed_tokens.weight)
     assert len(AutoTokenizer.from_pretrained(str(out))) == 16
+    # Readable by other uids on a shared claim (a serving pod), not 0600 as safetensors writes it.
+    assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {0o644}
 
 
 def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -182,6 +182,7 @@ class TrainerState:
         gen = self.model_path / "generation_config.json"
         if gen.is_file():
             shutil.copy(gen, tmp / gen.name)
+        _readable_by_all(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -192,6 +193,14 @@ class TrainerState:
         """Ranks > 0: the collectives of :meth:`export`."""
         self._full_model_state()
         self.ranks.barrier()
+
+
+def _readable_by_all(directory: Path) -> None:
+    """The exported model is for other pods (serving, evaluation) that may run as another uid on
+    the shared claim; safetensors writes its file 0600 (through a temp file)."""
+    directory.chmod(0o755)
+    for f in directory.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)
 
 
 def _resumed(info: CheckpointInfo) -> Resumed:
