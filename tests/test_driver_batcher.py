@@ -87,10 +87,10 @@ def test_requirements_from_the_example_specs() -> None:
 
     root = Path(__file__).resolve().parent.parent
     quick = BatchRequirements.from_spec(load_job(root / "examples/quickstart-cpu.yaml").spec)
-    # miniBatchSize 32 samples = 8 groups of n=4
+    # miniBatchSize 64 samples = 64 groups of n=1
     assert (quick.group_size, quick.step_samples, quick.teacher_scores, quick.top_k, quick.rewards) == (
-        4,
-        32,
+        1,
+        64,
         True,
         16,
         False,

@@ -101,7 +101,7 @@ def test_policy_from_example_specs() -> None:
         16,
     )
     quick = StalenessPolicy.from_spec(load_job(ROOT / "examples/quickstart-cpu.yaml").spec)
-    # miniBatchSize 32, s 0.5, trigger 1 -> 32 x 1.5 x 1 = 48 samples, lag 1
-    assert (quick.required, quick.max_required, quick.max_lag) == (32, 48, 1)
+    # miniBatchSize 64, s 1.0, trigger 1 -> 64 x 2 x 1 = 128 samples, lag 1
+    assert (quick.required, quick.max_required, quick.max_lag) == (64, 128, 1)
     one_gpu = StalenessPolicy.from_spec(load_job(ROOT / "examples/one-gpu.yaml").spec)
     assert (one_gpu.mode, one_gpu.max_required, one_gpu.max_lag) == ("sync", 32, 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,24 +87,30 @@ def train_supervised(
     lr: float = 2e-3,
     batch_size: int = 128,
     warmup: int = 100,
+    decay: bool = True,
+    betas: tuple[float, float] = (0.9, 0.98),
     seed: int = 0,
+    on_step: Callable[[int, float], object] | None = None,
 ) -> None:
-    """AdamW with warm-up and cosine decay (a constant LR plateaus around 91-95 % here)."""
+    """AdamW with warm-up, then cosine decay to 0 (a constant LR plateaus around 91-95 % here) or,
+    with `decay=False`, a constant LR. `on_step(step, loss)` runs after every step (1-based)."""
     import math
 
     import torch
 
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if not decay:
+            return 1.0
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     model.train()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         ids, labels = encode(tokenizer, rng.sample(problems, batch_size))
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -112,6 +118,8 @@ def train_supervised(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step, float(loss.detach()))
     model.eval()
 
 
