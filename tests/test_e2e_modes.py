@@ -92,6 +92,7 @@ def _check_common(r: dict[str, Any], steps: int) -> list[dict[str, Any]]:
         ):
             assert h[key] is not None, key
         assert 0.0 <= h["trainerIdleRatio"] <= 1.0
+    assert len({h["runId"] for h in hist}) == 1  # one driver process wrote every line
     assert r["report"]["status"]["step"] == steps  # the final status: the last history line
     ckpt = r["dir"] / "ckpt"
     assert (ckpt / f"step-{steps:08d}" / "meta.json").is_file()

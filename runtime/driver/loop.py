@@ -23,6 +23,7 @@ import concurrent.futures as cf
 import logging
 import pickle
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -142,6 +143,9 @@ class Driver:
         self._error: BaseException | None = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._started = clock()
+        # Names the driver process in every history line: a restarted trainer appends to the same
+        # file, and its steps may follow on from the checkpoint with a clock no earlier than the last.
+        self.run_id = uuid.uuid4().hex[:12]
         self._wait_seconds = 0.0
         self._consumed = 0
         self._resumed_groups: list[SampleGroup] = []
@@ -319,6 +323,7 @@ class Driver:
             {
                 **st.to_json(),
                 "time": round(now - self._started, 3),
+                "runId": self.run_id,
                 "trainerVersion": trainer_version,
                 "synced": synced,
                 "rolloutVersions": served,

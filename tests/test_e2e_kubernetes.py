@@ -1,0 +1,267 @@
+"""Kubernetes end to end: a DistillationJob manifest applied to the API (KMock), the real operator
+reconciling it, and the node-agent twin (tests/node_agent.py) running every pod it renders as
+real processes from the pod specs alone: own network namespace and address, cluster DNS names,
+volumes (the models on a hostPath, the checkpoints on a PersistentVolumeClaim), env with
+fieldRefs, non-root user, read-only root, readiness probes.
+
+One job lives through every scenario, in order, so that the models load a few times rather than
+once per scenario (the wall time is the processes starting):
+  (b) the trainer process is SIGKILLed after a checkpoint: the gang restarts and resumes from it;
+  (c) the rollout pod is deleted: a new one (new address) joins the weight-sync group;
+  (d) suspend removes every pod; un-suspending resumes from the checkpoint;
+  (a) the job ends Succeeded with the steps in its status, and the exported model on the claim
+      loads and differs from the initial weights.
+The per-step history on the claim (KUBEDISTILL_HISTORY) shows that across the three trainer runs
+every step was trained once from its checkpoint on, and no prompt skipped or trained twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from e2e_jobs import write_prompts
+from node_agent import NodeAgent
+from operator_fixtures import NS, Cluster, FastEmulator, eventually, job_manifest, prepare_emulator, running_operator
+from test_node_agent import needs_root
+
+pytestmark = [needs_root, pytest.mark.kmock(cls=FastEmulator)]
+
+JOB = "k8s"
+# Steps take ~0.4 s here once running, and a deleted rollout pod serves for up to 5 s more
+# (uvicorn's graceful shutdown): enough steps that the job is still running for each scenario.
+STEPS, EVERY, N, MINI = 40, 2, 2, 4
+CLAIM = "k8s-checkpoints"
+
+
+def manifest(models: Path, data: Path) -> dict[str, Any]:
+    inference = {"engine": "hf", "kvCacheGiB": 1, "maxModelLen": 64}
+    spec = {
+        "mode": "sync",
+        "device": "cpu",
+        "student": {"model": "/models/student"},
+        "teachers": [
+            {"name": "arith", "model": "/models/teacher", "inference": inference, "overrides": {"cpuThreads": 1}}
+        ],
+        "rollout": {
+            "replicas": 1,
+            "inference": inference,
+            "sampling": {"samplesPerPrompt": N, "temperature": 1.0, "maxTokens": 4, "seed": 0},
+            "overrides": {"cpuThreads": 1},
+        },
+        "trainer": {
+            "replicas": 1,
+            "optim": {"lr": 1e-3},
+            "miniBatchSize": MINI,
+            "totalSteps": STEPS,
+            "mixedPrecision": "float32",
+            "overrides": {"cpuThreads": 1, "env": [{"name": "KUBEDISTILL_HISTORY", "value": "/ckpt/history.jsonl"}]},
+        },
+        "algorithm": {"distillation": {"lossMode": "forwardKLTopK", "topK": 4}},
+        "data": {"train": ["/data/train.jsonl"], "maxPromptLength": 32},
+        "checkpoint": {"path": "/ckpt", "everySteps": EVERY},
+        "weightSync": {"bucketMB": 4, "timeoutSeconds": 180},
+        "backoffLimit": 3,
+        # An air-gapped cluster: nothing may reach a model hub.
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
+        "volumes": [
+            {"name": "models", "hostPath": {"path": str(models), "type": "Directory"}},
+            {"name": "data", "hostPath": {"path": str(data), "type": "Directory"}},
+            {"name": "ckpt", "persistentVolumeClaim": {"claimName": CLAIM}},
+        ],
+        "volumeMounts": [
+            {"name": "models", "mountPath": "/models", "readOnly": True},
+            {"name": "data", "mountPath": "/data", "readOnly": True},
+            {"name": "ckpt", "mountPath": "/ckpt"},
+        ],
+    }
+    return job_manifest(JOB, spec)
+
+
+def history(agent: NodeAgent) -> list[dict[str, Any]]:
+    path = agent.claim_dir(CLAIM) / "history.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def runs(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The history split by trainer process (the driver's runId in every line)."""
+    out: list[list[dict[str, Any]]] = []
+    for h in lines:
+        if not out or h["runId"] != out[-1][-1]["runId"]:
+            out.append([])
+        out[-1].append(h)
+    return out
+
+
+def newest_checkpoint(agent: NodeAgent) -> dict[str, Any]:
+    steps = sorted(agent.claim_dir(CLAIM).glob("step-*/meta.json"))
+    return json.loads(steps[-1].read_text()) if steps else {}
+
+
+async def test_a_job_applied_to_the_api_trains_through_real_pods(kmock: Any, tiny_models, tmp_path: Path) -> None:
+    prepare_emulator(kmock)
+    cluster = Cluster(str(kmock.url))
+    models = tiny_models["student"].parent
+    data = write_prompts(tmp_path / "data" / "train.jsonl").parent
+    # A hostPath must be readable by the pod's user: pytest makes its directories 0700 and the
+    # model writer its safetensors files 0600.
+    for d in (models, data):
+        subprocess.run(["chmod", "-R", "a+rX", str(d)], check=True)
+    agent = NodeAgent(str(kmock.url), NS, probe_period_max=1.0)
+    notes: list[str] = []
+
+    async def status() -> dict[str, Any]:
+        return ((await cluster.job(JOB)) or {}).get("status") or {}
+
+    async def until(check: Any, timeout: float, what: str) -> Any:
+        async def or_crash() -> Any:
+            # A pod that exits on its own with an error will not get better: stop waiting.
+            crashed = [r.name for r in agent.history if r.exit_code not in (None, 0, 128 + 9, 128 + 15)]
+            assert not crashed, f"pods crashed: {crashed}"
+            return await check()
+
+        try:
+            return await eventually(or_crash, timeout=timeout, interval=0.2, what=what)
+        except AssertionError as e:
+            pods = {
+                n: (p.status.phase if p.status else None, p.metadata.deletion_timestamp, p.metadata.finalizers)
+                for n, p in (await cluster.pods(JOB)).items()
+            }
+            runs_ = {n: (r.exit_code, r.running, r.waiting) for n, r in agent.pods.items()}
+            raise AssertionError(
+                f"{e}\nstory so far: {notes}\njob status: {await status()}\npods: {pods}\n"
+                f"agent: {runs_}\n{agent.log_tail(40)}"
+            ) from None
+
+    async def pod_ip(name: str) -> str | None:
+        pods = await cluster.pods(JOB)
+        p = pods.get(name)
+        return p.status.pod_ip if p is not None and p.status is not None and p.status.phase == "Running" else None
+
+    await agent.start()
+    try:
+        async with running_operator(str(kmock.url), resync_seconds=0.5):
+            await cluster.create_job(manifest(models, data))
+
+            async def checkpointed() -> Any:
+                # Read from the claim: the job's status lags by the operator's polling.
+                st = await status()
+                return st if newest_checkpoint(agent) and st.get("phase") == "Running" else None
+
+            st = await until(checkpointed, 240, "a first checkpoint while Running")
+            notes.append(f"checkpoint at step {newest_checkpoint(agent)['step']}, status step {st.get('step')}")
+
+            # (b) the trainer's process SIGKILLed (as the OOM killer would): a gang restart.
+            pid = agent.pid(f"{JOB}-trainer-0")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            killed_at = newest_checkpoint(agent)
+            notes.append(f"killed trainer pid {pid} after checkpoint step {killed_at.get('step')}")
+
+            async def resumed() -> Any:
+                st = await status()
+                pods = await cluster.pods(JOB)
+                t0 = pods.get(f"{JOB}-trainer-0")
+                attempt = t0.metadata.labels.get("kubedistill.io/attempt") if t0 is not None else None
+                running = t0 is not None and t0.status is not None and t0.status.phase == "Running"
+                return st if st.get("restarts") == 1 and attempt == "1" and running else None
+
+            # The new trainer needs a rollout in its weight-sync group before its first step: the
+            # rollout deleted now is one it must find again (the history checks the resume below).
+            st = await until(resumed, 180, "the restarted gang running")
+            notes.append(f"restarted: status step {st.get('step')}")
+
+            # (c) the rollout pod deleted: replaced under a new address, it joins the weight-sync group.
+            old_ip = await pod_ip(f"{JOB}-rollout-0")
+            old_group = httpx.get(f"http://{old_ip}:8000/weights/group", timeout=5).json()
+            await cluster.delete_pod(f"{JOB}-rollout-0")
+            notes.append(f"deleted rollout pod at {old_ip} (group {old_group})")
+
+            async def rejoined() -> Any:
+                ip = await pod_ip(f"{JOB}-rollout-0")
+                if ip is None or ip == old_ip:
+                    return None
+                try:
+                    group = httpx.get(f"http://{ip}:8000/weights/group", timeout=2).json()
+                    version = httpx.get(f"http://{ip}:8000/version", timeout=2).json()["version"]
+                except (httpx.HTTPError, ValueError):
+                    return None
+                return (ip, group, version) if group.get("state") == "ready" and version > 0 else None
+
+            new_ip, new_group, version = await until(rejoined, 180, "the new rollout pod in the weight-sync group")
+            assert new_group["epoch"] != old_group["epoch"]
+            notes.append(f"rollout rejoined at {new_ip}: group {new_group}, weights v{version}")
+
+            async def trained_again() -> Any:
+                return len(runs(history(agent))) >= 2
+
+            await until(trained_again, 120, "the restarted trainer's first step")
+
+            # (d) suspend removes every pod; un-suspending resumes from the checkpoint.
+            await cluster.patch_job(JOB, {"spec": {"suspend": True}})
+
+            async def suspended() -> Any:
+                st = await status()
+                return st if st.get("phase") == "Suspended" and not await cluster.pods(JOB) and not agent.pods else None
+
+            st = await until(suspended, 60, "every pod gone, phase Suspended")
+            suspended_at = newest_checkpoint(agent)
+            assert st["restarts"] == 1
+            runs_before = len(runs(history(agent)))
+            notes.append(f"suspended after checkpoint step {suspended_at.get('step')}")
+            assert suspended_at["step"] < STEPS, "the job finished before it could be suspended: raise STEPS"
+            await cluster.patch_job(JOB, {"spec": {"suspend": False}})
+
+            async def succeeded() -> Any:
+                st = await status()
+                return st if st.get("phase") == "Succeeded" else None
+
+            st = await until(succeeded, 240, "phase Succeeded")
+            notes.append(f"succeeded: {st.get('step')} steps")
+            # The operator polls /status while the trainer runs: its last answer may predate the
+            # last steps (the claim's checkpoints and history below are the trainer's own word).
+            assert 0 < st["step"] <= STEPS and st["restarts"] == 1
+            assert st["lastCheckpoint"].startswith("/ckpt/step-")
+            assert newest_checkpoint(agent)["step"] == STEPS
+            finished = {p.metadata.name: p.status for p in (await cluster.pods(JOB)).values()}
+            t0 = finished[f"{JOB}-trainer-0"]
+            assert t0.phase == "Succeeded" and t0.container_statuses[0].state.terminated.exit_code == 0
+    finally:
+        lines = history(agent)
+        log_tail = agent.log_tail(40)
+        exported = agent.claim_dir(CLAIM) / "student-hf"
+        export_ok = (exported / "config.json").is_file()
+        if export_ok:
+            from transformers import AutoModelForCausalLM
+
+            out = dict(AutoModelForCausalLM.from_pretrained(str(exported)).named_parameters())
+        await agent.close()
+
+    # (a) the exported model on the checkpoint claim loads and learned something.
+    assert export_ok, log_tail
+    init = dict(AutoModelForCausalLM.from_pretrained(str(tiny_models["student"])).named_parameters())
+    assert out.keys() == init.keys()
+    assert any(not torch.equal(out[k], init[k]) for k in out), "the exported student equals its initial weights"
+
+    # Three trainer runs: the first, the one after the SIGKILL, the one after the suspend; each
+    # later run starts right after the checkpoint the previous one left.
+    parts = runs(lines)
+    assert len(parts) == runs_before + 1 == 3, [[h["step"] for h in p] for p in parts]
+    assert parts[1][0]["step"] == killed_at["step"] + 1
+    assert parts[2][0]["step"] == suspended_at["step"] + 1
+    assert parts[1][0]["trainerVersion"] == killed_at["weight_version"]
+    kept = [h for i, p in enumerate(parts) for h in p if i + 1 == len(parts) or h["step"] < parts[i + 1][0]["step"]]
+    assert [h["step"] for h in kept] == list(range(1, STEPS + 1))
+    trained = [g for h in kept for g in h["groups"]]
+    assert len(trained) == len(set(trained)) == STEPS * MINI // N, "a group was trained twice"
+    missing = set(range(max(trained) + 1)) - set(trained)
+    assert not missing, f"prompts skipped: {sorted(missing)}"
