@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,17 +46,22 @@ def test_score_checks() -> None:
         check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2), 2, 10)
 
 
+def _spec(models: dict[str, Path], **kw: Any) -> DistillationJobSpec:
+    """A one-rollout, one-teacher hf job (server_fixtures.job_config) with `kw` changed."""
+    return job_config(
+        models["student"],
+        models["teacher"],
+        engine="hf",
+        rollout_urls=["http://x"],
+        teacher_urls=["http://y"],
+        weight_sync_port=1,
+        **kw,
+    ).spec
+
+
 def test_pause_mode_follows_partial_rollout(tiny_models: dict[str, Path]) -> None:
     def spec(strategy: str | None) -> DistillationJobSpec:
-        return job_config(
-            tiny_models["student"],
-            tiny_models["teacher"],
-            engine="hf",
-            rollout_urls=["http://x"],
-            teacher_urls=["http://y"],
-            weight_sync_port=1,
-            partial_rollout=strategy,
-        ).spec
+        return _spec(tiny_models, partial_rollout=strategy)
 
     assert pause_mode(spec(None)) == "wait"
     assert pause_mode(spec("resume")) == "abort"
@@ -132,29 +138,9 @@ def test_vllm_top_k_ids_and_gather_requests() -> None:
 def test_engines_return_as_many_log_probs_as_the_loss_needs(tiny_models: dict[str, Path]) -> None:
     from kubedistill.runtime.engines.factory import rollout_max_logprobs, teacher_max_logprobs
 
-    def spec(**distillation: object) -> DistillationJobSpec:
-        s = job_config(
-            tiny_models["student"],
-            tiny_models["teacher"],
-            engine="hf",
-            rollout_urls=["http://x"],
-            teacher_urls=["http://y"],
-            weight_sync_port=1,
-        ).spec
-        return s.model_copy(
-            update={
-                "algorithm": s.algorithm.model_copy(
-                    update={"distillation": s.algorithm.distillation.model_copy(update=distillation)}
-                )
-            }
-        )
-
-    from kubedistill.api.spec import LossMode
-
-    forward = spec(loss_mode=LossMode.forward_kl_top_k, top_k=8)
-    assert (rollout_max_logprobs(forward), teacher_max_logprobs(forward)) == (0, 8)
-    reverse = spec(loss_mode=LossMode.reverse_kl_top_k, top_k=8)
-    assert (rollout_max_logprobs(reverse), teacher_max_logprobs(reverse)) == (8, -1)
+    forward, reverse = (_spec(tiny_models, loss_mode=m) for m in ("forwardKLTopK", "reverseKLTopK"))
+    assert (rollout_max_logprobs(forward), teacher_max_logprobs(forward)) == (0, 4)  # topK 4
+    assert (rollout_max_logprobs(reverse), teacher_max_logprobs(reverse)) == (4, -1)
 
 
 def test_gather_ids_need_one_row_per_response_token() -> None:

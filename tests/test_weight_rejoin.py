@@ -15,10 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import torch
 
+from kubedistill.api.roleconfig import JobConfig
 from server_fixtures import Server, free_port, job_config
 from test_servers_hf import expected_checksums, perturbed
 
@@ -57,28 +59,45 @@ def _open_sockets(pid: int) -> int:
     return n
 
 
-def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Path) -> None:
+class LoneRollout(NamedTuple):
+    server: Server
+    cfg: JobConfig
+    config: Path
+    """cfg on disk, for SENDER."""
+    url: str
+    port: int
+
+
+def lone_rollout(models: dict[str, Path], tmp_path: Path, engine: str) -> LoneRollout:
+    """The rollout server of a one-replica job, started."""
     port, wport = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     cfg = job_config(
-        tiny_models["student"],
-        tiny_models["teacher"],
-        engine="hf",
+        models["student"],
+        models["teacher"],
+        engine=engine,
         rollout_urls=[url],
         teacher_urls=["http://127.0.0.1:1"],
         weight_sync_port=wport,
     )
     config = tmp_path / "config.json"
     cfg.dump(config)
-    server = Server("rollout", config, port)
+    return LoneRollout(Server("rollout", config, port), cfg, config, url, port)
+
+
+def start_sender(models: dict[str, Path], config: Path) -> subprocess.Popen[str]:
+    """A trainer-side SENDER process: it syncs version 1, prints its epoch and stalls in version 2."""
+    code = SENDER.format(tests=str(Path(__file__).parent), config=str(config), student=str(models["student"]), seed=11)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+
+
+def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Path) -> None:
+    server, cfg, config, url, port = lone_rollout(tiny_models, tmp_path, "hf")
     sender_proc = None
     try:
-        code = SENDER.format(
-            tests=str(Path(__file__).parent), config=str(config), student=str(tiny_models["student"]), seed=11
-        )
-        sender_proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
-        )
+        sender_proc = start_sender(tiny_models, config)
         line = sender_proc.stdout.readline()  # the server is inside the version-2 broadcast now
         assert line, f"sender failed; server log:\n{server.log()[-3000:]}"
         first_epoch = json.loads(line)["epoch"]

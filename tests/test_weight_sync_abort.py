@@ -11,8 +11,6 @@ import datetime
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ from kubedistill.runtime.weight_sync.group import (
 )
 from kubedistill.runtime.weight_sync.sender import build_manifest
 from kubedistill.runtime.weight_sync.transfer import receive
-from server_fixtures import Server, free_port, job_config
+from server_fixtures import free_port
 from test_weight_group_membership import RecordingEngine
 
 torch.set_num_threads(1)
@@ -241,30 +239,13 @@ def test_vllm_server_leaves_a_silent_trainer_at_once(tiny_models, tmp_path: Path
     epoch must abort that receive and move on to joining within seconds, while the engine keeps
     serving; before, the leave RPC queued behind the receive until the group timeout (10 minutes
     here). (Re-forming with a new trainer afterwards: tests/test_servers_vllm.py.)"""
-    from test_weight_rejoin import SENDER
+    from test_weight_rejoin import lone_rollout, start_sender
 
-    port, wport = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    cfg = job_config(
-        tiny_models["student"],
-        tiny_models["teacher"],
-        engine="vllm",
-        rollout_urls=[url],
-        teacher_urls=["http://127.0.0.1:1"],
-        weight_sync_port=wport,
-    )
-    config = tmp_path / "config.json"
-    cfg.dump(config)
-    server = Server("rollout", config, port)
+    server, _, config, url, _ = lone_rollout(tiny_models, tmp_path, "vllm")
     old = None
     try:
         server.wait_healthy()
-        code = SENDER.format(
-            tests=str(Path(__file__).parent), config=str(config), student=str(tiny_models["student"]), seed=11
-        )
-        old = subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
-        )
+        old = start_sender(tiny_models, config)
         line = old.stdout.readline() if old.stdout is not None else ""
         assert line, f"sender failed; server log:\n{server.log()[-3000:]}"
         assert json.loads(line)["epoch"]

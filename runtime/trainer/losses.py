@@ -63,20 +63,8 @@ def forward_kl_top_k(
     Without it the sum is a partial KL that can dip below zero, hence the final ``clamp_min(0)``.
     ``valid`` (bool ``[N, k]``) excludes padded top-k slots.
     """
-    s = student_topk_logprobs.clamp_min(log_prob_min_clamp)
-    t = teacher_topk_logprobs
-    if valid is not None:
-        neg_inf = torch.finfo(t.dtype).min
-        t = t.masked_fill(~valid, neg_inf)
-        s = s.masked_fill(~valid, neg_inf) if renormalize else s
-    if renormalize:
-        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
-        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(t)
-    terms = p * (t - s)
-    if valid is not None:
-        terms = terms.masked_fill(~valid, 0.0)
-    return terms.sum(dim=-1).clamp_min(0.0)
+    student = student_topk_logprobs.clamp_min(log_prob_min_clamp)
+    return _kl_over_top_k(teacher_topk_logprobs, student, renormalize=renormalize, valid=valid).clamp_min(0.0)
 
 
 def reverse_kl_top_k(
@@ -100,16 +88,25 @@ def reverse_kl_top_k(
     holds more of K_t's mass than the student can give a slightly negative value; it is not
     clamped, so its gradient stays. ``valid`` (bool ``[N, k]``) excludes padded slots.
     """
-    s = student_topk_logprobs
-    t = teacher_topk_logprobs.clamp_min(log_prob_min_clamp)
+    teacher = teacher_topk_logprobs.clamp_min(log_prob_min_clamp)
+    return _kl_over_top_k(student_topk_logprobs, teacher, renormalize=renormalize, valid=valid)
+
+
+def _kl_over_top_k(
+    weighting: torch.Tensor, other: torch.Tensor, *, renormalize: bool, valid: torch.Tensor | None
+) -> torch.Tensor:
+    """sum_v exp(a_v) (a_v - b_v) over the k slots of each row (a = `weighting`, b = `other`,
+    log-probs ``[N, k]``): the top-k KL of the distribution a from b. Padded slots (``valid``
+    false) add nothing; with `renormalize` both sides are log-softmaxed over the valid slots."""
+    a, b = weighting, other
     if valid is not None:
-        neg_inf = torch.finfo(s.dtype).min
-        s = s.masked_fill(~valid, neg_inf)
-        t = t.masked_fill(~valid, neg_inf) if renormalize else t
+        neg_inf = torch.finfo(a.dtype).min
+        a = a.masked_fill(~valid, neg_inf)
+        b = b.masked_fill(~valid, neg_inf) if renormalize else b
     if renormalize:
-        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
-        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
-    terms = torch.exp(s) * (s - t)
+        a = a - torch.logsumexp(a, dim=-1, keepdim=True)
+        b = b - torch.logsumexp(b, dim=-1, keepdim=True)
+    terms = torch.exp(a) * (a - b)
     if valid is not None:
         terms = terms.masked_fill(~valid, 0.0)
     return terms.sum(dim=-1)
