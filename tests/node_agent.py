@@ -76,6 +76,13 @@ class Image:
     gid: int = 1000
     workdir: str = "/home/kubedistill"
     bin_dir: Path = VENV_BIN
+    files: tuple[str, ...] = (
+        str(VENV_BIN.parent.parent),  # the checkout: .venv and the editable install's sources
+        os.path.realpath(sys.base_prefix),  # the interpreter the venv links to
+    )
+    """Where the installation standing in for the image lives on the host. An image's files are
+    its root filesystem, never under a pod volume: they stay visible even where a volume is
+    mounted over a parent (the restricted defaults' /tmp emptyDir over a checkout in /tmp)."""
 
 
 class PodStartError(Exception):
@@ -299,6 +306,12 @@ def _run(*argv: str) -> None:
     subprocess.run(argv, check=True)
 
 
+def covered_by_volumes(paths: list[str], targets: list[str]) -> list[str]:
+    """The `paths` that a volume mounted at one of `targets` (or a parent of one) would hide."""
+    tops = [t.rstrip("/") or "/" for t in targets]
+    return [p for p in paths if any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)]
+
+
 def pod_init(plan: Mapping[str, Any]) -> None:
     """Run as root inside the pod's new network, mount and UTS namespaces (nsenter + unshare):
     build the pod's root, mount its volumes, drop to its user and exec its command."""
@@ -321,6 +334,9 @@ def pod_init(plan: Mapping[str, Any]) -> None:
         _run("mount", "--bind", m["source"], target)
         if m["read_only"]:
             _run("mount", "-o", "remount,bind,ro", target)
+    for path in covered_by_volumes(plan["image_files"], [m["target"] for m in plan["mounts"]]):
+        os.makedirs(root + path, exist_ok=True)
+        _run("mount", "--rbind", path, root + path)
     # An image makes its programs readable by its user; here they may live under /root or a
     # pytest directory (0700): open up their directories in the pod's own root.
     for path in (plan["bin_dir"], os.path.realpath(os.path.join(plan["bin_dir"], "python"))):
@@ -688,6 +704,7 @@ class NodeAgent:
             "hostname": spec.get("hostname") or run.name,
             "workdir": c.get("workingDir") or self.image.workdir,
             "bin_dir": str(self.image.bin_dir),
+            "image_files": list(self.image.files),
             "argv": argv,
             "env": env,
             **{k: sec[k] for k in ("uid", "gid", "groups", "read_only_root", "no_new_privs")},

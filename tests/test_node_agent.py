@@ -25,6 +25,7 @@ from node_agent import (
     PodAddress,
     PodStartError,
     container_status,
+    covered_by_volumes,
     exit_code_of,
     expand,
     hosts_file,
@@ -90,6 +91,17 @@ def test_resolve_env_refuses_what_a_kubelet_refuses(ref: dict[str, Any], message
     with pytest.raises(PodStartError, match=message) as e:
         resolve_env(POD, container, "10.0.0.1", {"cm": {"k": "v"}}.get, {}.get)
     assert e.value.reason == "CreateContainerConfigError"
+
+
+def test_the_installation_stays_visible_under_a_pod_volume() -> None:
+    # A checkout in /tmp (a CI clone) is hidden by the restricted defaults' /tmp emptyDir unless
+    # the twin binds it back, as an image's own files would be.
+    files = ["/tmp/ci/checkout", "/root/.pyenv/versions/3.11.7"]
+    assert covered_by_volumes(files, ["/tmp", "/etc/hosts", "/ckpt"]) == ["/tmp/ci/checkout"]
+    assert covered_by_volumes(files, ["/tmp/ci/checkout/"]) == ["/tmp/ci/checkout"]
+    assert covered_by_volumes(files, ["/tm", "/ckpt"]) == []
+    assert covered_by_volumes(files, ["/"]) == files
+    assert all(os.path.isabs(f) for f in Image().files)
 
 
 def test_hosts_file_answers_like_cluster_dns() -> None:
