@@ -69,7 +69,10 @@ class JobConfig(ApiModel):
     """Where the roles are."""
 
     def dump(self, path: Path) -> None:
-        path.write_text(self.model_dump_json(by_alias=True, exclude_none=True, indent=2))
+        """Written whole or not at all: the trainer re-reads the file while the job runs."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(self.model_dump_json(by_alias=True, exclude_none=True, indent=2))
+        tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> JobConfig:
@@ -102,13 +105,16 @@ def trainer_rank(identity: Identity, env: Mapping[str, str]) -> int:
     return identity.replica
 
 
-def weight_sync_world_size(spec: DistillationJobSpec) -> int:
-    """Members of the weight-sync group: trainer rank 0 plus every rollout worker (TP ranks)."""
-    return 1 + spec.rollout.replicas * spec.rollout.inference.tensor_parallel_size
+def weight_sync_world_size(spec: DistillationJobSpec, servers: int | None = None) -> int:
+    """Members of the weight-sync group: trainer rank 0 plus every worker (TP ranks) of the
+    rollout servers in it (`servers`, else spec.rollout.replicas)."""
+    n = spec.rollout.replicas if servers is None else servers
+    return 1 + n * spec.rollout.inference.tensor_parallel_size
 
 
 def weight_sync_rank(spec: DistillationJobSpec, rollout_replica: int, tp_rank: int = 0) -> int:
-    """Rank of a rollout worker in the weight-sync group (trainer rank 0 is rank 0)."""
+    """Rank of a rollout worker in the weight-sync group (trainer rank 0 is rank 0), the
+    `rollout_replica`-th server of the group."""
     return 1 + rollout_replica * spec.rollout.inference.tensor_parallel_size + tp_rank
 
 

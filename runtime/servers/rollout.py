@@ -47,13 +47,19 @@ def pause_mode(spec: DistillationJobSpec) -> PauseMode:
     return "abort" if a.partial_rollout_strategy is PartialRolloutStrategy.resume else "keep"
 
 
-def group_address(config: JobConfig, replica: int, epoch: str = "0") -> GroupAddress:
+def group_address(
+    config: JobConfig, replica: int, epoch: str = "0", placement: WeightsGroupRequest | None = None
+) -> GroupAddress:
+    """This server's place in group `epoch`: the trainer's numbering when it gave one (it holds
+    a different set of servers while the job scales), else the spec's."""
     spec = config.spec
+    rank = placement.rank if placement is not None and placement.rank is not None else None
+    world = placement.world_size if placement is not None and placement.world_size is not None else None
     return GroupAddress(
         host=config.endpoints.master_addr,
         port=config.endpoints.weight_sync_port,
-        rank=weight_sync_rank(spec, replica),
-        world_size=weight_sync_world_size(spec),
+        rank=rank if rank is not None else weight_sync_rank(spec, replica),
+        world_size=world if world is not None else weight_sync_world_size(spec),
         backend=resolve_backend(spec.weight_sync.backend, spec.device),
         timeout_seconds=float(spec.weight_sync.timeout_seconds),
         epoch=epoch,
@@ -75,8 +81,12 @@ def build_rollout_app(
     metrics = metrics or RoleMetrics(config.job, "rollout", identity.replica)
     spec = config.spec
     syncs = _Syncs()
+    placements: dict[str, WeightsGroupRequest] = {}
+    """The trainer's request per group epoch (the rank and world size it gave)."""
     membership = WeightGroupMembership(
-        engine, lambda epoch: group_address(config, identity.replica, epoch), lambda: syncs.task
+        engine,
+        lambda epoch: group_address(config, identity.replica, epoch, placements.get(epoch)),
+        lambda: syncs.task,
     )
 
     @contextlib.asynccontextmanager
@@ -98,6 +108,8 @@ def build_rollout_app(
     async def weights_group(req: WeightsGroupRequest) -> WeightsGroupResponse:
         """Leave the current weight-sync group and join the trainer's group `epoch` (in the
         background: the trainer's rendezvous completes the join)."""
+        placements.clear()  # only the newest group matters; a re-sent epoch keeps its place
+        placements[req.epoch] = req
         membership.switch(req.epoch)
         return membership.status()
 

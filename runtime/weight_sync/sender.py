@@ -1,12 +1,14 @@
 """Trainer side of a weight sync: `WeightSender(spec, endpoints).sync(version, weights)`.
 
 Construction (re)forms the group under a fresh epoch: rank 0 opens the group's TCP store, tells
-every rollout server `POST /weights/group {epoch}` (retrying while a server is still starting),
-and returns once every rollout worker has joined. Servers that were in an older group (this
-trainer's predecessor, before a gang restart) leave it first, so a restarted trainer reaches the
-same long-lived rollout servers. A sync POSTs /weights/begin (version + manifest + epoch) to
-every rollout server, broadcasts the buckets, then all-reduces a failure count so it returns only
-once every engine has loaded the weights (or raises naming how many failed).
+every rollout server `POST /weights/group {epoch, rank, world_size}` (retrying while a server is
+still starting), and returns once every rollout worker has joined. The servers are `members`
+(endpoints.rollout unless given): `set_members` changes them while the job scales, and the next
+sync re-forms the group around the new set, numbering the servers in list order. Servers that
+were in an older group (this trainer's predecessor, before a gang restart) leave it first, so
+a restarted trainer reaches the same long-lived rollout servers. A sync POSTs /weights/begin
+(version + manifest + epoch) to every rollout server, broadcasts the buckets, then all-reduces a
+failure count so it returns only once every engine has loaded the weights (or raises naming how many failed).
 
 The weights are a list of (name, tensor), or a WeightSource (the trainer): its manifest comes
 from metadata, and its full tensors are drawn one bucket at a time while the buckets go out, so
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from kubedistill.api.roleconfig import Endpoints, weight_sync_world_size
+from kubedistill.api.roleconfig import Endpoints, weight_sync_rank, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.weight_sync.group import (
     GroupAddress,
@@ -97,9 +99,12 @@ class WeightSender:
         metrics: RoleMetrics | None = None,
         bind_host: str | None = None,
         epoch: str | None = None,
+        members: list[str] | None = None,
     ):
         self.spec = spec
         self.endpoints = endpoints
+        self.members: list[str] = list(endpoints.rollout if members is None else members)
+        """Base URLs of the rollout servers in the group, in rank order."""
         self.metrics = metrics
         self.timeout = float(spec.weight_sync.timeout_seconds)
         backend = resolve_backend(spec.weight_sync.backend, spec.device)
@@ -107,7 +112,7 @@ class WeightSender:
             host=bind_host or endpoints.master_addr,
             port=endpoints.weight_sync_port,
             rank=0,
-            world_size=weight_sync_world_size(spec),
+            world_size=weight_sync_world_size(spec, len(self.members)),
             backend=backend,
             timeout_seconds=self.timeout,
             epoch=epoch or new_epoch(),
@@ -128,17 +133,28 @@ class WeightSender:
         store = open_store(addr)  # listening before any server is told to join
         self._tell_servers_to_join()
         self.group = WeightSyncGroup(addr, store=store)
+        self._formed = list(self.members)
         self.last_stats: TransferStats | None = None
+
+    def set_members(self, urls: list[str]) -> None:
+        """The rollout servers the next sync goes to. The group is re-formed around them by that
+        sync, not here: a server added is healthy but may still be loading, and one removed may
+        already be gone. Call it between syncs (the driver does, on the trainer thread)."""
+        if len(set(urls)) != len(urls) or not urls:
+            raise ValueError(f"weight-sync members must be distinct and at least one: {urls}")
+        self.members = list(urls)
 
     def _tell_servers_to_join(self) -> None:
         """POST /weights/group to every rollout server, retrying while it is unreachable or
         still loading its engine (until weightSync.timeoutSeconds)."""
         import httpx
 
-        body = WeightsGroupRequest(epoch=self.epoch).model_dump(mode="json")
+        world = self._addr.world_size
         deadline = time.monotonic() + self.timeout
 
-        def tell(url: str) -> None:
+        def tell(index: int, url: str) -> None:
+            rank = weight_sync_rank(self.spec, index)
+            body = WeightsGroupRequest(epoch=self.epoch, rank=rank, world_size=world).model_dump(mode="json")
             last = ""
             while True:
                 try:
@@ -157,8 +173,8 @@ class WeightSender:
                     )
                 time.sleep(0.5)
 
-        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
-            list(pool.map(tell, self.endpoints.rollout))
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.members))) as pool:
+            list(pool.map(tell, range(len(self.members)), self.members))
 
     def close(self) -> None:
         """Release the group and its store (the servers leave it when told to join the next)."""
@@ -166,9 +182,10 @@ class WeightSender:
         self._http.close()
 
     def ensure_group(self) -> None:
-        """Re-form the group under a new epoch if a rollout server is not in it (a replaced
-        rollout pod starts outside any group): then every server switches, and the sync goes on
-        without a trainer restart. One GET /weights/group per server."""
+        """Re-form the group under a new epoch if the members changed (set_members) or a rollout
+        server is not in it (a replaced rollout pod starts outside any group): then every server
+        switches, and the sync goes on without a trainer restart. One GET /weights/group per
+        server."""
         import httpx
 
         def member(url: str) -> tuple[bool, str | None]:
@@ -180,24 +197,27 @@ class WeightSender:
             doc = r.json() if r.status_code == 200 else {}
             return doc.get("epoch") == self.epoch and doc.get("state") == "ready", doc.get("dtype")
 
-        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
-            answers = list(pool.map(member, self.endpoints.rollout))
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.members))) as pool:
+            answers = list(pool.map(member, self.members))
         self.wire_dtype = wire_dtype(dtype for _, dtype in answers)
-        if all(ok for ok, _ in answers):
+        if self.members == self._formed and all(ok for ok, _ in answers):
             return
         self.group.close()
-        self._addr = replace(self._addr, epoch=new_epoch())
+        self._addr = replace(
+            self._addr, epoch=new_epoch(), world_size=weight_sync_world_size(self.spec, len(self.members))
+        )
         self.epoch = self._addr.epoch
         store = open_store(self._addr)
         self._tell_servers_to_join()
         self.group = WeightSyncGroup(self._addr, store=store)
+        self._formed = list(self.members)
         self.reforms += 1
 
     def probe(self, nbytes: int) -> float:
         """Time one raw broadcast of a flat `nbytes` tensor to every rollout worker (the
         transport's limit, for benchmarks and link checks); returns seconds."""
         self.ensure_group()
-        for url in self.endpoints.rollout:
+        for url in self.members:
             r = self._http.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes, "group_epoch": self.epoch})
             if r.status_code != 200:
                 raise WeightSyncError(f"{url}/weights/probe: {r.status_code} {_error_text(r)}")
@@ -240,8 +260,8 @@ class WeightSender:
                 "in the weight-sync collective, so the group cannot continue"
             )
 
-        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.endpoints.rollout))) as pool:
-            refusals = [r for r in pool.map(begin, self.endpoints.rollout) if r is not None]
+        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.members))) as pool:
+            refusals = [r for r in pool.map(begin, self.members) if r is not None]
         stats = send(self.group, manifest, _on_device(manifest, draw(), self.group.device))
         failed = self.group.all_reduce_sum(0)
         stats.seconds = time.perf_counter() - t0
@@ -263,7 +283,7 @@ class WeightSender:
         load call returns, a moment later: wait for that as well, so generation requested after
         sync() returns is tagged with the new version. One GET /version per server."""
         deadline = time.monotonic() + self.timeout
-        for url in self.endpoints.rollout:
+        for url in self.members:
             while True:
                 r = self._http.get(f"{url.rstrip('/')}/version")
                 served = r.json().get("version") if r.status_code == 200 else None

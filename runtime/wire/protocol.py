@@ -130,6 +130,12 @@ class WeightsGroupRequest(WireRequest):
     """Leave the current weight-sync group (if any) and join the trainer's group `epoch`."""
 
     epoch: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    rank: Annotated[int, Field(ge=1)] | None = None
+    """This server's first rank in the group (its TP workers follow): the trainer numbers the
+    servers it holds, which differ from the spec's replicas while a scale is in progress.
+    None: from the server's replica index and the spec."""
+    world_size: Annotated[int, Field(ge=2)] | None = None
+    """Members of the group, trainer included. None: from the spec."""
 
 
 class WeightsGroupResponse(Wire):
