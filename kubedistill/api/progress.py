@@ -49,6 +49,10 @@ class TrainerProgress(ApiModel):
     """Mean version lag of the last step's samples."""
     trainer_idle_ratio: float | None = None
     """Fraction of wall time the trainer waited for samples."""
+    rollout_servers: list[str] | None = None
+    """Base URLs of the rollout servers the driver holds: in its rotation, joining its weight-sync
+    group, or still draining. A rollout pod whose URL is listed must not be taken away yet (a
+    scale-down waits for it to leave the list). None: not reported (an older trainer)."""
     message: str | None = None
     """Why the run failed (phase failed)."""
 

@@ -9,7 +9,9 @@ Two sides share a SampleBuffer:
   (scoring overlaps the other generations), computes its task reward and puts the group back;
 * training — takes `requireBatches x miniBatchSize` samples, runs the trainer step in a worker
   thread (generation and scoring continue meanwhile), syncs weights every
-  `triggerParameterSyncStep` steps and tells the buffer, checkpoints.
+  `triggerParameterSyncStep` steps and tells the buffer, checkpoints;
+* rollout membership — while the job scales, follows the servers the job wants: a new one joins
+  the weight-sync group at a sync, a removed one is drained first (runtime/driver/membership.py).
 
 The modes differ only in the staleness rule (StalenessPolicy): sync allows one batch under the
 current weights (generate, train, sync), oneStepOff two (batch k+1 generates while k trains),
@@ -26,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
@@ -35,6 +37,7 @@ from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import TRANSPORT_ERRORS, RolloutClient, TeacherClient, new_session
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
+from kubedistill.runtime.driver.membership import RolloutMembership
 from kubedistill.runtime.driver.progress import HistoryWriter
 from kubedistill.runtime.driver.rewards import RewardRegistry
 from kubedistill.runtime.driver.routing import EndpointPool, TeacherRouter
@@ -44,10 +47,15 @@ from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.wire.batch import TrainBatch
 from kubedistill.runtime.wire.protocol import TensorMeta
 
+if TYPE_CHECKING:
+    import aiohttp
+
 log = logging.getLogger("kubedistill.driver")
 
 DRIVER_STATE_FORMAT = 1
 MAX_TRANSPORT_RETRIES = 5
+ROLLOUT_POLL_SECONDS = 2.0
+"""How often the driver re-reads the rollout servers the job wants, and re-probes a new one."""
 EXPORT_DIR = "student-hf"
 
 
@@ -88,7 +96,11 @@ class TrainerLike(Protocol):
 class SenderLike(Protocol):
     """runtime/weight_sync's WeightSender."""
 
+    members: list[str]
+    """The rollout servers in the group, in rank order."""
+
     def sync(self, version: int, weights: TrainerLike) -> object: ...
+    def set_members(self, urls: list[str]) -> None: ...
 
 
 def request_seed(base: int | None, sample: Sample) -> int | None:
@@ -112,6 +124,7 @@ class Driver:
         history: HistoryWriter | None = None,
         status: TrainerProgress | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rollout_source: Callable[[], list[str]] | None = None,
     ):
         self.spec = spec
         self.trainer = trainer
@@ -129,8 +142,12 @@ class Driver:
         self.src = PromptSource.from_spec(spec, tokenizer)
         self.rewards = RewardRegistry.for_spec(spec)
         self.pool = EndpointPool("rollout", rollout_urls)
+        self.rollouts = RolloutMembership(list(rollout_urls))
+        self.rollout_source = rollout_source
+        """The rollout servers the job wants now (the re-read config's endpoints.rollout): the
+        driver follows it while it runs. None: the servers it started with, for good."""
+        self.status.rollout_servers = self.rollouts.held()
         self.router = TeacherRouter(spec, teacher_urls)
-        self._rollout_urls = list(rollout_urls)
         self._teacher_urls = [u for urls in teacher_urls.values() for u in urls]
         self.step = 0
         self.version = 0
@@ -140,6 +157,10 @@ class Driver:
         self._rollout: dict[str, RolloutClient] = {}
         self._teacher: dict[str, TeacherClient] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._membership_tasks: set[asyncio.Task[None]] = set()
+        self.requests_by_server: dict[str, int] = {}
+        """/generate calls answered, per rollout server (this driver process)."""
+        self._http: aiohttp.ClientSession | None = None
         self._error: BaseException | None = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._started = clock()
@@ -192,16 +213,29 @@ class Driver:
     async def _on_trainer(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
 
-    def _sync_blocking(self, version: int) -> None:
+    def _sync_blocking(self, version: int, joiners: Sequence[str] = ()) -> None:
         if self.sender is None:
             raise RuntimeError("no weight sender: the weight-sync group is not formed")
+        if joiners:  # the sync re-forms the group with them, so they start at this version
+            self.sender.set_members([*self.sender.members, *(u for u in joiners if u not in self.sender.members)])
         # The trainer itself: the sender lays out the manifest from its metadata and draws the
         # gathered tensors bucket by bucket once every server is ready to receive.
         self.sender.sync(version, self.trainer)
 
+    def _leave_group(self, url: str) -> None:
+        if self.sender is not None and url in self.sender.members:
+            self.sender.set_members([u for u in self.sender.members if u != url])
+
     async def sync_weights(self, version: int) -> None:
         t0 = self.clock()
-        await self._on_trainer(self._sync_blocking, version)
+        joiners = list(self.rollouts.ready)
+        await self._on_trainer(self._sync_blocking, version, joiners)
+        if joiners:
+            self.rollouts.joined(joiners)
+            for url in joiners:
+                self.pool.add(url)
+            self.status.rollout_servers = self.rollouts.held()
+            log.info("rollout servers %s joined at weight version %d; now %d", joiners, version, len(self.pool.urls))
         self.version = version
         self.status.weight_version = version
         await self.buffer.synced(version)
@@ -215,7 +249,8 @@ class Driver:
         self.status.set_phase("running")
         # A generation may wait out a weight sync (and its timeout) before it is aborted.
         async with new_session(timeout=float(self.spec.weight_sync.timeout_seconds) + 600.0) as http:
-            self._rollout = {u: RolloutClient(u, session=http) for u in self._rollout_urls}
+            self._http = http
+            self._rollout = {u: RolloutClient(u, session=http) for u in self.rollouts.members}
             self._teacher = {u: TeacherClient(u, session=http) for u in self._teacher_urls}
             await self._wait_healthy([*self._rollout.values(), *self._teacher.values()])
             self._started = self.clock()
@@ -224,6 +259,7 @@ class Driver:
             self._resumed_groups = []
             producer = asyncio.create_task(self._produce())
             producer.add_done_callback(self._task_done)
+            watcher = asyncio.create_task(self._follow_rollouts()) if self.rollout_source is not None else None
             try:
                 while self.step < total:
                     await self._train_one()
@@ -231,9 +267,10 @@ class Driver:
                         await self._checkpoint()
             finally:
                 producer.cancel()
-                for t in list(self._tasks):
+                others = [watcher] if watcher is not None else []
+                for t in [*others, *self._tasks, *self._membership_tasks]:
                     t.cancel()
-                await asyncio.gather(producer, *self._tasks, return_exceptions=True)
+                await asyncio.gather(producer, *others, *self._tasks, *self._membership_tasks, return_exceptions=True)
                 await self.buffer.close()
         if self.spec.checkpoint.export_hf:
             out = Path(self.spec.checkpoint.path) / EXPORT_DIR
@@ -247,7 +284,8 @@ class Driver:
         (an engine may finish bookkeeping just after the sync's last collective)."""
         deadline = self.clock() + wait
         while True:
-            served = list(await asyncio.gather(*(c.version() for c in self._rollout.values())))
+            clients = [self._rollout[u] for u in self.rollouts.members]
+            served = list(await asyncio.gather(*(c.version() for c in clients)))
             if all(v >= version for v in served) or self.clock() > deadline:
                 return served
             await asyncio.sleep(0.05)
@@ -345,8 +383,83 @@ class Driver:
                 "droppedStale": self.buffer.counters["dropped_stale"],
                 "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
                 "offPolicy": _mean_per_key([s.off_policy for s in stats]),
+                "rolloutRequests": dict(self.requests_by_server),
             }
         )
+
+    # ---- rollout servers joining and leaving -------------------------------------------------
+    async def _follow_rollouts(self) -> None:
+        """Follow the desired rollout servers while the job runs (it scales): admit new ones,
+        drain the ones no longer wanted. A config that cannot be read keeps the current set."""
+        assert self.rollout_source is not None
+        failing: str | None = None
+        while True:
+            try:
+                desired = await asyncio.to_thread(self.rollout_source)
+                admit, drain = self.rollouts.update(desired)
+                failing = None
+            except Exception as e:
+                message = f"{type(e).__name__}: {e}"
+                if message != failing:
+                    log.warning("cannot read the wanted rollout servers (%s); keeping %s", message, self.pool.urls)
+                failing, admit, drain = message, [], []
+            for url in admit:
+                log.info("rollout server %s wanted: it joins once healthy, at the next weight sync", url)
+                self._spawn_membership(self._admit(url))
+            for url in drain:
+                log.info("rollout server %s no longer wanted: draining it", url)
+                self._spawn_membership(self._drain(url))
+            self.status.rollout_servers = self.rollouts.held()
+            await asyncio.sleep(ROLLOUT_POLL_SECONDS)
+
+    def _spawn_membership(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._membership_tasks.add(task)
+        task.add_done_callback(self._membership_done)
+
+    def _membership_done(self, task: asyncio.Task[None]) -> None:
+        self._membership_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            log.error("rollout membership change failed: %r", task.exception())
+            self._error = task.exception()
+            asyncio.get_running_loop().create_task(self.buffer.close())
+
+    async def _admit(self, url: str) -> None:
+        """Wait until a new server answers /health (its engine is loaded), then mark it ready:
+        the next weight sync takes it into the group, and the pool after that sync."""
+        client = RolloutClient(url, session=self._http)
+        while self.rollouts.wanted(url):
+            try:
+                await client.health()
+            except Exception:
+                await asyncio.sleep(ROLLOUT_POLL_SECONDS)
+                continue
+            self._rollout[url] = client
+            if self.rollouts.healthy(url):
+                log.info("rollout server %s is healthy: it joins the weight-sync group at the next sync", url)
+            return
+
+    async def _drain(self, url: str) -> None:
+        """No new requests to `url`; the ones in flight finish there, or, with partial rollouts,
+        are aborted and resumed on the other servers (their tokens kept). Then it leaves the
+        group's next epoch and the driver lets it go."""
+        while not any(u != url for u in self.rollouts.serving()):
+            await asyncio.sleep(ROLLOUT_POLL_SECONDS)  # never drain the last server taking requests
+        self.pool.drain(url)
+        in_flight = self.pool.outstanding(url)
+        if in_flight and self.staleness_rule.partial_rollout:
+            try:
+                await self._rollout[url].abort()
+            except Exception as e:  # it may be gone already: its requests fail over as transport errors
+                log.warning("abort on draining %s: %r", url, e)
+        while self.pool.outstanding(url):
+            await asyncio.sleep(0.05)
+        await self._on_trainer(self._leave_group, url)
+        self.pool.remove(url)
+        self.rollouts.drained(url)
+        self._rollout.pop(url, None)
+        self.status.rollout_servers = self.rollouts.held()
+        log.info("rollout server %s drained (%d requests were in flight) and let go", url, in_flight)
 
     # ---- generation ------------------------------------------------------------------------
     async def _produce(self) -> None:
@@ -409,6 +522,7 @@ class Driver:
             finally:
                 self.pool.release(url)
             self._transport_failures = 0
+            self.requests_by_server[url] = self.requests_by_server.get(url, 0) + 1
             s.extend(out)
         await self.buffer.sample_finished()
         self._observe("gen", self.clock() - t0)

@@ -22,11 +22,14 @@ class _Endpoint:
     url: str
     outstanding: int = 0
     assigned: int = 0
+    draining: bool = False
 
 
 class EndpointPool:
     """Base URLs of one role's replicas; `acquire` picks the one with the fewest requests in
-    flight (ties: the one given the fewest requests so far, then the lowest index)."""
+    flight (ties: the one given the fewest requests so far, then the lowest index). While the job
+    scales, endpoints are added, and removed in two steps: `drain` (no new requests; those in
+    flight go on) and `remove` once none is left in flight."""
 
     def __init__(self, name: str, urls: Sequence[str]):
         if not urls:
@@ -39,7 +42,29 @@ class EndpointPool:
 
     @property
     def urls(self) -> list[str]:
+        """Every endpoint, draining ones included."""
         return [e.url for e in self._endpoints]
+
+    def add(self, url: str) -> None:
+        if url in self._by_url:
+            raise ValueError(f"{self.name}: {url} is already an endpoint")
+        e = _Endpoint(url, assigned=min((x.assigned for x in self._endpoints), default=0))
+        self._endpoints.append(e)
+        self._by_url[url] = e
+
+    def drain(self, url: str) -> None:
+        """No new requests go to `url`; at least one other endpoint must still take them."""
+        e = self._get(url)
+        if not any(x is not e and not x.draining for x in self._endpoints):
+            raise ValueError(f"{self.name}: cannot drain {url}, the last endpoint taking requests")
+        e.draining = True
+
+    def remove(self, url: str) -> None:
+        e = self._get(url)
+        if not e.draining or e.outstanding:
+            raise ValueError(f"{self.name}: remove {url} only once drained ({e.outstanding} requests in flight)")
+        self._endpoints.remove(e)
+        del self._by_url[url]
 
     def outstanding(self, url: str | None = None) -> int:
         """Requests in flight on one endpoint, or on the whole pool."""
@@ -48,7 +73,7 @@ class EndpointPool:
         return self._get(url).outstanding
 
     def acquire(self) -> str:
-        best = min(self._endpoints, key=lambda e: (e.outstanding, e.assigned))
+        best = min((e for e in self._endpoints if not e.draining), key=lambda e: (e.outstanding, e.assigned))
         best.outstanding += 1
         best.assigned += 1
         return best.url

@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -78,10 +80,24 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(spec, metrics=metrics)
         trainer.follow()
         return 0
-    return asyncio.run(_run_driver(config, args.host, port, metrics))
+    from kubedistill.api.roleconfig import CONFIG_PATH
+
+    return asyncio.run(_run_driver(config, args.host, port, metrics, Path(args.config or CONFIG_PATH)))
 
 
-async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetrics) -> int:
+def rollout_source(config_path: Path) -> Callable[[], list[str]]:
+    """The rollout servers the job wants now: endpoints.rollout of the job's config, re-read each
+    call. The operator rewrites that ConfigMap when the job scales (the kubelet refreshes the
+    mounted file), `kubedistill run` its config.json; both replace it whole."""
+    from kubedistill.api.roleconfig import JobConfig
+
+    def read() -> list[str]:
+        return list(JobConfig.load(config_path).endpoints.rollout)
+
+    return read
+
+
+async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetrics, config_path: Path) -> int:
     """Rank 0: the status server, the trainer, resume, the weight-sync group, then the driver."""
     from kubedistill.api.progress import TrainerProgress
     from kubedistill.runtime.driver.progress import HistoryWriter
@@ -93,12 +109,12 @@ async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetr
     await server.start()
     trainer = None
     try:
-        trainer, driver = await asyncio.to_thread(_build, config, metrics, status)
+        trainer, driver = await asyncio.to_thread(_build, config, metrics, status, rollout_source(config_path))
         resumed = await asyncio.to_thread(trainer.resume)
         if resumed is not None:
             driver.restore(resumed.step, resumed.weight_version, resumed.driver_state)
             status.last_checkpoint = str(resumed.path)
-        log.info("waiting for %d rollout worker(s) to join the weight-sync group", len(config.endpoints.rollout))
+        log.info("waiting for %d rollout server(s) to join the weight-sync group", len(config.endpoints.rollout))
         from kubedistill.runtime.weight_sync.sender import WeightSender
 
         driver.sender = await asyncio.to_thread(WeightSender, spec, config.endpoints, metrics)
@@ -118,7 +134,9 @@ async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetr
         await server.stop()
 
 
-def _build(config: JobConfig, metrics: RoleMetrics, status: TrainerProgress) -> tuple[Trainer, Driver]:
+def _build(
+    config: JobConfig, metrics: RoleMetrics, status: TrainerProgress, source: Callable[[], list[str]]
+) -> tuple[Trainer, Driver]:
     from transformers import AutoTokenizer
 
     from kubedistill.runtime.driver.loop import Driver
@@ -139,5 +157,6 @@ def _build(config: JobConfig, metrics: RoleMetrics, status: TrainerProgress) -> 
         tokenizer=tokenizer,
         metrics=metrics,
         status=status,
+        rollout_source=source,
     )
     return trainer, driver
