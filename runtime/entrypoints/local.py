@@ -54,6 +54,11 @@ class ProcessPlan:
     argv: list[str] = field(default_factory=list)
 
 
+LOCAL_SCALE_CPUS = 64
+"""Logical CPUs a local Ray gets beyond the job's, for rollout replicas added while it runs."""
+PLACE_SECONDS = 120.0
+"""How long a rollout replica added while the job runs may wait for Ray to place it."""
+
 RAY_WORKER_PORTS = range(10002, 20000)
 """Ray's default worker port range (`ray start --min/max-worker-port`): its workers bind there."""
 
@@ -133,57 +138,75 @@ def local_processes(job: DistillationJob, config_path: Path) -> tuple[JobConfig,
     config = JobConfig(job=name, namespace=ns, spec=spec, endpoints=endpoints)
 
     processes: list[ProcessPlan] = []
-
-    def add(identity: Identity, port: int, threads: int | None, gpus: int) -> None:
-        label = identity.role.value if identity.teacher is None else f"teacher-{identity.teacher}"
-        argv = [
-            sys.executable,
-            "-m",
-            "kubedistill.cli",
-            "role",
-            identity.role.value,
-            "--config",
-            str(config_path),
-            "--replica",
-            str(identity.replica),
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-        ]
-        if identity.teacher is not None:
-            argv += ["--teacher", identity.teacher]
-        env = role_env(spec, name, ns, identity, HOST, master_port)
-        for e in user_env(spec, identity.role, identity.teacher):
-            if e.value_from is not None:
-                raise ValueError(
-                    f"spec.env {e.name}: valueFrom (a Kubernetes reference) cannot be resolved by "
-                    "`kubedistill run`; give it a value for local runs"
-                )
-            env[e.name] = e.value or ""
-        processes.append(
-            ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv)
-        )
-
     for t in spec.teachers:
         for i, port in enumerate(ports[f"teacher/{t.name}"]):
-            add(
-                Identity(role=Role.teacher, replica=i, teacher=t.name),
-                port,
-                t.overrides.cpu_threads,
-                spec.gpus_of(t.gpus),
+            processes.append(
+                role_process(
+                    config,
+                    config_path,
+                    Identity(role=Role.teacher, replica=i, teacher=t.name),
+                    port,
+                    t.overrides.cpu_threads,
+                    spec.gpus_of(t.gpus),
+                )
             )
     for i, port in enumerate(ports["rollout"]):
-        add(
-            Identity(role=Role.rollout, replica=i),
-            port,
-            spec.rollout.overrides.cpu_threads,
-            spec.gpus_of(spec.rollout.gpus),
-        )
+        processes.append(rollout_process(config, config_path, i, port))
     gpus_per_rank = 1 if spec.gpus_of(spec.trainer.gpus_per_replica) else 0
     for rank, port in enumerate(ports["trainer"]):
-        add(Identity(role=Role.trainer, replica=rank), port, spec.trainer.overrides.cpu_threads, gpus_per_rank)
+        processes.append(
+            role_process(
+                config,
+                config_path,
+                Identity(role=Role.trainer, replica=rank),
+                port,
+                spec.trainer.overrides.cpu_threads,
+                gpus_per_rank,
+            )
+        )
     return config, processes
+
+
+def role_process(
+    config: JobConfig, config_path: Path, identity: Identity, port: int, threads: int | None, gpus: int
+) -> ProcessPlan:
+    """The `kubedistill role ...` process of one replica, on `port`."""
+    spec, name, ns = config.spec, config.job, config.namespace
+    label = identity.role.value if identity.teacher is None else f"teacher-{identity.teacher}"
+    argv = [
+        sys.executable,
+        "-m",
+        "kubedistill.cli",
+        "role",
+        identity.role.value,
+        "--config",
+        str(config_path),
+        "--replica",
+        str(identity.replica),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+    ]
+    if identity.teacher is not None:
+        argv += ["--teacher", identity.teacher]
+    env = role_env(spec, name, ns, identity, HOST, config.endpoints.master_port)
+    for e in user_env(spec, identity.role, identity.teacher):
+        if e.value_from is not None:
+            raise ValueError(
+                f"spec.env {e.name}: valueFrom (a Kubernetes reference) cannot be resolved by "
+                "`kubedistill run`; give it a value for local runs"
+            )
+        env[e.name] = e.value or ""
+    return ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv)
+
+
+def rollout_process(config: JobConfig, config_path: Path, replica: int, port: int) -> ProcessPlan:
+    spec = config.spec
+    identity = Identity(role=Role.rollout, replica=replica)
+    return role_process(
+        config, config_path, identity, port, spec.rollout.overrides.cpu_threads, spec.gpus_of(spec.rollout.gpus)
+    )
 
 
 def fit_gpus(config: JobConfig, processes: list[ProcessPlan], available: int) -> JobConfig:
@@ -337,9 +360,10 @@ def run(
         ray.init(address=address, log_to_driver=False)
     else:
         # Locally the roles share the machine on purpose (like separate GPU pools share a node):
-        # give Ray enough logical CPUs that every role gets placed.
+        # give Ray enough logical CPUs that every role gets placed, and rollout replicas added
+        # while the job runs too (Ray only accounts these CPUs; it starts no worker per CPU).
         ray.init(
-            num_cpus=max(int(wanted_cpus + 0.999), os.cpu_count() or 1),
+            num_cpus=max(int(wanted_cpus + 0.999), os.cpu_count() or 1) + LOCAL_SCALE_CPUS,
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
@@ -351,6 +375,18 @@ def run(
         log(f"{job_path}: {exc}")
         return 1
     config.dump(config_path)
+    from kubedistill.runtime.entrypoints.local_scaling import RolloutScaler
+
+    scaler = RolloutScaler(
+        job_path=job_path,
+        spec=job.spec,
+        config=config,
+        config_path=config_path,
+        template=next(p for p in processes if p.identity.role is Role.rollout),
+        new_process=lambda cfg, replica, taken: rollout_process(cfg, config_path, replica, free_port(taken)),
+        load=lambda path: absolute_paths(load_job(path).spec, Path.cwd()),
+        log=log,
+    )
     RoleProcess = _process_actor_class()
     actors: dict[str, Any] = {}
     started = time.time()
@@ -374,6 +410,18 @@ def run(
         last_print = 0.0
         polled: TrainerProgress | None = None
         while True:
+            for p in scaler.poll():
+                actor = RoleProcess.options(num_cpus=p.cpus, num_gpus=p.gpus, name=None).remote()
+                try:
+                    ray.get(
+                        actor.start.remote(p.argv, p.env, str(run_dir / "logs" / f"{p.name}.log")),
+                        timeout=PLACE_SECONDS,
+                    )
+                except ray.exceptions.GetTimeoutError:
+                    ray.kill(actor)
+                    scaler.unplaced(p)  # and the replicas after it, which are not started
+                    break
+                actors[p.name] = actor
             exits = {name: ray.get(a.poll.remote()) for name, a in actors.items()}
             failed_rank = next((p.name for p in gang if exits[p.name] not in (None, 0)), None)
             if failed_rank is not None and len(restarts) < job.spec.backoff_limit:
@@ -393,7 +441,13 @@ def run(
                 _restart_gang(actors, gang, run_dir)
                 polled = None
                 continue
-            polled = _poll_progress(config.endpoints.trainer) or polled
+            fresh = _poll_progress(config.endpoints.trainer)
+            polled = fresh or polled
+            for name in scaler.due(fresh):
+                try:
+                    ray.get(actors.pop(name).stop.remote(), timeout=30)
+                except Exception as e:
+                    log(f"kubedistill run: stopping {name}: {e!r}")
             now = time.time()
             line = _progress_line(polled, job.spec.trainer.total_steps, now - started)
             if interactive:
@@ -407,7 +461,11 @@ def run(
                 break
             # Trainer ranks >= 1 end (exit 0) when rank 0 closes the gang, a moment before it exits.
             followers = {p.name for p in gang if p.name != trainer0}
-            failed = [n for n, c in exits.items() if c is not None and not (n in followers and c == 0)]
+            failed = [
+                n
+                for n, c in exits.items()
+                if c is not None and not (n in followers and c == 0) and n not in scaler.retiring and n in actors
+            ]
             if failed:
                 outcome["result"] = f"{failed[0]} exited with {exits[failed[0]]}"
                 code = 1
@@ -434,6 +492,7 @@ def run(
             except Exception:
                 pass
         ray.shutdown()
+    outcome["rolloutScaling"] = scaler.events
     outcome["seconds"] = round(time.time() - started, 1)
     outcome["logs"] = str(run_dir / "logs")
     history = read_history(history_path)
