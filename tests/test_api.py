@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from k8s_offline import apply_defaults, cel_violations, crd_schema, read_manifest, schema_errors
+from k8s_offline import CRD_FILE, apply_defaults, cel_violations, crd_schema, read_manifest, schema_errors
 from kubedistill.api import DistillationJob
 from kubedistill.api.crd import crd, crd_yaml
-from kubedistill.api.rules import NAME_RULES
+from kubedistill.api.rules import KUEUE_FIXED_SIZE_MESSAGE, NAME_RULES, ROLLOUT_MUTABLE
+from kubedistill.api.spec import RolloutSpec
 from kubedistill.api.validate import validate_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +77,7 @@ def test_crd_identity_and_columns() -> None:
     assert c["metadata"]["name"] == "distillationjobs.kubedistill.io"
     assert c["spec"]["names"]["shortNames"] == ["dj", "distjob"]
     version = c["spec"]["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1" and version["subresources"]["status"] == {}
     assert [col["name"] for col in version["additionalPrinterColumns"]] == [
         "Mode",
         "Phase",
@@ -172,6 +174,93 @@ def test_immutable_fields_refuse_changes() -> None:
     found = sorted(p for p, _ in cel_violations(new, SCHEMA, old=old))
     assert found == ["spec.mode", "spec.trainer"]
     assert list(cel_violations(old, SCHEMA, old=old)) == []
+
+
+def _node_at(path: str) -> dict:
+    """The committed schema's node at a JSON path such as .spec.rollout.replicas."""
+    node = SCHEMA
+    for key in path.lstrip(".").split("."):
+        node = node["properties"][key]
+    return node
+
+
+def test_scale_subresource_points_at_the_rollout_replicas() -> None:
+    (version,) = read_manifest(CRD_FILE)["spec"]["versions"]
+    scale = version["subresources"]["scale"]
+    assert scale == {
+        "specReplicasPath": ".spec.rollout.replicas",
+        "statusReplicasPath": ".status.rolloutReplicas",
+        "labelSelectorPath": ".status.rolloutSelector",
+    }
+    # The API server requires the spec path under .spec, the others under .status, and reads an
+    # integer at both replicas paths and a string selector.
+    assert scale["specReplicasPath"].startswith(".spec.") and scale["statusReplicasPath"].startswith(".status.")
+    assert _node_at(scale["specReplicasPath"])["type"] == "integer"
+    assert _node_at(scale["statusReplicasPath"])["type"] == "integer"
+    assert _node_at(scale["labelSelectorPath"])["type"] == "string"
+
+
+def _running(path: str = "examples/quickstart-cpu.yaml") -> dict:
+    return apply_defaults(_load(ROOT / path), SCHEMA)
+
+
+def test_rollout_replicas_may_change_on_a_running_job() -> None:
+    old = _running()
+    for replicas in (3, 1024, 1):
+        new = _running()
+        new["spec"]["rollout"]["replicas"] = replicas
+        assert list(cel_violations(new, SCHEMA, old=old)) == [], replicas
+
+
+def test_other_rollout_fields_stay_immutable() -> None:
+    old = _running()
+    # The CEL twin types a number by its JSON form (1 is an int, unlike the API server, which
+    # types it by the schema): both temperatures are written as floats.
+    old["spec"]["rollout"]["sampling"]["temperature"] = 0.9
+    only = "only spec.rollout.replicas may change on a running job; delete and recreate the job to change it"
+    new = copy.deepcopy(old)
+    new["spec"]["rollout"]["replicas"] = 2
+    new["spec"]["rollout"]["sampling"]["temperature"] = 0.7
+    assert list(cel_violations(new, SCHEMA, old=old)) == [
+        ("spec.rollout.sampling", f"spec.rollout.sampling is immutable: {only}")
+    ]
+    # gpus is optional without a default: adding it (or removing it) is refused at spec.rollout,
+    # where both objects have the field to compare.
+    new = copy.deepcopy(old)
+    new["spec"]["rollout"]["gpus"] = 0
+    assert list(cel_violations(new, SCHEMA, old=old)) == [
+        ("spec.rollout.gpus", f"spec.rollout.gpus cannot be added or removed: {only}")
+    ]
+    assert [p for p, _ in cel_violations(old, SCHEMA, old=new)] == ["spec.rollout.gpus"]
+    changed = copy.deepcopy(new)
+    changed["spec"]["rollout"]["gpus"] = 1  # also wrong on device cpu, which a rule says too
+    assert ("spec.rollout.gpus", f"spec.rollout.gpus is immutable: {only}") in cel_violations(changed, SCHEMA, old=new)
+
+
+def test_every_rollout_field_but_replicas_has_a_transition_rule() -> None:
+    rollout = _node_at(".spec.rollout")
+    presence = {r.get("fieldPath") for r in rollout.get("x-kubernetes-validations", [])}
+    for name, info in RolloutSpec.model_fields.items():
+        key = info.alias or name
+        rules = [r["rule"] for r in rollout["properties"][key].get("x-kubernetes-validations", [])]
+        if key in ROLLOUT_MUTABLE:
+            assert rules == [], key
+            continue
+        assert rules == ["self == oldSelf"], key
+        if "default" not in rollout["properties"][key]:
+            assert f".{key}" in presence, key
+
+
+def test_kueue_refuses_scaling_the_rollout() -> None:
+    old = _running("examples/gang-kueue.yaml")
+    new = _running("examples/gang-kueue.yaml")
+    new["spec"]["rollout"]["replicas"] = 3
+    assert list(cel_violations(new, SCHEMA, old=old)) == [("spec.rollout.replicas", KUEUE_FIXED_SIZE_MESSAGE)]
+    for path in ("examples/gang-volcano.yaml", "examples/gang-coscheduling.yaml"):
+        old = _running(path)
+        new = _running(path)
+        new["spec"]["rollout"]["replicas"] += 1
+        assert list(cel_violations(new, SCHEMA, old=old)) == [], path
 
 
 def test_routing() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from kubedistill.api import kubeyaml
 from kubedistill.api.crd import crd
-from kubedistill.api.rules import IMMUTABLE_SPEC_FIELDS, NAME_RULES, SPEC_RULES
+from kubedistill.api.rules import IMMUTABLE_SPEC_FIELDS, NAME_RULES, ROLLOUT_MUTABLE, SPEC_RULES, TRANSITION_RULES
 
 INTRO = f"""# DistillationJob API reference (kubedistill.io/v1alpha1)
 
@@ -78,6 +78,15 @@ def api_reference() -> str:
     out.append(
         "\nImmutable after creation (CEL `self == oldSelf`): "
         + ", ".join(f"`spec.{f}`" for f in IMMUTABLE_SPEC_FIELDS)
-        + ". `suspend`, lifecycle limits and pod overrides may change.\n"
+        + ", and every field of `spec.rollout` but "
+        + ", ".join(f"`spec.rollout.{f}`" for f in ROLLOUT_MUTABLE)
+        + ", which `kubectl scale` and a HorizontalPodAutoscaler change through the scale subresource"
+        " (docs/operator.md#scaling-the-rollout-servers). `suspend`, lifecycle limits and pod overrides"
+        " may change.\n"
     )
+    out.append("Checked by the API server on updates (CEL transition rules over `self` and `oldSelf`):\n")
+    out.append("| field | rule |\n| --- | --- |")
+    for r in TRANSITION_RULES:
+        out.append(f"| `{r.path}` | {r.message} |")
+    out.append("")
     return "\n".join(out)

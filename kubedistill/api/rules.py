@@ -20,6 +20,7 @@ from kubedistill.api.spec import (
     GangScheduler,
     LossMode,
     Mode,
+    RolloutSpec,
 )
 
 
@@ -33,7 +34,9 @@ class Rule:
     field: str = ""
     """Offending field relative to the node (CRD fieldPath, e.g. ".trainer.miniBatchSize")."""
     check: Callable[[DistillationJobSpec], bool] | None = None
-    """Python twin of `cel` over the spec; None for rules on metadata (checked in job.py)."""
+    """Python twin of `cel` over the spec; None for rules on metadata (checked in job.py) and for
+    transition rules (they compare the update with the stored object, which only the API server
+    has)."""
 
     @property
     def path(self) -> str:
@@ -307,13 +310,13 @@ NAME_RULES: list[Rule] = [
 
 # Spec fields a running job cannot change: the pods and checkpoints were built from them.
 # suspend, lifecycle limits and pod overrides stay mutable (they apply to the next pods).
+# spec.rollout is immutable too except for its replicas: see TRANSITION_RULES.
 IMMUTABLE_SPEC_FIELDS: list[str] = [
     "mode",
     "device",
     "student",
     "teachers",
     "routing",
-    "rollout",
     "trainer",
     "algorithm",
     "async",
@@ -324,6 +327,54 @@ IMMUTABLE_SPEC_FIELDS: list[str] = [
     "scheduling",
 ]
 IMMUTABLE_MESSAGE = "is immutable; delete and recreate the job to change it"
+
+ROLLOUT_MUTABLE: tuple[str, ...] = ("replicas",)
+"""The spec.rollout fields a running job may change: the replicas, which `kubectl scale` and a
+HorizontalPodAutoscaler set through the CRD's scale subresource (the operator adds and drains
+rollout pods without restarting the trainer gang, docs/operator.md#scaling-the-rollout-servers)."""
+KUEUE_FIXED_SIZE_MESSAGE = (
+    "cannot change with gangScheduler kueue: Kueue admits the job as one pod group of a fixed size; "
+    "delete and recreate the job to resize it"
+)
+
+
+def _rollout_transition_rules() -> list[Rule]:
+    """Every spec.rollout field but ROLLOUT_MUTABLE is immutable: `self == oldSelf` on the field,
+    and where the field is optional without a default (absent unless set, e.g. gpus), a presence
+    check on spec.rollout, since a transition rule on the field itself runs only when both the old
+    and the new object have it. Derived from RolloutSpec, so a new field is covered."""
+    out: list[Rule] = []
+    for name, info in RolloutSpec.model_fields.items():
+        key = info.alias or name
+        if key in ROLLOUT_MUTABLE:
+            continue
+        only = "only spec.rollout.replicas may change on a running job; delete and recreate the job to change it"
+        out.append(Rule(f"spec.rollout.{key}", "self == oldSelf", f"spec.rollout.{key} is immutable: {only}"))
+        if info.default is None and info.default_factory is None:
+            out.append(
+                Rule(
+                    "spec.rollout",
+                    f"has(self.{key}) == has(oldSelf.{key})",
+                    f"spec.rollout.{key} cannot be added or removed: {only}",
+                    f".{key}",
+                )
+            )
+    return out
+
+
+TRANSITION_RULES: list[Rule] = [
+    # Kueue admits a plain pod group whose size every pod's annotation names: a pod beyond it
+    # would never be admitted, and fewer pods would leave the group unfinished.
+    Rule(
+        "spec",
+        "self.scheduling.gangScheduler != 'kueue' || self.rollout.replicas == oldSelf.rollout.replicas",
+        KUEUE_FIXED_SIZE_MESSAGE,
+        ".rollout.replicas",
+    ),
+    *_rollout_transition_rules(),
+]
+"""Rules on updates (CEL over self and oldSelf), checked by the API server only: besides the
+`self == oldSelf` of IMMUTABLE_SPEC_FIELDS."""
 
 
 def violations(spec: DistillationJobSpec) -> list[tuple[str, str]]:

@@ -92,6 +92,15 @@ class DistillationJobStatus(ApiModel):
     """Pod counts per role: trainer, rollout, teacher/<name>."""
     ready: ReadySummary = Field(default_factory=ReadySummary)
     """ready/desired summaries shown by kubectl get."""
+    rollout_replicas: Annotated[int, Field(ge=0)] = 0
+    """Rollout pods that exist and have not finished, those still draining after a scale-down
+    included (the scale subresource's status.replicas, as a Deployment counts its pods)."""
+    rollout_selector: Annotated[str, Field(max_length=1024)] = ""
+    """Label selector of the job's rollout pods (the scale subresource's selector, which a
+    HorizontalPodAutoscaler needs)."""
+    rollout_drain_start_time: str | None = None
+    """RFC 3339 time of the scale-down whose surplus rollout pods (replica index at or beyond
+    spec.rollout.replicas) still run while the trainer drains them; unset when none is left."""
     step: Annotated[int, Field(ge=0)] = 0
     """Last completed train step (reported by the trainer; totalSteps once it succeeded)."""
     weight_version: Annotated[int, Field(ge=0)] = 0
