@@ -25,7 +25,7 @@ from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import GangScheduler
 from kubedistill.operator.kube import UNWATCHED, Kube, KubeConfig, KubeError, fetch_json
 from kubedistill.operator.metrics import OperatorMetrics
-from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, status_patch
+from kubedistill.operator.observed import ChildRef, ChildView, Observed, PodPhase, PodView, status_patch
 from kubedistill.operator.policy import (
     GANG_APIS,
     JobView,
@@ -40,7 +40,7 @@ from kubedistill.operator.policy import (
     plan,
     refusal_reason,
 )
-from kubedistill.operator.render import LABEL_ATTEMPT, LABEL_JOB
+from kubedistill.operator.render import KEPT_CURRENT, LABEL_ATTEMPT, LABEL_JOB, content_digest
 
 if TYPE_CHECKING:
     # kopf checks its decorators' handlers against these Protocols but does not re-export them.
@@ -99,8 +99,11 @@ class Reconciler:
         self._refused: dict[Key, dict[RefusalKey, Refusal]] = {}
         # Children of kinds the operator does not watch (PodGroups: their CRDs may be absent, and
         # watching them would need list/watch RBAC on every cluster): present once created or
-        # found existing (409). An operator restart creates them again (a 409 each).
-        self._made: dict[Key, set[ChildRef]] = {}
+        # found existing (409), with the digest of the content this loop last wrote (see
+        # Observed.digests); "" for one found existing, whose content is unknown, so the next pass
+        # patches it once (it may predate a scale). An operator restart creates them again (a 409
+        # each).
+        self._made: dict[Key, dict[ChildRef, str]] = {}
         # The last view of each pod the cluster took away (DisruptionTarget...), by job and pod
         # name: the condition is visible only while the pod terminates, the decision may come after.
         self._disrupted: dict[Key, dict[str, PodView]] = {}
@@ -152,16 +155,16 @@ class Reconciler:
         if running is not None and not running.done():
             return
         url = f"http://{pod.pod_ip}:{pod.http_port}/status"
-        self._polling[key] = asyncio.get_running_loop().create_task(self._poll(key, url))
+        self._polling[key] = asyncio.get_running_loop().create_task(self._poll(key, url, pod.attempt))
 
-    async def _poll(self, key: Key, url: str) -> None:
+    async def _poll(self, key: Key, url: str, attempt: int | None) -> None:
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession()
         doc = await fetch_json(self._http, url, self.options.status_timeout)
         if doc is None:
             return  # not up yet, or restarting: not an error
         try:
-            progress = Progress.of(doc)
+            progress = Progress.of(doc, attempt)
         except (TypeError, ValueError):
             return
         if self._progress.get(key) != progress:
@@ -186,25 +189,32 @@ class Reconciler:
 
     # -- one pass ------------------------------------------------------------------------
     async def reconcile(
-        self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildRef], logger: kopf.Logger
+        self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildView], logger: kopf.Logger
     ) -> float | None:
         """Run one pass; the seconds until the next one (None: the job was deleted)."""
         name, namespace = body.meta["name"], body.meta["namespace"]
         key = (namespace, name)
+        views = list(others)
+        made = self._made.get(key, {})
         observed = Observed(
             pods={p.name: p for p in pods},
-            others=set(others) | self._made.get(key, set()),
+            others={v.ref for v in views} | set(made),
+            digests={v.ref: v.digest for v in views if v.digest is not None}
+            | {ref: digest for ref, digest in made.items() if ref.kind in KEPT_CURRENT},
             disrupted=dict(self._disrupted.get(key, {})),
         )
         recent = self._recent.setdefault(key, {})
         now_mono = time.monotonic()
-        for (kind, child), (made, obj) in list(recent.items()):
-            if now_mono - made > RECENT_SECONDS:
+        for (kind, child), (when, obj) in list(recent.items()):
+            if now_mono - when > RECENT_SECONDS:
                 del recent[(kind, child)]
             elif kind == "Pod":
                 observed.pods.setdefault(child, PodView.of(obj))
             else:
+                # Created or updated by this loop, not yet seen by the watch: as written.
                 observed.others.add(ChildRef(kind, child))
+                if kind in KEPT_CURRENT:
+                    observed.digests[ChildRef(kind, child)] = content_digest(kind, obj)
         job = JobView(
             name=name,
             namespace=namespace,
@@ -262,6 +272,20 @@ class Reconciler:
         of an unwatched kind was created or found)."""
         kube = self.kube()
         newly_refused = made_unwatched = False
+        if p.update:
+            # Before the creates: a new rollout pod reads the updated config when it starts.
+            recent = self._recent.setdefault((job.namespace, job.name), {})
+            owned = [{KEPT_CURRENT[o["kind"]]: o[KEPT_CURRENT[o["kind"]]]} for o in p.update]
+            patched = await asyncio.gather(*(kube.patch(o, change) for o, change in zip(p.update, owned)))
+            for obj, found in zip(p.update, patched):
+                ref = ChildRef(obj["kind"], obj["metadata"]["name"])
+                if not found:  # deleted meanwhile: the next pass creates it
+                    self._made.get((job.namespace, job.name), {}).pop(ref, None)
+                    continue
+                if ref.kind in UNWATCHED:
+                    self._made.setdefault((job.namespace, job.name), {})[ref] = content_digest(ref.kind, obj)
+                else:
+                    recent[(ref.kind, ref.name)] = (time.monotonic(), obj)
         if p.create:
             kopf.adopt(p.create, owner=body)
             for obj in p.create:
@@ -283,7 +307,8 @@ class Reconciler:
                     continue
                 refused.pop(child, None)
                 if obj["kind"] in UNWATCHED:
-                    self._made.setdefault((job.namespace, job.name), set()).add(ChildRef(*child))
+                    digest = content_digest(obj["kind"], obj) if made and obj["kind"] in KEPT_CURRENT else ""
+                    self._made.setdefault((job.namespace, job.name), {})[ChildRef(*child)] = digest
                     made_unwatched = True
                 else:
                     recent[child] = (time.monotonic(), obj)
@@ -333,7 +358,7 @@ class Reconciler:
         body: kopf.Body,
         stopped: kopf.DaemonStopped,
         pods_index: Mapping[Key, Collection[PodView]],
-        others_indices: Sequence[Mapping[Key, Collection[ChildRef]]],
+        others_indices: Sequence[Mapping[Key, Collection[ChildView]]],
         logger: kopf.Logger,
     ) -> None:
         """The job's reconcile loop, until kopf stops it or the job is deleted; the indices hold
@@ -344,7 +369,7 @@ class Reconciler:
         try:
             while not stopped:
                 wake.clear()
-                others = [ref for index in others_indices for ref in index.get(key, ())]
+                others = [view for index in others_indices for view in index.get(key, ())]
                 delay = await self.reconcile(body, list(pods_index.get(key, ())), others, logger)
                 if delay is None or stopped:
                     break
@@ -410,10 +435,12 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         return {(namespace, labels[LABEL_JOB]): PodView.of(body)}
 
     def _child_index(kind: str) -> IndexingFn:
-        async def index(*, namespace: str | None, name: str, labels: kopf.Labels, **_: Any) -> dict[Key, ChildRef]:
+        async def index(
+            *, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+        ) -> dict[Key, ChildView]:
             if namespace is None:  # every child kind is namespaced
                 return {}
-            return {(namespace, labels[LABEL_JOB]): ChildRef(kind, name)}
+            return {(namespace, labels[LABEL_JOB]): ChildView.of(kind, body)}
 
         return index
 
@@ -446,7 +473,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     async def job(*, body: kopf.Body, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
         # kopf passes every index as a keyword named by its handler id.
         pods: kopf.Index[Key, PodView] = kwargs["job_pods"]
-        others: list[kopf.Index[Key, ChildRef]] = [kwargs[f"job_{plural}"] for plural in CHILD_KINDS]
+        others: list[kopf.Index[Key, ChildView]] = [kwargs[f"job_{plural}"] for plural in CHILD_KINDS]
         await reconciler.run(body, stopped, pods, others, logger)
 
     return registry

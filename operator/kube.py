@@ -28,8 +28,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "DistillationJob": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
 UNWATCHED: dict[str, str] = {"PodGroup": "podgroups"}
-"""kind -> plural of children the operator only creates (never lists, watches or deletes: the
-job's owner reference deletes them), under the apiVersion the object names. A PodGroup's kind is
+"""kind -> plural of children the operator only creates and patches (never lists, watches or
+deletes: the job's owner reference deletes them), under the apiVersion the object names. A PodGroup's kind is
 served by two projects (Volcano, scheduler-plugins), hence no fixed API prefix here."""
 
 
@@ -165,6 +165,18 @@ class Kube:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         try:
             await self._call("DELETE", path, body)
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def patch(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+        """JSON merge patch of an existing child (named by `obj`, as for create); False when it
+        is gone (the next pass creates it again)."""
+        path = f"{object_collection_path(obj)}/{obj['metadata']['name']}"
+        try:
+            await self._call("PATCH", path, patch, "application/merge-patch+json")
         except KubeError as exc:
             if exc.status == 404:
                 return False

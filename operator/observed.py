@@ -14,12 +14,14 @@ from typing import Any
 from kubedistill.api.roleconfig import Role
 from kubedistill.api.status import Condition, ConditionStatus, ConditionType, DistillationJobStatus, Phase, RoleStatus
 from kubedistill.operator.render import (
+    KEPT_CURRENT,
     LABEL_ATTEMPT,
     LABEL_JOB,
     LABEL_REPLICA,
     LABEL_ROLE,
     LABEL_TEACHER,
     TEACHER_GROUP_PREFIX,
+    content_digest,
     group_name,
 )
 
@@ -164,6 +166,21 @@ class ChildRef:
     name: str
 
 
+@dataclass(frozen=True)
+class ChildView:
+    """A non-Pod child as its watch shows it: which one, and for a kind whose content the
+    operator keeps current (render.KEPT_CURRENT), a digest of that content."""
+
+    ref: ChildRef
+    digest: str | None = None
+
+    @classmethod
+    def of(cls, kind: str, obj: Mapping[str, Any]) -> ChildView:
+        name = (obj.get("metadata") or {}).get("name", "")
+        digest = content_digest(kind, obj) if kind in KEPT_CURRENT else None
+        return cls(ChildRef(kind, name), digest)
+
+
 @dataclass
 class Observed:
     """A job's children as the operator last saw them."""
@@ -171,6 +188,9 @@ class Observed:
     pods: dict[str, PodView] = field(default_factory=dict)
     others: set[ChildRef] = field(default_factory=set)
     """ConfigMaps, Services, NetworkPolicies and PodGroups present (by kind and name)."""
+    digests: dict[ChildRef, str] = field(default_factory=dict)
+    """render.content_digest of the present children whose content the operator keeps current,
+    where known; a child missing here is taken to be current."""
     disrupted: dict[str, PodView] = field(default_factory=dict)
     """The last view of each pod the cluster took away, by name, kept after the pod is gone: a
     deleted pod's DisruptionTarget condition is seen only while it terminates."""
@@ -197,10 +217,13 @@ def condition(status: DistillationJobStatus, kind: ConditionType) -> Condition |
 
 
 def role_counts(desired: Mapping[str, int], pods: list[PodView]) -> dict[str, RoleStatus]:
+    """ready/failed per role group, over the pods the spec asks for: a pod whose replica index is
+    at or beyond its group's desired count (a rollout pod draining after a scale-down) is not
+    counted."""
     out = {g: RoleStatus(desired=n) for g, n in desired.items()}
     for p in pods:
         rs = out.get(p.group)
-        if rs is None or p.deleting:
+        if rs is None or p.deleting or p.replica >= rs.desired:
             continue
         if p.ready:
             rs.ready += 1

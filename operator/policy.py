@@ -13,6 +13,11 @@ Failure policy (docs/operator.md):
   * with gangScheduler kueue the gang is the whole job (one Kueue pod group per attempt);
   * a gang scheduler whose API the cluster does not serve holds the pods back: Blocked;
   * a failed rollout or teacher pod is deleted and recreated alone;
+  * spec.rollout.replicas may change while the job runs (kubectl scale, an HPA): the ConfigMap is
+    updated first (the trainer reads its endpoints as the rollout servers it should have), new
+    rollout pods are created, and a rollout pod beyond the new count is deleted once the trainer
+    no longer holds it (its /status rolloutServers), the trainer is not running, or the drain
+    deadline (rollout_drain_seconds) has passed; never a gang restart, never counted as a failure;
   * activeDeadlineSeconds after startTime the job is Failed;
   * trainer pod 0 Succeeded -> the job is Succeeded and the pods still running are deleted;
   * spec.suspend deletes the pods (phase Suspended) and clearing it recreates them;
@@ -35,7 +40,14 @@ from kubedistill.api.job import API_VERSION, KIND, DistillationJob
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import DistillationJobSpec, GangScheduler
-from kubedistill.api.status import ConditionStatus, ConditionType, DistillationJobStatus, Phase, ReadySummary
+from kubedistill.api.status import (
+    ConditionStatus,
+    ConditionType,
+    DistillationJobStatus,
+    Phase,
+    ReadySummary,
+    RoleStatus,
+)
 from kubedistill.api.validate import problems_of
 from kubedistill.operator import render
 from kubedistill.operator.observed import (
@@ -74,6 +86,18 @@ GANG_APIS: dict[GangScheduler, GangApi] = {
 }
 
 
+ROLLOUT_DRAIN_SECONDS = 300.0
+"""The shortest drain deadline: see rollout_drain_seconds."""
+
+
+def rollout_drain_seconds(spec: DistillationJobSpec) -> float:
+    """How long after a scale-down a rollout pod beyond spec.rollout.replicas is kept while the
+    trainer still holds it (or does not say whether it does): ROLLOUT_DRAIN_SECONDS, or one weight
+    sync's timeout if longer. A server leaves the trainer's weight-sync group at a sync, and a
+    server deleted during one would hold that sync up until its timeout."""
+    return max(ROLLOUT_DRAIN_SECONDS, float(spec.weight_sync.timeout_seconds))
+
+
 def gang_attempt(status: DistillationJobStatus) -> int:
     """The current gang attempt: every restart, counted (restarts) or not (disruptions)."""
     return status.restarts + status.disruptions
@@ -95,12 +119,24 @@ class Progress:
     step: int
     weight_version: int
     last_checkpoint: str | None
+    rollout_servers: tuple[str, ...] | None = None
+    """Base URLs of the rollout servers the trainer's driver still holds (in rotation, joining or
+    draining); None when it does not say (an older trainer)."""
+    attempt: int | None = None
+    """The gang attempt of the trainer pod that reported it: a report of an earlier attempt says
+    nothing about the servers the current trainer holds."""
 
     @classmethod
-    def of(cls, doc: Mapping[str, Any]) -> Progress:
+    def of(cls, doc: Mapping[str, Any], attempt: int | None = None) -> Progress:
         """Raises ValueError (pydantic's ValidationError) on a malformed document."""
         reported = TrainerProgress.from_json(doc)
-        return cls(reported.step, reported.weight_version, reported.last_checkpoint or None)
+        servers = reported.rollout_servers
+        held = None if servers is None else tuple(sorted({_base_url(u) for u in servers}))
+        return cls(reported.step, reported.weight_version, reported.last_checkpoint or None, held, attempt)
+
+
+def _base_url(url: str) -> str:
+    return url.strip().rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -147,6 +183,10 @@ def create_backoff(attempts: int, base_seconds: float, max_seconds: float) -> fl
 @dataclass
 class Plan:
     status: DistillationJobStatus
+    update: list[dict[str, Any]] = field(default_factory=list)
+    """Children whose content the operator keeps current (render.KEPT_CURRENT) that differ from
+    the spec: their owned field is patched, before `create` is carried out (a new rollout pod reads
+    the updated config when it starts)."""
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[ChildRef] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
@@ -171,7 +211,11 @@ def parse_spec(job: JobView) -> tuple[DistillationJobSpec | None, str]:
     Cached by content: a job's loop plans after every watch event about it or its children while
     the spec rarely changes, and validating it (problems_of, then the model) each time is wasted.
     The result is shared: never mutate it."""
-    return _parse_spec(job.name, json.dumps(job.spec, sort_keys=True))
+    return _parse_spec(job.name, _spec_json(job))
+
+
+def _spec_json(job: JobView) -> str:
+    return json.dumps(job.spec, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -206,7 +250,12 @@ def plan(
     """`missing_apis`: gang schedulers whose API the cluster does not serve (discovery)."""
     status = current_status(job.status)
     previous = status.phase
+    rollout_before = status.roles.get(Role.rollout.value)
     status.observed_generation = job.generation
+    status.rollout_selector = render.rollout_selector(job.name)
+    status.rollout_replicas = sum(
+        1 for q in observed.pods.values() if q.role is Role.rollout and not q.deleting and not q.finished
+    )
     p = Plan(status=status)
     spec, problem = parse_spec(job)
     if spec is None:
@@ -220,18 +269,22 @@ def plan(
         status.last_checkpoint = progress.last_checkpoint or status.last_checkpoint
 
     if previous not in TERMINAL:
-        _create_static(p, job, spec, observed)
+        _sync_static(p, job, spec, observed)
+        _rollout_scaled(p, job, spec, observed, rollout_before)
     if previous in TERMINAL:
         _cleanup_finished(p, observed, status.phase)
         _ttl(p, spec, now)
+        status.rollout_drain_start_time = None
     elif spec.suspend:
         _delete_pods(p, observed.pods.values())
         status.phase = Phase.suspended
         status.start_time = None  # the deadline counts from the next resume, as for a batch Job
+        status.rollout_drain_start_time = None
     else:
-        _run(p, job, spec, observed, now)
+        _run(p, job, spec, observed, now, progress)
         if status.phase in TERMINAL:
             p.wake_after = None
+            status.rollout_drain_start_time = None
             _ttl(p, spec, now)
     if status.phase not in TERMINAL:
         status.message = ""
@@ -290,7 +343,9 @@ def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime
     set_condition(p.status, ConditionType.created, False, first.reason, message, now)
 
 
-def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, now: datetime) -> None:
+def _run(
+    p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, now: datetime, progress: Progress | None
+) -> None:
     st = p.status
     started = parse_time(st.start_time)
     if spec.active_deadline_seconds is not None and started is not None:
@@ -354,10 +409,18 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
     _delete_pods(p, stale)
 
     for q in live:
-        if q.role is not Role.trainer and q.phase is PodPhase.failed:
+        if q.role is not Role.trainer and q.phase is PodPhase.failed and ChildRef("Pod", q.name) not in p.delete:
             p.delete.append(ChildRef("Pod", q.name))
             why = f" ({q.reason})" if q.reason else ""
-            p.events.append(Event("Warning", "ServerReplaced", f"{q.group} pod {q.name} failed{why}; replacing it"))
+            if is_surplus(spec, q):
+                msg = (
+                    f"rollout pod {q.name} failed{why} while draining; deleted, not replaced "
+                    f"(spec.rollout.replicas is {spec.rollout.replicas})"
+                )
+                p.events.append(Event("Normal", "RolloutScaled", msg))
+            else:
+                p.events.append(Event("Warning", "ServerReplaced", f"{q.group} pod {q.name} failed{why}; replacing it"))
+    _drain_surplus(p, job, spec, live, attempt, progress, now)
 
     # Pods to (re)create: missing ones; a restarted gang starts only once the old one is gone.
     gang_gone = not stale and not any(
@@ -391,14 +454,107 @@ def _run(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, n
         or bool(failed)
         or bool(lost)
     )
+    # A running job stays Running while a server is added (a scale-up) or replaced, as long as
+    # every role still has a ready pod: the trainer goes on with the others meanwhile.
+    serving = st.phase is Phase.running and current_trainers_running and _every_group_ready(desired, pods)
     if restarting:
         st.phase = Phase.restarting
-    elif len(present) == len(desired) and all(q.ready for q in present):
+    elif serving or (len(present) == len(desired) and all(q.ready for q in present)):
         st.phase = Phase.running
     elif len(present) == len(desired) and all(q.phase is PodPhase.running for q in present):
         st.phase = Phase.initializing
     else:
         st.phase = Phase.pending
+
+
+def _every_group_ready(desired: list[render.PodSlot], pods: list[PodView | None]) -> bool:
+    """Every role group (trainer, rollout, each teacher) has at least one ready pod."""
+    ready: dict[str, bool] = {}
+    for s, q in zip(desired, pods):
+        ready[s.group] = ready.get(s.group, False) or (q is not None and not q.deleting and q.ready)
+    return all(ready.values())
+
+
+def is_surplus(spec: DistillationJobSpec, q: PodView) -> bool:
+    """A rollout pod beyond spec.rollout.replicas (left by a scale-down): drained, then deleted,
+    never recreated."""
+    return q.role is Role.rollout and q.replica >= spec.rollout.replicas
+
+
+def _rollout_scaled(
+    p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, before: RoleStatus | None
+) -> None:
+    """One RolloutScaled event when spec.rollout.replicas differs from the count the status last
+    showed; a scale-down restarts the drain deadline (every surplus pod gets a whole one)."""
+    if before is None or before.desired == spec.rollout.replicas:
+        return
+    old, new = before.desired, spec.rollout.replicas
+    msg = f"spec.rollout.replicas {old} -> {new}"
+    if spec.suspend:
+        msg += " (the job is suspended: its pods follow when it resumes)"
+    elif new > old:
+        names = ", ".join(render.PodSlot(Role.rollout, i).pod_name(job.name) for i in range(old, new))
+        msg += f": creating rollout pod(s) {names}; the trainer adds them at a weight sync"
+    else:
+        names = (
+            ", ".join(sorted(q.name for q in observed.pods.values() if is_surplus(spec, q) and not q.deleting))
+            or "none left"
+        )
+        drain = rollout_drain_seconds(spec)
+        msg += f": draining rollout pod(s) {names}, deleted once the trainer lets go of them (at most {drain:.0f} s)"
+        p.status.rollout_drain_start_time = None  # the deadline counts from this scale-down
+    p.events.append(Event("Normal", "RolloutScaled", msg))
+
+
+def _drain_surplus(
+    p: Plan,
+    job: JobView,
+    spec: DistillationJobSpec,
+    live: list[PodView],
+    attempt: int,
+    progress: Progress | None,
+    now: datetime,
+) -> None:
+    """Delete each rollout pod beyond spec.rollout.replicas once the trainer no longer holds it:
+    its URL is missing from the rolloutServers that trainer pod 0 of this gang attempt reports,
+    or that trainer is not running, or the drain deadline has passed. Until then it stays, and
+    counts in no role's status (role_counts)."""
+    st = p.status
+    surplus = sorted(
+        (q for q in live if is_surplus(spec, q) and ChildRef("Pod", q.name) not in p.delete), key=lambda q: q.replica
+    )
+    if not surplus:
+        st.rollout_drain_start_time = None
+        return
+    started = parse_time(st.rollout_drain_start_time)
+    if started is None:
+        started = now
+        st.rollout_drain_start_time = rfc3339(now)
+    deadline = rollout_drain_seconds(spec)
+    left = (started + timedelta(seconds=deadline) - now).total_seconds()
+    trainer = next(
+        (q for q in live if q.role is Role.trainer and q.replica == 0 and q.attempt == attempt),
+        None,
+    )
+    running = trainer is not None and trainer.phase is PodPhase.running
+    held = progress.rollout_servers if progress is not None and progress.attempt == attempt else None
+    waiting = False
+    for q in surplus:
+        url = _base_url(render.server_url(job.name, job.namespace, render.PodSlot(Role.rollout, q.replica)))
+        if not running:
+            why = "the trainer is not running"
+        elif held is not None and url not in held:
+            why = "the trainer has drained it"
+        elif left <= 0:
+            why = f"the drain deadline ({deadline:.0f} s) passed before the trainer let go of it"
+        else:
+            waiting = True
+            continue
+        p.delete.append(ChildRef("Pod", q.name))
+        msg = f"deleted rollout pod {q.name} (beyond spec.rollout.replicas {spec.rollout.replicas}): {why}"
+        p.events.append(Event("Normal", "RolloutScaled", msg))
+    if waiting:
+        p.wake_after = left if p.wake_after is None else min(p.wake_after, left)
 
 
 def _failed_why(q: PodView) -> str:
@@ -448,12 +604,35 @@ def _lost_trainers(job: JobView, spec: DistillationJobSpec, observed: Observed, 
     return out
 
 
-def _create_static(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed) -> None:
-    if all(ChildRef(kind, name) in observed.others for kind, name in render.static_refs(job.name, spec)):
-        return  # the usual pass: rendering the runtime config just to compare names is wasted
-    for obj in render.render_static(job.name, job.namespace, spec):
-        if ChildRef(obj["kind"], obj["metadata"]["name"]) not in observed.others:
-            p.create.append(obj)
+def _sync_static(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed) -> None:
+    """Create the static children that are missing; update those whose content follows the spec
+    (render.KEPT_CURRENT) where it differs, e.g. the ConfigMap after spec.rollout.replicas changed."""
+    if not all(ChildRef(kind, name) in observed.others for kind, name in render.static_refs(job.name, spec)):
+        for obj in render.render_static(job.name, job.namespace, spec):
+            if ChildRef(obj["kind"], obj["metadata"]["name"]) not in observed.others:
+                p.create.append(obj)
+    # The usual pass compares cached digests: rendering the runtime config each time is wasted.
+    stale = {
+        ChildRef(kind, name)
+        for kind, name, digest in _kept_digests(job.name, job.namespace, _spec_json(job))
+        if ChildRef(kind, name) in observed.others and observed.digests.get(ChildRef(kind, name), digest) != digest
+    }
+    if stale:
+        for obj in render.render_kept_current(job.name, job.namespace, spec):
+            if ChildRef(obj["kind"], obj["metadata"]["name"]) in stale:
+                p.update.append(obj)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kept_digests(name: str, namespace: str, spec_json: str) -> tuple[tuple[str, str, str], ...]:
+    """(kind, name, content digest) of the job's render.KEPT_CURRENT children, by spec content."""
+    spec, _ = _parse_spec(name, spec_json)
+    if spec is None:
+        return ()
+    return tuple(
+        (o["kind"], o["metadata"]["name"], render.content_digest(o["kind"], o))
+        for o in render.render_kept_current(name, namespace, spec)
+    )
 
 
 def _delete_pods(p: Plan, pods: Iterable[PodView]) -> None:

@@ -20,9 +20,11 @@ NAMESPACED: list[PolicyRule] = [
         "verbs": ["get", "list", "watch", "patch", "update", "delete"],
     },
     {"apiGroups": ["kubedistill.io"], "resources": ["distillationjobs/status"], "verbs": ["get", "patch", "update"]},
-    # The children: pods are watched (phase, readiness) and recreated; the rest only when missing.
+    # The children: pods are watched (phase, readiness) and recreated; the rest only when missing,
+    # and the ConfigMap patched when the spec it carries changes (spec.rollout.replicas).
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
-    {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["networkpolicies"],
@@ -45,11 +47,20 @@ CLUSTER: list[PolicyRule] = [
 
 GANG_SCHEDULER_RULES: dict[str, PolicyRule] = {
     # The PodGroup of a job with spec.scheduling.gangScheduler volcano or coscheduling: created
-    # once (a 409 when it exists), deleted by the job's owner reference, never listed or watched.
-    # Granted only where that scheduler is installed (Helm value gangSchedulers.<name>). Kueue
-    # needs nothing: it reads the pods' labels.
-    "volcano": {"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"], "verbs": ["get", "create"]},
-    "coscheduling": {"apiGroups": ["scheduling.x-k8s.io"], "resources": ["podgroups"], "verbs": ["get", "create"]},
+    # once (a 409 when it exists), patched when the job's pod count changes (minMember,
+    # minResources after a rollout scale), deleted by the job's owner reference, never listed or
+    # watched. Granted only where that scheduler is installed (Helm value gangSchedulers.<name>).
+    # Kueue needs nothing: it reads the pods' labels.
+    "volcano": {
+        "apiGroups": ["scheduling.volcano.sh"],
+        "resources": ["podgroups"],
+        "verbs": ["get", "create", "patch"],
+    },
+    "coscheduling": {
+        "apiGroups": ["scheduling.x-k8s.io"],
+        "resources": ["podgroups"],
+        "verbs": ["get", "create", "patch"],
+    },
 }
 
 

@@ -20,7 +20,9 @@ and pod hostname stays a 63-character DNS label):
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -181,9 +183,19 @@ def groups(spec: DistillationJobSpec) -> dict[str, int]:
     return out
 
 
+def server_url(job: str, namespace: str, slot: PodSlot) -> str:
+    """The base URL of a pod's HTTP server, as the job's config (and so the trainer) names it."""
+    return f"http://{pod_dns(job, namespace, slot)}:{Ports.HTTP}"
+
+
+def rollout_selector(job: str) -> str:
+    """Label selector of the job's rollout pods (status.rolloutSelector, the scale subresource's)."""
+    return f"{LABEL_JOB}={job},{LABEL_ROLE}={Role.rollout.value}"
+
+
 def endpoints(job: str, namespace: str, spec: DistillationJobSpec) -> Endpoints:
     def url(slot: PodSlot) -> str:
-        return f"http://{pod_dns(job, namespace, slot)}:{Ports.HTTP}"
+        return server_url(job, namespace, slot)
 
     trainer0 = PodSlot(Role.trainer, 0)
     return Endpoints(
@@ -605,6 +617,30 @@ def render_static(job: str, namespace: str, spec: DistillationJobSpec) -> list[d
         *render_services(job, namespace, spec),
         render_network_policy(job, namespace),
     ]
+    group = render_pod_group(job, namespace, spec)
+    if group is not None:
+        out.append(group)
+    return out
+
+
+KEPT_CURRENT: dict[str, str] = {"ConfigMap": "data", "PodGroup": "spec"}
+"""Static children whose content follows the spec while the job lives (kind -> the top-level
+field the operator owns): the ConfigMap lists one endpoint per rollout replica, a PodGroup's
+minMember and minResources count the pods. Both change with spec.rollout.replicas."""
+
+
+def content_digest(kind: str, obj: Mapping[str, Any]) -> str:
+    """A digest of the part of a KEPT_CURRENT child the operator owns, the same for the object it
+    renders and the object the API server returns (field order ignored; the kind is passed, since
+    objects in a list or watch may come without it)."""
+    owned = obj.get(KEPT_CURRENT[kind])
+    text = json.dumps(owned, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def render_kept_current(job: str, namespace: str, spec: DistillationJobSpec) -> list[dict[str, Any]]:
+    """The KEPT_CURRENT children of the job (the ConfigMap, and the PodGroup if any)."""
+    out = [render_config_map(job, namespace, spec)]
     group = render_pod_group(job, namespace, spec)
     if group is not None:
         out.append(group)

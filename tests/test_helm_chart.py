@@ -417,8 +417,9 @@ def test_pod_group_rbac_only_for_enabled_gang_schedulers(enabled: list[str]) -> 
     assert _norm(role["rules"]) == _norm(rbac.rules(all_namespaces=False, gang_schedulers=enabled)["role"])
     groups = {g for r in role["rules"] if "podgroups" in r["resources"] for g in r["apiGroups"]}
     assert groups == {{"volcano": "scheduling.volcano.sh", "coscheduling": "scheduling.x-k8s.io"}[g] for g in enabled}
-    # Created once, deleted by the job's owner reference: never listed, watched or deleted.
-    assert all(set(r["verbs"]) == {"get", "create"} for r in role["rules"] if "podgroups" in r["resources"])
+    # Created once, patched after a rollout scale, deleted by the job's owner reference: never
+    # listed, watched or deleted.
+    assert all(set(r["verbs"]) == {"get", "create", "patch"} for r in role["rules"] if "podgroups" in r["resources"])
 
 
 def test_rbac_grants_no_wildcards(full_docs: list[dict[str, Any]], default_docs: list[dict[str, Any]]) -> None:

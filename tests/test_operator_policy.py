@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,6 +13,7 @@ from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.api.status import ConditionStatus, ConditionType, Phase
 from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, condition
 from kubedistill.operator.policy import (
+    ROLLOUT_DRAIN_SECONDS,
     JobView,
     Plan,
     Progress,
@@ -19,8 +22,16 @@ from kubedistill.operator.policy import (
     is_refusal,
     plan,
     refusal_reason,
+    rollout_drain_seconds,
 )
-from kubedistill.operator.render import render_static, slots
+from kubedistill.operator.render import (
+    PodSlot,
+    content_digest,
+    render_kept_current,
+    render_static,
+    server_url,
+    slots,
+)
 from operator_fixtures import BASE_SPEC
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -109,12 +120,18 @@ def test_failed_server_pod_is_replaced_alone() -> None:
     p = plan(job, world, T0)
     assert _deleted_pods(p) == {"j-rollout-1"}
     assert p.status.restarts == 0
-    assert [e.reason for e in p.events] == ["ServerReplaced", "Pending"]
+    # The job stays Running: rollout-0 still serves, and the trainer goes on with it.
+    assert [e.reason for e in p.events] == ["ServerReplaced"] and p.status.phase is Phase.running
     assert "OOMKilled" in p.events[0].message
     # Once it is gone, it alone is recreated.
     del world.pods["j-rollout-1"]
     p2 = plan(_next(job, p), world, T0)
     assert [o["metadata"]["name"] for o in p2.create] == ["j-rollout-1"]
+    assert p2.status.phase is Phase.running
+    # With no rollout pod ready, the job is no longer Running while they come back.
+    world = _with(world, "j-rollout-0", phase=PodPhase.failed, ready=False)
+    p3 = plan(_next(job, p2), world, T0)
+    assert p3.status.phase is Phase.pending and [e.reason for e in p3.events] == ["ServerReplaced", "Pending"]
 
 
 def test_failed_trainer_restarts_the_gang_then_recreates_with_next_attempt() -> None:
@@ -346,3 +363,120 @@ def test_refusal_reasons_and_backoff() -> None:
         False,
     ]
     assert [create_backoff(n, 2.0, 30.0) for n in (1, 2, 3, 4, 5, 6, 10_000)] == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+
+
+# --- live rollout scaling -------------------------------------------------------------------------
+
+
+def _url(replica: int) -> str:
+    return server_url(JOB, NS, PodSlot(Role.rollout, replica))
+
+
+def _scaled_down(status: dict[str, Any] | None = None) -> tuple[JobView, Observed]:
+    """A Running job with 2 rollout pods whose spec now asks for 1."""
+    before = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    running = _next(before, plan(before, _world(before), T0))
+    assert running.status["roles"]["rollout"]["desired"] == 2
+    job = _job(status or dict(running.status), rollout={"replicas": 1})
+    return job, _world(before)
+
+
+def test_a_scale_down_keeps_the_surplus_pod_until_the_drain_deadline() -> None:
+    job, world = _scaled_down()
+    held = Progress(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0), _url(1)), attempt=0)
+    p = plan(job, world, T0, held)
+    assert p.delete == [] and p.create == [] and p.status.phase is Phase.running
+    assert [(e.type, e.reason) for e in p.events] == [("Normal", "RolloutScaled")]
+    assert "spec.rollout.replicas 2 -> 1: draining rollout pod(s) j-rollout-1" in p.events[0].message
+    assert p.status.rollout_drain_start_time == "2026-01-01T00:00:00Z"
+    drain = rollout_drain_seconds(_spec(job))
+    assert drain == max(ROLLOUT_DRAIN_SECONDS, 600) and p.wake_after == drain
+    # The surplus pod is neither missing nor extra in the status; it still counts as a replica.
+    assert p.status.roles["rollout"].desired == 1 and p.status.ready.rollout == "1/1"
+    assert p.status.rollout_replicas == 2
+    assert p.status.rollout_selector == "kubedistill.io/job=j,kubedistill.io/role=rollout"
+    assert condition(p.status, ConditionType.ready).status is ConditionStatus.true
+    # The ConfigMap the world holds was rendered for 2 replicas.
+    world.digests[ChildRef("ConfigMap", "j-config")] = "rendered-for-2"
+    p = plan(job, world, T0, held)
+    assert [o["metadata"]["name"] for o in p.update] == ["j-config"]
+    assert json.loads(p.update[0]["data"]["config.json"])["endpoints"]["rollout"] == [_url(0)]
+
+    later = _next(job, p)
+    p = plan(later, world, T0 + timedelta(seconds=drain - 1), held)
+    assert p.delete == [] and p.events == [] and p.wake_after == 1
+    p = plan(later, world, T0 + timedelta(seconds=drain), held)
+    assert _deleted_pods(p) == {"j-rollout-1"} and p.status.restarts == 0 and p.status.disruptions == 0
+    (event,) = p.events
+    assert event.reason == "RolloutScaled" and "drain deadline" in event.message
+    assert p.create == []  # a surplus pod is never recreated
+    del world.pods["j-rollout-1"]
+    p = plan(_next(later, p), world, T0 + timedelta(seconds=drain + 1), held)
+    assert p.create == [] and p.delete == [] and p.status.rollout_drain_start_time is None
+    assert p.status.rollout_replicas == 1
+
+
+def test_the_trainers_report_lets_a_surplus_pod_go_only_for_the_current_attempt() -> None:
+    job, world = _scaled_down()
+    released = Progress(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0),), attempt=0)
+    assert _deleted_pods(plan(job, world, T0, released)) == {"j-rollout-1"}
+    # The same report from an earlier gang attempt, or no report at all: wait.
+    for progress in (replace(released, attempt=None), None, replace(released, rollout_servers=None)):
+        assert plan(job, world, T0, progress).delete == [], progress
+    # A URL as the trainer may write it (trailing slash) is the same server.
+    held = replace(released, rollout_servers=(_url(0) + "/", _url(1) + "/"))
+    assert plan(job, world, T0, Progress.of({**_status_doc(held)}, attempt=0)).delete == []
+
+
+def _status_doc(progress: Progress) -> dict[str, Any]:
+    return {
+        "step": progress.step,
+        "weightVersion": progress.weight_version,
+        "rolloutServers": list(progress.rollout_servers or ()),
+    }
+
+
+def test_a_surplus_pod_goes_at_once_when_the_trainer_is_not_running() -> None:
+    job, world = _scaled_down()
+    world = _with(world, "j-trainer-0", phase=PodPhase.pending, ready=False)
+    held = Progress(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0), _url(1)), attempt=0)
+    p = plan(job, world, T0, held)
+    assert _deleted_pods(p) == {"j-rollout-1"} and p.status.restarts == 0
+    assert any("the trainer is not running" in e.message for e in p.events)
+
+
+def test_a_scale_up_creates_the_new_rollout_pods_and_updates_the_config() -> None:
+    before = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    running = _next(before, plan(before, _world(before), T0))
+    job = _job(dict(running.status), rollout={"replicas": 4})
+    world = _world(before)
+    world.digests[ChildRef("ConfigMap", "j-config")] = "rendered-for-2"
+    p = plan(job, world, T0)
+    assert [o["metadata"]["name"] for o in p.create] == ["j-rollout-2", "j-rollout-3"]
+    assert [o["metadata"]["name"] for o in p.update] == ["j-config"] and p.delete == []
+    assert p.status.restarts == 0 and p.status.disruptions == 0
+    (event,) = [e for e in p.events if e.reason == "RolloutScaled"]
+    assert "2 -> 4: creating rollout pod(s) j-rollout-2, j-rollout-3" in event.message
+
+
+def _as_rendered(world: Observed, job: JobView) -> None:
+    """The world's ConfigMap and PodGroup hold what `job` renders."""
+    for o in render_kept_current(JOB, NS, _spec(job)):
+        world.digests[ChildRef(o["kind"], o["metadata"]["name"])] = content_digest(o["kind"], o)
+
+
+def test_the_pod_group_follows_the_pod_count_unless_min_member_is_set() -> None:
+    spec = {"gangScheduler": "volcano"}
+    before = _job({"phase": "Running"}, scheduling=spec)
+    world = _world(before)
+    world.others.add(ChildRef("PodGroup", "j"))
+    _as_rendered(world, before)
+    assert plan(before, world, T0).update == []
+    p = plan(_job({"phase": "Running"}, scheduling=spec, rollout={"replicas": 3}), world, T0)
+    assert {o["kind"]: o for o in p.update}["PodGroup"]["spec"]["minMember"] == 6
+    # An explicit minMember (and no resources on cpu) leaves the PodGroup as it is.
+    fixed = {"gangScheduler": "volcano", "minMember": 3}
+    before = _job({"phase": "Running"}, scheduling=fixed)
+    _as_rendered(world, before)
+    p = plan(_job({"phase": "Running"}, scheduling=fixed, rollout={"replicas": 3}), world, T0)
+    assert [o["kind"] for o in p.update] == ["ConfigMap"]

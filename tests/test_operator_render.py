@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -13,14 +14,15 @@ import pytest
 
 from k8s_offline import read_manifest
 from kubedistill.api import kubeyaml
-from kubedistill.api.job import DistillationJob
+from kubedistill.api.job import API_VERSION, GROUP, KIND, SINGULAR, DistillationJob
 from kubedistill.api.roleconfig import CONFIG_PATH, JobConfig, Ports
+from kubedistill.api.spec import RolloutSpec
 from kubedistill.api.status import Phase
 from kubedistill.api.validate import load_job
 from kubedistill.operator import main as operator_main
 from kubedistill.operator.kube import RESOURCES, UNWATCHED
 from kubedistill.operator.metrics import METRICS, OperatorMetrics
-from kubedistill.operator.rbac import CLUSTER, NAMESPACED, rules
+from kubedistill.operator.rbac import CLUSTER, GANG_SCHEDULER_RULES, NAMESPACED, rules
 from kubedistill.operator.render import (
     POD_GROUP_API,
     SCRATCH_DIR,
@@ -30,6 +32,7 @@ from kubedistill.operator.render import (
     render_static,
     static_refs,
 )
+from kubedistill.runtime.metrics import METRICS as RUNTIME_METRICS
 from pod_security import restricted_violations
 from podgroup_schemas import pod_group_errors
 
@@ -346,6 +349,37 @@ def test_metrics_table_names() -> None:
     assert m.registry.get_sample_value("kubedistill_operator_children_created_total", {"kind": "Pod"}) == 3
 
 
+def _yaml_blocks(markdown: str) -> list[str]:
+    return re.findall(r"^```yaml\n(.*?)^```", markdown, flags=re.S | re.M)
+
+
+def test_the_hpa_in_the_docs_validates_and_scales_a_distillation_job() -> None:
+    """docs/operator.md#autoscaling-on-the-trainers-idle-ratio: the HPA is a valid
+    autoscaling/v2 object whose target is a DistillationJob (through its scale subresource) and
+    whose metric the trainer exports; the prometheus-adapter rule beside it serves that metric
+    as an Object metric of the job."""
+    blocks = _yaml_blocks((ROOT / "docs" / "operator.md").read_text())
+    (hpa,) = [doc for b in blocks if "kind: HorizontalPodAutoscaler" in b for doc in kubeyaml.load_all(b)]
+    kubernetes_validate.validate(hpa, K8S_VERSION, strict=True)
+    spec = hpa["spec"]
+    target = spec["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == (API_VERSION, KIND)
+    assert (
+        1
+        <= spec["minReplicas"]
+        <= spec["maxReplicas"]
+        <= RolloutSpec.model_json_schema()["properties"]["replicas"]["maximum"]
+    )
+    (metric,) = spec["metrics"]
+    assert metric["type"] == "Object" and metric["object"]["describedObject"] == target
+    name = metric["object"]["metric"]["name"]
+    assert name in {d.full_name for d in RUNTIME_METRICS if "trainer" in d.roles}
+    (adapter,) = [doc for b in blocks if "seriesQuery" in b for doc in kubeyaml.load_all(b)]
+    (rule,) = adapter["rules"]
+    assert rule["seriesQuery"].startswith(name + "{") and rule["name"]["as"] == name
+    assert rule["resources"]["overrides"]["job"] == {"group": GROUP, "resource": SINGULAR}
+
+
 def test_rbac_covers_every_call_the_operator_makes() -> None:
     def allowed(group: str, resource: str, verb: str, rule_list: list[dict[str, list[str]]]) -> bool:
         return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rule_list)
@@ -356,6 +390,9 @@ def test_rbac_covers_every_call_the_operator_makes() -> None:
             assert allowed(group, plural, verb, NAMESPACED), (kind, verb)
         if kind != "DistillationJob":
             assert allowed(group, plural, "create", NAMESPACED), kind
+    assert allowed("", "configmaps", "patch", NAMESPACED)  # kept current: render.KEPT_CURRENT
+    for rule in GANG_SCHEDULER_RULES.values():
+        assert "patch" in rule["verbs"] and "podgroups" in rule["resources"]
     assert allowed("kubedistill.io", "distillationjobs/status", "patch", NAMESPACED)
     assert allowed("kubedistill.io", "distillationjobs", "patch", NAMESPACED)  # finalizer, annotations
     assert allowed("", "events", "create", NAMESPACED)

@@ -132,6 +132,34 @@ async def test_pod_group_is_owned_by_the_job_and_made_before_the_pods(
         assert kinds[0] == "PodGroup" and kinds.count("PodGroup") == 1
 
 
+async def test_a_rollout_scale_keeps_the_pod_group_the_whole_job(kmock: Any, cluster: Cluster) -> None:
+    """minMember unset means every pod: a scale patches the PodGroup (never watched) to the new
+    count, and an operator that restarts patches it once, as it cannot know what it holds."""
+    serve(kmock, *VOLCANO, "podgroups", "PodGroup")
+
+    async def min_member_is(n: int) -> Any:
+        group = await pod_group(cluster, *VOLCANO, "pgs")
+        return group is not None and group["spec"]["minMember"] == n and len(await cluster.pods("pgs")) == n
+
+    def group_patches() -> list[Any]:
+        return [r for r in list(kmock) if r.method is method.PATCH and r.url.path.endswith("/podgroups/pgs")]
+
+    async with operator(str(kmock.url), resync_seconds=0.2) as reconciler:
+        await cluster.create_job(job_manifest("pgs", scheduling={"gangScheduler": "volcano"}))
+        await eventually(lambda: min_member_is(ALL_PODS), what=f"{ALL_PODS} pods, minMember {ALL_PODS}")
+        await cluster.patch_job("pgs", {"spec": {"rollout": {"replicas": 3}}})
+        await eventually(lambda: min_member_is(ALL_PODS + 1), what="minMember following the scale")
+        await more_passes(reconciler.metrics, 3)
+        assert len(group_patches()) == 1
+        assert reconciler.metrics.registry.get_sample_value("kubedistill_operator_reconcile_errors_total") == 0
+    cluster.reconnect()
+    # Scaled down while no operator runs: the pods are Pending, no trainer holds a server.
+    await cluster.patch_job("pgs", {"spec": {"rollout": {"replicas": 1}}})
+    async with operator(str(kmock.url), resync_seconds=0.2):
+        await eventually(lambda: min_member_is(ALL_PODS - 1), what="minMember after the restart")
+        assert len(group_patches()) == 2
+
+
 async def test_a_gang_scheduler_whose_api_is_absent_blocks_the_job_and_says_why(kmock: Any, cluster: Cluster) -> None:
     """No scheduler-plugins here: the coscheduling job is Blocked with no pod made; a job with
     gangScheduler none beside it runs (the operator does not need any of these CRDs)."""

@@ -74,13 +74,16 @@ same data (NAMESPACED, CLUSTER); tests/test_helm_chart.py checks that the chart 
 - apiGroups: ["kubedistill.io"]
   resources: ["distillationjobs/status"]
   verbs: ["get", "patch", "update"]
-# The children.
+# The children; the ConfigMap is patched when the job's rollout replicas change.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
+  resources: ["services"]
   verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "delete"]
@@ -89,16 +92,17 @@ same data (NAMESPACED, CLUSTER); tests/test_helm_chart.py checks that the chart 
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- if .Values.gangSchedulers.volcano }}
-# PodGroups of jobs with gangScheduler volcano: created once, deleted with the job (owner reference).
+# PodGroups of jobs with gangScheduler volcano: created once, patched when the job's pod count
+# changes (a rollout scale), deleted with the job (owner reference).
 - apiGroups: ["scheduling.volcano.sh"]
   resources: ["podgroups"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 {{- end }}
 {{- if .Values.gangSchedulers.coscheduling }}
 # PodGroups of jobs with gangScheduler coscheduling (scheduler-plugins).
 - apiGroups: ["scheduling.x-k8s.io"]
   resources: ["podgroups"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 {{- end }}
 {{- end -}}
 
