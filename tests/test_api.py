@@ -170,9 +170,10 @@ def test_immutable_fields_refuse_changes() -> None:
     new["spec"]["mode"] = "sync"
     new["spec"]["trainer"]["totalSteps"] = 99
     new["spec"]["suspend"] = True  # mutable
-    new["spec"].pop("async")
+    new["spec"].pop("async")  # optional without a default: removing (or adding) it is a change too
     found = sorted(p for p, _ in cel_violations(new, SCHEMA, old=old))
-    assert found == ["spec.mode", "spec.trainer"]
+    assert found == ["spec.async", "spec.mode", "spec.trainer"]
+    assert "spec.async" in [p for p, _ in cel_violations(old, SCHEMA, old=new)]
     assert list(cel_violations(old, SCHEMA, old=old)) == []
 
 

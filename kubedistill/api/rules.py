@@ -362,6 +362,24 @@ def _rollout_transition_rules() -> list[Rule]:
     return out
 
 
+def _optional_immutable_rules() -> list[Rule]:
+    """An optional immutable spec field without a default (e.g. async) cannot be added or
+    removed either: its own `self == oldSelf` runs only when both objects have it."""
+    out: list[Rule] = []
+    for name, info in DistillationJobSpec.model_fields.items():
+        key = info.alias or name
+        if key in IMMUTABLE_SPEC_FIELDS and info.default is None and info.default_factory is None:
+            out.append(
+                Rule(
+                    "spec",
+                    f"has(self.{key}) == has(oldSelf.{key})",
+                    f"spec.{key} cannot be added or removed; delete and recreate the job to change it",
+                    f".{key}",
+                )
+            )
+    return out
+
+
 TRANSITION_RULES: list[Rule] = [
     # Kueue admits a plain pod group whose size every pod's annotation names: a pod beyond it
     # would never be admitted, and fewer pods would leave the group unfinished.
@@ -372,6 +390,7 @@ TRANSITION_RULES: list[Rule] = [
         ".rollout.replicas",
     ),
     *_rollout_transition_rules(),
+    *_optional_immutable_rules(),
 ]
 """Rules on updates (CEL over self and oldSelf), checked by the API server only: besides the
 `self == oldSelf` of IMMUTABLE_SPEC_FIELDS."""
