@@ -86,6 +86,27 @@ def test_k3_expected_gradient_is_forward_kl_gradient() -> None:
     assert expected_k3.item() == pytest.approx(reverse.item(), rel=1e-5)
 
 
+def test_k3_policy_gradient_is_the_reverse_kl_gradient() -> None:
+    """On an enumerable distribution, the expected gradient of the k3 + usePolicyGradient loss
+    under student samples is the reverse-KL gradient: the score term alone would be
+    grad RKL - grad FKL, k3's own pathwise term adds grad FKL back."""
+    g = torch.Generator().manual_seed(2)
+    theta = torch.randn(5, generator=g, requires_grad=True)
+    log_p = (torch.randn(5, generator=g) * 0.5).log_softmax(-1)
+    log_q = theta.log_softmax(-1)
+    algo = _algo(lossMode="k3", usePolicyGradient=True, lossMaxClamp=10.0, advantageBaseline="none")
+    losses = L.per_token_losses(algo, logprobs=log_q, behaviour_logprobs=log_q.detach(), teacher_logprobs=log_p)
+    expected = (log_q.exp().detach() * losses["total"]).sum()  # E_{y~q}[loss(y)], q held fixed
+    (got,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    q = log_q.exp()
+    reverse = (q * (log_q - log_p)).sum()
+    (want,) = torch.autograd.grad(reverse, theta, retain_graph=True)
+    assert torch.allclose(got, want, atol=1e-5)
+    forward = (log_p.exp() * (log_p - log_q)).sum()
+    (fkl,) = torch.autograd.grad(forward, theta)
+    assert not torch.allclose(fkl, torch.zeros_like(fkl), atol=1e-3)  # the term the score alone misses
+
+
 def test_grpo_advantages_by_hand() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
     groups = [0, 0, 0, 1, 1, 2]

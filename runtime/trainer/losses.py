@@ -265,7 +265,10 @@ def per_token_losses(
 
     * distill: the per-token distillation term, clamped to ±lossMaxClamp. As a direct loss
       (usePolicyGradient false) it is the training signal; with usePolicyGradient it becomes the
-      advantage -clamp(distill) of a PPO term and ``distill`` reports the PPO term's value.
+      advantage -clamp(distill) of a PPO term and ``distill`` reports the PPO term's value. For
+      k3 the term itself is added to the PPO term (importance-weighted): k3 depends on the
+      student's log-prob, and without its own gradient the policy gradient of E_q[k3] is
+      grad KL(q||p) - grad KL(p||q) (docs/algorithms.md).
     * pg: the PPO term of the GRPO task advantages (useTaskRewards), else zeros.
     * total = pg + coef x distill (coef = 1 when task rewards are off).
     """
@@ -301,6 +304,10 @@ def per_token_losses(
         if d.use_policy_gradient:
             advantage = distillation_advantages(raw, d.loss_max_clamp, advantage_baseline)
             distill = ppo_loss(logprobs, old, advantage, is_weight, clip_ratio=algorithm.clip_ratio)
+            if d.loss_mode is LossMode.k3:
+                # k3 depends on the student's log-prob too: the gradient of E_q[k3] is the score
+                # term above (alone: grad RKL - grad FKL) plus k3's own, pathwise one (grad FKL).
+                distill = distill + is_weight * clamped
         else:
             distill = clamped
     pg = zero
