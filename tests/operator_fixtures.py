@@ -262,3 +262,22 @@ async def running_operator(
 
 
 logging.getLogger("kopf").setLevel(logging.WARNING)
+
+
+@contextlib.asynccontextmanager
+async def trainer_status(doc: dict[str, Any]) -> AsyncIterator[int]:
+    """A trainer rank 0 /status server answering `doc` (mutable: the tests change it); its port."""
+
+    async def status(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response(doc)
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/status", status)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()

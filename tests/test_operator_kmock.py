@@ -10,7 +10,6 @@ import json
 from typing import Any
 
 import pytest
-from aiohttp import web
 from kmock import method
 
 from kubedistill.operator.metrics import OperatorMetrics
@@ -23,6 +22,7 @@ from operator_fixtures import (
     more_passes,
     prepare_emulator,
     running_operator,
+    trainer_status,
 )
 
 # KMock's emulator without its per-request scan of the request log (see FastEmulator).
@@ -148,50 +148,38 @@ async def test_create_makes_owned_labelled_children_and_status(kmock: Any, clust
 
 
 async def test_pod_transitions_drive_phase_conditions_and_progress(kmock: Any, cluster: Cluster) -> None:
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response({"step": 7, "weightVersion": 6, "lastCheckpoint": "/ckpt/step-5"})
-
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with running_operator(str(kmock.url), resync_seconds=0.3):
-            await cluster.create_job(job_manifest("beta"))
-            await all_children(cluster, "beta")
-            for name in await cluster.pods("beta"):
-                await cluster.set_pod_status(name, "Running", ready=False)
-            st = await phase_is(cluster, "beta", "Initializing")
-            assert cond(st, "Ready")["status"] == "False"
-            # Point trainer pod 0's HTTP port at the local status server (podIP + named port).
-            spec_patch = {
-                "spec": {
-                    "containers": [
-                        {"name": "kubedistill", "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}
-                    ]
-                }
+    doc = {"step": 7, "weightVersion": 6, "lastCheckpoint": "/ckpt/step-5"}
+    async with trainer_status(doc) as port, running_operator(str(kmock.url), resync_seconds=0.3):
+        await cluster.create_job(job_manifest("beta"))
+        await all_children(cluster, "beta")
+        for name in await cluster.pods("beta"):
+            await cluster.set_pod_status(name, "Running", ready=False)
+        st = await phase_is(cluster, "beta", "Initializing")
+        assert cond(st, "Ready")["status"] == "False"
+        # Point trainer pod 0's HTTP port at the local status server (podIP + named port).
+        spec_patch = {
+            "spec": {
+                "containers": [
+                    {"name": "kubedistill", "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}
+                ]
             }
-            await cluster.call(cluster.core.patch_namespaced_pod, "beta-trainer-0", NS, spec_patch)
-            await cluster.set_pod_status("beta-trainer-0", "Running", ready=True, podIP="127.0.0.1")
-            for name in await cluster.pods("beta"):
-                if name != "beta-trainer-0":
-                    await cluster.set_pod_status(name, "Running", ready=True)
-            st = await phase_is(cluster, "beta", "Running")
-            assert cond(st, "Ready")["status"] == "True" and cond(st, "Running")["status"] == "True"
-            assert st["ready"] == {"trainer": "2/2", "rollout": "2/2", "teachers": "1/1"}
+        }
+        await cluster.call(cluster.core.patch_namespaced_pod, "beta-trainer-0", NS, spec_patch)
+        await cluster.set_pod_status("beta-trainer-0", "Running", ready=True, podIP="127.0.0.1")
+        for name in await cluster.pods("beta"):
+            if name != "beta-trainer-0":
+                await cluster.set_pod_status(name, "Running", ready=True)
+        st = await phase_is(cluster, "beta", "Running")
+        assert cond(st, "Ready")["status"] == "True" and cond(st, "Running")["status"] == "True"
+        assert st["ready"] == {"trainer": "2/2", "rollout": "2/2", "teachers": "1/1"}
 
-            async def progressed() -> Any:
-                s = await job_status(cluster, "beta")
-                return s if s.get("step") == 7 else None
+        async def progressed() -> Any:
+            s = await job_status(cluster, "beta")
+            return s if s.get("step") == 7 else None
 
-            st = await eventually(progressed, what="trainer progress")
-            assert st["weightVersion"] == 6 and st["lastCheckpoint"] == "/ckpt/step-5"
-            assert await events(kmock, "Initializing") and await events(kmock, "Running")
-    finally:
-        await runner.cleanup()
+        st = await eventually(progressed, what="trainer progress")
+        assert st["weightVersion"] == 6 and st["lastCheckpoint"] == "/ckpt/step-5"
+        assert await events(kmock, "Initializing") and await events(kmock, "Running")
 
 
 async def test_trainer_failure_restarts_the_whole_gang(kmock: Any, cluster: Cluster) -> None:

@@ -5,16 +5,22 @@ pod 0 gets podIP 127.0.0.1 and its `http` port pointed at it, as in test_operato
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 from kmock import method
 
-from operator_fixtures import NS, Cluster, FastEmulator, eventually, job_manifest, more_passes, prepare_emulator
+from operator_fixtures import (
+    NS,
+    Cluster,
+    FastEmulator,
+    eventually,
+    job_manifest,
+    more_passes,
+    prepare_emulator,
+    trainer_status,
+)
 from operator_fixtures import running_operator as operator
 from test_operator_kmock import events, job_status, phase_is, posted
 
@@ -57,25 +63,6 @@ async def status_where(cluster: Cluster, job: str, what: str, check: Any) -> dic
 
     result: dict[str, Any] = await eventually(probe, what=what)
     return result
-
-
-@contextlib.asynccontextmanager
-async def trainer_status(doc: dict[str, Any]) -> AsyncIterator[int]:
-    """A trainer rank 0 /status server answering `doc` (mutable: the tests change it); its port."""
-
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response(doc)
-
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
 
 
 async def running_with_status(cluster: Cluster, manifest: dict[str, Any], port: int, rollout: int) -> None:

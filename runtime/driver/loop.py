@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import logging
 import pickle
 import time
@@ -157,7 +158,6 @@ class Driver:
         self._rollout: dict[str, RolloutClient] = {}
         self._teacher: dict[str, TeacherClient] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._membership_tasks: set[asyncio.Task[None]] = set()
         self.requests_by_server: dict[str, int] = {}
         """/generate calls answered, per rollout server (this driver process)."""
         self._http: aiohttp.ClientSession | None = None
@@ -258,7 +258,7 @@ class Driver:
                 self._spawn(self._generate_group(g))
             self._resumed_groups = []
             producer = asyncio.create_task(self._produce())
-            producer.add_done_callback(self._task_done)
+            producer.add_done_callback(functools.partial(self._task_done, "generation"))
             watcher = asyncio.create_task(self._follow_rollouts()) if self.rollout_source is not None else None
             try:
                 while self.step < total:
@@ -268,9 +268,9 @@ class Driver:
             finally:
                 producer.cancel()
                 others = [watcher] if watcher is not None else []
-                for t in [*others, *self._tasks, *self._membership_tasks]:
+                for t in [*others, *self._tasks]:
                     t.cancel()
-                await asyncio.gather(producer, *others, *self._tasks, *self._membership_tasks, return_exceptions=True)
+                await asyncio.gather(producer, *others, *self._tasks, return_exceptions=True)
                 await self.buffer.close()
         if self.spec.checkpoint.export_hf:
             out = Path(self.spec.checkpoint.path) / EXPORT_DIR
@@ -405,24 +405,12 @@ class Driver:
                 failing, admit, drain = message, [], []
             for url in admit:
                 log.info("rollout server %s wanted: it joins once healthy, at the next weight sync", url)
-                self._spawn_membership(self._admit(url))
+                self._spawn(self._admit(url), "admitting a rollout server")
             for url in drain:
                 log.info("rollout server %s no longer wanted: draining it", url)
-                self._spawn_membership(self._drain(url))
+                self._spawn(self._drain(url), "draining a rollout server")
             self.status.rollout_servers = self.rollouts.held()
             await asyncio.sleep(ROLLOUT_POLL_SECONDS)
-
-    def _spawn_membership(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._membership_tasks.add(task)
-        task.add_done_callback(self._membership_done)
-
-    def _membership_done(self, task: asyncio.Task[None]) -> None:
-        self._membership_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._error is None:
-            log.error("rollout membership change failed: %r", task.exception())
-            self._error = task.exception()
-            asyncio.get_running_loop().create_task(self.buffer.close())
 
     async def _admit(self, url: str) -> None:
         """Wait until a new server answers /health (its engine is loaded), then mark it ready:
@@ -471,18 +459,19 @@ class Driver:
             self._pending_cursor = None
             self._spawn(self._generate_group(group))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str = "generation") -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(functools.partial(self._task_done, what))
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_done(self, what: str, task: asyncio.Task[None]) -> None:
+        """A background task ended: an error in it ends the run (the buffer closes)."""
         self._tasks.discard(task)
         if task.cancelled():
             return
         exc = task.exception()
         if exc is not None and not isinstance(exc, BufferClosed) and self._error is None:
-            log.error("generation failed: %r", exc)
+            log.error("%s failed: %r", what, exc)
             self._error = exc
             asyncio.get_running_loop().create_task(self.buffer.close())
 
