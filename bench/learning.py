@@ -540,8 +540,12 @@ and no point after step 20 is more than 5 points below the start. k3 + PG used o
 term until this run, a biased gradient (it also raised the forward KL); with k3's own pathwise
 gradient added (docs/algorithms.md) it learns like k1 + PG in sync (63.7 %), and every point
 after step 20 stays within 1.4 points of the start or above it. In the asynchronous modes it
-ends 4–5 points below sync on average: one seed in each (49.0 %, 52.4 %) carries the gap, and
-it is the one k3 measurement that does not meet "async ≥ sync" yet.
+ends 4–5 points below sync over these four seeds. Four more (seeds 5–8) gave sync 59.0 / 58.2 /
+61.8 / 61.0 %, oneStepOff 58.2 / 58.2 / 59.2 / 59.8 %, fullyAsync 52.8 / 63.4 / 54.4 / 61.4 %;
+over all eight: **sync 61.8 %, oneStepOff 58.9 %, fullyAsync 58.9 %** (per-seed sd 2.4, 4.6 and
+5.0 points; mean final reverse KL 1.051, 1.080, 1.066), lowest point after step 20 43.2 % (4.2
+below the start). k1 + PG keeps up with sync under one version of lag, k3 + PG lags it by about
+3 points (1.6 standard errors): the one measurement that does not meet "async ≥ sync" yet.
 
 **Time to the teacher (fullyAsync, forwardKLTopK, lr 1e-3, cosine decay over the run).** The
 schedule's length decides where the run is best: a cosine that ends at ~90 s is there at 90 s.
