@@ -234,7 +234,6 @@ class Driver:
             self.rollouts.joined(joiners)
             for url in joiners:
                 self.pool.add(url)
-            self.status.rollout_servers = self.rollouts.held()
             log.info("rollout servers %s joined at weight version %d; now %d", joiners, version, len(self.pool.urls))
         self.version = version
         self.status.weight_version = version
@@ -409,6 +408,8 @@ class Driver:
             for url in drain:
                 log.info("rollout server %s no longer wanted: draining it", url)
                 self._spawn(self._drain(url), "draining a rollout server")
+            # /status follows here only: a server let go stays listed until the next poll, which
+            # only delays its pod's deletion.
             self.status.rollout_servers = self.rollouts.held()
             await asyncio.sleep(ROLLOUT_POLL_SECONDS)
 
@@ -446,7 +447,6 @@ class Driver:
         self.pool.remove(url)
         self.rollouts.drained(url)
         self._rollout.pop(url, None)
-        self.status.rollout_servers = self.rollouts.held()
         log.info("rollout server %s drained (%d requests were in flight) and let go", url, in_flight)
 
     # ---- generation ------------------------------------------------------------------------
