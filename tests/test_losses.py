@@ -107,6 +107,23 @@ def test_k3_policy_gradient_is_the_reverse_kl_gradient() -> None:
     assert not torch.allclose(fkl, torch.zeros_like(fkl), atol=1e-3)  # the term the score alone misses
 
 
+@pytest.mark.parametrize("loss_max_clamp", [10.0, 3.0])
+def test_k3_policy_gradient_never_reverses_at_the_clamp(loss_max_clamp: float) -> None:
+    """A sampled token the teacher likes far more than the student (p_T/q = 50, k3 ~ 45 > the
+    clamp) must be pushed up, as k1 pushes it: clamping k3 alone would zero its pathwise gradient
+    and leave the score term pushing the token down."""
+    s = torch.tensor([math.log(0.01), math.log(0.5)], requires_grad=True)
+    t = torch.tensor([math.log(0.5), math.log(0.5)])
+    grads = {}
+    for mode in ("k1", "k3"):
+        algo = _algo(lossMode=mode, usePolicyGradient=True, lossMaxClamp=loss_max_clamp, advantageBaseline="none")
+        losses = L.per_token_losses(algo, logprobs=s, behaviour_logprobs=s.detach(), teacher_logprobs=t)
+        (grads[mode],) = torch.autograd.grad(losses["total"].sum(), s)
+    assert grads["k3"][0] < 0  # descent raises log q of the teacher's favourite
+    assert torch.allclose(grads["k3"], grads["k1"])  # (k3 - b) + (1 - r) = k1 - b per token
+    assert grads["k3"][1] == 0.0  # where student and teacher agree there is nothing to learn
+
+
 def test_grpo_advantages_by_hand() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
     groups = [0, 0, 0, 1, 1, 2]

@@ -265,10 +265,9 @@ def per_token_losses(
 
     * distill: the per-token distillation term, clamped to ±lossMaxClamp. As a direct loss
       (usePolicyGradient false) it is the training signal; with usePolicyGradient it becomes the
-      advantage -clamp(distill) of a PPO term and ``distill`` reports the PPO term's value. For
-      k3 the term itself is added to the PPO term (importance-weighted): k3 depends on the
-      student's log-prob, and without its own gradient the policy gradient of E_q[k3] is
-      grad KL(q||p) - grad KL(p||q) (docs/algorithms.md).
+      advantage -(clamp(term) - b) of a PPO term and ``distill`` reports the PPO term's value.
+      For k3 that term is k1: the score and pathwise gradients of k3 sum to k1's per token
+      (docs/algorithms.md), and k3 remains in the baseline b (:func:`batch_baseline`).
     * pg: the PPO term of the GRPO task advantages (useTaskRewards), else zeros.
     * total = pg + coef x distill (coef = 1 when task rewards are off).
     """
@@ -294,22 +293,24 @@ def per_token_losses(
                 log_prob_min_clamp=d.log_prob_min_clamp,
                 valid=topk_valid,
             )
+            pg_signal = raw
         else:
             if teacher_logprobs is None:
                 raise ValueError(
                     f"lossMode {d.loss_mode.value} needs teacher log-probs of the sampled tokens in the batch"
                 )
             raw = (k1 if d.loss_mode is LossMode.k1 else k3)(logprobs, teacher_logprobs)
-        clamped = raw.clamp(-d.loss_max_clamp, d.loss_max_clamp)
+            # k3 depends on the student's log-prob too: the gradient of E_q[k3] is its score term
+            # (alone: grad RKL - grad FKL) plus its pathwise one, (1 - r) grad log q. Per token
+            # they sum to (k3 + 1 - r) grad log q = k1 grad log q, so a policy gradient is built
+            # from k1 for both: clamping k3 alone would drop the pathwise part exactly where the
+            # teacher likes a token far more than the student, and reverse its push.
+            pg_signal = k1(logprobs, teacher_logprobs)
         if d.use_policy_gradient:
-            advantage = distillation_advantages(raw, d.loss_max_clamp, advantage_baseline)
+            advantage = distillation_advantages(pg_signal, d.loss_max_clamp, advantage_baseline)
             distill = ppo_loss(logprobs, old, advantage, is_weight, clip_ratio=algorithm.clip_ratio)
-            if d.loss_mode is LossMode.k3:
-                # k3 depends on the student's log-prob too: the gradient of E_q[k3] is the score
-                # term above (alone: grad RKL - grad FKL) plus k3's own, pathwise one (grad FKL).
-                distill = distill + is_weight * clamped
         else:
-            distill = clamped
+            distill = raw.clamp(-d.loss_max_clamp, d.loss_max_clamp)
     pg = zero
     if d.use_task_rewards:
         if task_advantages is None:
