@@ -638,8 +638,12 @@ samples/s), but on runs of ~10 s, start-up and the last step weigh as much as th
 The k3 + PG loss has changed once more since these runs (2026-11-25). Its advantage is now built
 from k1 directly, which is the same sum, but the clamp can no longer reverse a token's push
 (docs/algorithms.md). The summary at the end of this page measures that form, with seeds 0–3.
-With its 8 policy-gradient seed pairs per mode added, the 24 pairs put oneStepOff at **+0.1 ± 1.0
-points** and fullyAsync at **−0.1 ± 0.9 points** from sync at equal steps.
+Eight more seeds of it (4–11, 2026-11-25) give, over all twelve, sync 61.6 %, oneStepOff 60.5 %
+and fullyAsync 61.4 % (sd 1.4, 3.4 and 2.7 points). Paired by seed, that is −1.1 ± 0.9 and
+−0.2 ± 0.7 points from sync, and the lowest point after step 20 is 46.2 %. All 32 seed pairs of
+these equivalent runs (k1 + PG 8 + 4, k3 + PG with the pathwise term 8, the current k3 + PG 12)
+put oneStepOff at **−0.3 ± 0.8 points** and fullyAsync at **−0.1 ± 0.7 points** from sync at
+equal steps: one version of lag costs nothing this benchmark can measure.
 
 **Time to the teacher (fullyAsync, forwardKLTopK, lr 1e-3, cosine decay over the run).** The
 schedule's length decides where the run is best: a cosine that ends at ~90 s is there at 90 s.
