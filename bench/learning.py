@@ -34,6 +34,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -198,7 +199,7 @@ def seed_summary(run: dict[str, Any]) -> dict[str, float | None]:
     finals = [points[-1]["accuracy"] for points in runs]
     late = [p["accuracy"] for points in runs for p in points if p["step"] > LATE_STEP]
     m = mean(finals)
-    sd = math.sqrt(sum((x - m) ** 2 for x in finals) / (len(finals) - 1)) if len(finals) > 1 else None
+    sd = statistics.stdev(finals) if len(finals) > 1 else None
     return {"seeds": len(finals), "mean": m, "sd": sd, "lowestLate": min(late) if late else None}
 
 
