@@ -299,13 +299,13 @@ def per_token_losses(
                 raise ValueError(
                     f"lossMode {d.loss_mode.value} needs teacher log-probs of the sampled tokens in the batch"
                 )
-            raw = (k1 if d.loss_mode is LossMode.k1 else k3)(logprobs, teacher_logprobs)
             # k3 depends on the student's log-prob too: the gradient of E_q[k3] is its score term
             # (alone: grad RKL - grad FKL) plus its pathwise one, (1 - r) grad log q. Per token
             # they sum to (k3 + 1 - r) grad log q = k1 grad log q, so a policy gradient is built
             # from k1 for both: clamping k3 alone would drop the pathwise part exactly where the
             # teacher likes a token far more than the student, and reverse its push.
             pg_signal = k1(logprobs, teacher_logprobs)
+            raw = pg_signal if d.loss_mode is LossMode.k1 else k3(logprobs, teacher_logprobs)
         if d.use_policy_gradient:
             advantage = distillation_advantages(pg_signal, d.loss_max_clamp, advantage_baseline)
             distill = ppo_loss(logprobs, old, advantage, is_weight, clip_ratio=algorithm.clip_ratio)
