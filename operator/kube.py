@@ -3,7 +3,8 @@
 kopf watches and patches the DistillationJob itself; creating/deleting children and polling the
 trainer happen here on aiohttp (kopf's own HTTP stack), so hundreds of jobs reconcile
 concurrently without a thread per call. Credentials come from the kubernetes client's loaders
-(in-cluster service account, else kubeconfig), re-read on every call so rotated tokens work.
+(in-cluster service account, else kubeconfig): a bearer token is refreshed as the client's
+loaders do, and a 401 loads the credentials again, so rotated and revoked tokens recover.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class KubeConfig:
     server: str
     ssl_context: ssl.SSLContext | None = None
     headers: Callable[[], dict[str, str]] = field(default=lambda: {})
+    reload: Callable[[], KubeConfig] | None = None
+    """Loads the credentials again (after a 401: the token was rotated or revoked)."""
 
     @classmethod
     def plain(cls, server: str) -> KubeConfig:
@@ -67,19 +70,23 @@ class KubeConfig:
             config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         ctx: ssl.SSLContext | None = None
         if cfg.host.startswith("https"):
-            ctx = (
-                ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-                if cfg.verify_ssl
-                else ssl._create_unverified_context()
-            )
+            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+            if not cfg.verify_ssl:  # the kubeconfig's insecure-skip-tls-verify
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
             if cfg.cert_file:
                 ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        return cls(server=cfg.host.rstrip("/"), ssl_context=ctx, headers=lambda: bearer_header(cfg), reload=cls.load)
 
-        def headers() -> dict[str, str]:
-            token = cfg.get_api_key_with_prefix("authorization")  # runs the refresh hook
-            return {"Authorization": token} if token else {}
 
-        return cls(server=cfg.host.rstrip("/"), ssl_context=ctx, headers=headers)
+def bearer_header(cfg: Any) -> dict[str, str]:
+    """The Authorization header of a loaded kubernetes client Configuration. The client keeps
+    the token under "BearerToken" (since 36.0.1; "authorization" before), from a kubeconfig
+    and in-cluster alike; auth_settings() reads either and runs the refresh hook, through which
+    the in-cluster loader re-reads its (rotated) token file every minute."""
+    auth = cfg.auth_settings().get("BearerToken")
+    token = auth["value"] if auth else None
+    return {"Authorization": token} if token else {}
 
 
 def collection_path(kind: str, namespace: str) -> str:
@@ -115,6 +122,17 @@ class Kube:
             await self._session.close()
 
     async def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        try:
+            return await self._request(method, path, body, content_type)
+        except KubeError as exc:
+            if exc.status != 401 or self.config.reload is None:
+                raise
+        # Unauthorized: the token was rotated or revoked. Load the credentials again, once.
+        self.config = self.config.reload()
+        await self.close()
+        return await self._request(method, path, body, content_type)
+
+    async def _request(self, method: str, path: str, body: Any, content_type: str) -> Any:
         http = await self._http()
         headers = {"Accept": "application/json", **self.config.headers()}
         data = None

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +52,21 @@ def smollm2(request: pytest.FixtureRequest) -> Path:
     from kubedistill.runtime.models.smollm import smollm2_hf_dir
 
     return smollm2_hf_dir(request.config.cache.mkdir("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def control_plane(request: pytest.FixtureRequest) -> Any:
+    """A real kube-apiserver (+ etcd, controller-manager, scheduler), started once per test run
+    from KUBEBUILDER_ASSETS (tests/control_plane.py). Skipped where that is unset, unless
+    KUBEDISTILL_REQUIRE_K8S=1 (CI), which makes a missing control plane a failure."""
+    import control_plane as cp
+
+    if cp.assets_dir() is None and not cp.required():
+        pytest.skip(f"real-control-plane tier: {cp.ASSETS_ENV} is not set (CI points it at ../shared/k8s/bin)")
+    try:
+        plane = cp.start(cache=Path(request.config.cache.mkdir("k8s-bin")))
+    except cp.ControlPlaneError as exc:
+        pytest.fail(f"the real control plane did not start: {exc}", pytrace=False)
+    yield plane
+    plane.stop()
+    shutil.rmtree(plane.home, ignore_errors=True)

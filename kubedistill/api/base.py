@@ -19,6 +19,11 @@ from pydantic.alias_generators import to_camel
 FREE_FORM = "kubedistill-free-form"
 FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={FREE_FORM: True})]
 
+# The largest integer a seed may take: 2^53 - 1 is exact in float64, which is how the API server
+# holds a schema's bounds and how JSON tools read numbers. The API server refuses a CRD whose
+# bound 2^63 - 1 rounds to 2^63 (not an int64).
+MAX_SAFE_INT = 2**53 - 1
+
 # Kubernetes DNS-1035 label: what Service names (and so teacher names) must be.
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 

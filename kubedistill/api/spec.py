@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from kubedistill.api.base import DNS_LABEL, ApiModel, FreeForm
+from kubedistill.api.base import DNS_LABEL, MAX_SAFE_INT, ApiModel, FreeForm
 
 
 class Mode(str, Enum):
@@ -217,7 +217,7 @@ class SamplingSpec(ApiModel):
     """Nucleus sampling mass."""
     max_tokens: Annotated[int, Field(ge=1, le=1048576)] = 1024
     """Maximum response tokens per sample."""
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] | None = None
     """Base sampling seed (per request seeds derive from it). Unset: nondeterministic."""
 
 
@@ -381,7 +381,7 @@ class DataSpec(ApiModel):
     """Prompts longer than this many tokens are dropped (and counted)."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    seed: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Shuffle seed."""
 
 
