@@ -23,7 +23,15 @@ import kopf
 from kubedistill.api.job import GROUP, PLURAL, VERSION
 from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import GangScheduler
-from kubedistill.operator.kube import UNWATCHED, Kube, KubeConfig, KubeError, fetch_json
+from kubedistill.operator.kube import (
+    UNWATCHED,
+    Kube,
+    KubeConfig,
+    KubeError,
+    bearer_header,
+    client_configuration,
+    fetch_json,
+)
 from kubedistill.operator.metrics import OperatorMetrics
 from kubedistill.operator.observed import ChildRef, ChildView, Observed, PodPhase, PodView, status_patch
 from kubedistill.operator.policy import (
@@ -407,6 +415,24 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.client_timeout = 330
 
 
+def connection_info(cfg: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from the configuration the operator's own client uses: one reading
+    of the kubeconfig or service account for both (kopf's login_via_client would send a
+    kubeconfig tokenFile's trailing newline). kopf logs in again after a 401."""
+    scheme, _, token = bearer_header(cfg).get("Authorization", "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
 def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     selector = {LABEL_JOB: kopf.PRESENT}
@@ -420,10 +446,10 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         await reconciler.close()
 
     @kopf.on.login(registry=registry)
-    def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    def _login(**_: Any) -> kopf.ConnectionInfo:
         if reconciler.options.server:
             return kopf.ConnectionInfo(server=reconciler.options.server)
-        return kopf.login_via_client(**kwargs)
+        return connection_info(client_configuration())
 
     # Indices: the children of each job, kept current by label-selected watches. The per-event
     # handlers are `async def`: kopf runs plain functions in a thread pool, a thread hop per

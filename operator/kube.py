@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -60,14 +61,7 @@ class KubeConfig:
     @classmethod
     def load(cls) -> KubeConfig:
         """In-cluster service account, else the current kubeconfig context."""
-        from kubernetes import client, config
-
-        cfg = client.Configuration()
-        # kubernetes ships py.typed but leaves its config loaders unannotated.
-        try:
-            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        except config.ConfigException:
-            config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        cfg = client_configuration()
         ctx: ssl.SSLContext | None = None
         if cfg.host.startswith("https"):
             ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
@@ -79,13 +73,32 @@ class KubeConfig:
         return cls(server=cfg.host.rstrip("/"), ssl_context=ctx, headers=lambda: bearer_header(cfg), reload=cls.load)
 
 
+def client_configuration() -> Any:
+    """A kubernetes client Configuration: the in-cluster service account, else the current
+    kubeconfig context. Both the operator's own client and kopf's login read it."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    # kubernetes ships py.typed but leaves its config loaders unannotated.
+    try:
+        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        # The client reads $KUBECONFIG once, at import: name the file as the environment has it now.
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg
+        )
+    return cfg
+
+
 def bearer_header(cfg: Any) -> dict[str, str]:
     """The Authorization header of a loaded kubernetes client Configuration. The client keeps
     the token under "BearerToken" (since 36.0.1; "authorization" before), from a kubeconfig
     and in-cluster alike; auth_settings() reads either and runs the refresh hook, through which
-    the in-cluster loader re-reads its (rotated) token file every minute."""
+    the in-cluster loader re-reads its (rotated) token file every minute. Its value carries
+    the scheme ("Bearer ...")."""
     auth = cfg.auth_settings().get("BearerToken")
-    token = auth["value"] if auth else None
+    # The client keeps a kubeconfig tokenFile's trailing newline, which no header may carry.
+    token = str(auth["value"]).strip() if auth else ""
     return {"Authorization": token} if token else {}
 
 
