@@ -1,100 +1,115 @@
-"""The driver's I/O-free parts: checkpoint state (cursor + buffered + in-flight samples), the
-per-request seeds, the /status JSON and its HTTP server. The loop itself runs end to end in
-test_e2e_modes.py and test_resume.py."""
+"""The driver's checkpoint state (cursor + buffered + in-flight samples) taken from a running
+driver and resumed by another, the per-request seeds, the /status JSON and its HTTP server. The
+loop runs against fakes in test_driver_loop_fake.py and end to end in test_e2e_modes.py and
+test_resume.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
+import pickle
+from typing import Any
 
 import httpx
 import pytest
 
-from e2e_jobs import write_prompts
+from driver_fakes import Checkpoint, FakeRolloutServer, job_spec, rig
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.operator.policy import Progress
-from kubedistill.runtime.driver.loop import Driver, request_seed
+from kubedistill.runtime.driver.buffer import SampleBuffer
+from kubedistill.runtime.driver.loop import request_seed
 from kubedistill.runtime.driver.progress import HistoryWriter, read_history
-from kubedistill.runtime.driver.samples import Sample, SampleGroup
+from kubedistill.runtime.driver.samples import Sample
+from kubedistill.runtime.driver.staleness import StalenessPolicy
+from kubedistill.runtime.wire.protocol import GenerateRequest
 
 
-def _spec(tmp_path: Path, tiny_models, mode: str = "oneStepOff", partial: bool = False) -> DistillationJobSpec:
-    spec = {
-        "mode": mode,
-        "device": "cpu",
-        "student": {"model": str(tiny_models["student"])},
-        "teachers": [{"name": "arith", "model": str(tiny_models["teacher"])}],
-        "rollout": {"sampling": {"samplesPerPrompt": 2, "maxTokens": 4, "seed": 3}},
-        "trainer": {"miniBatchSize": 4, "totalSteps": 5},
-        "data": {"train": [str(write_prompts(tmp_path / "train.jsonl", 16))]},
-        "checkpoint": {"path": str(tmp_path / "ckpt")},
-    }
-    if partial:
-        spec["async"] = {"partialRollout": True, "stalenessThreshold": 1.0}
-    return DistillationJobSpec.model_validate(spec)
+def _servers() -> list[FakeRolloutServer]:
+    # One fast and one slow server: a group's samples finish apart, so a checkpoint finds groups
+    # with finished samples waiting for unfinished ones.
+    return [
+        FakeRolloutServer("http://rollout-0", token_seconds=0.001),
+        FakeRolloutServer("http://rollout-1", token_seconds=0.005),
+    ]
 
 
-def _driver(spec, tiny_models) -> Driver:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_models["student"]))
-    return Driver(
-        spec,
-        trainer=None,
-        sender=None,
-        rollout_urls=["http://127.0.0.1:1"],
-        teacher_urls={"arith": ["http://127.0.0.1:2"]},
-        tokenizer=tok,
-    )
+def _unfinished_state(checkpoint: Checkpoint, rule: StalenessPolicy, partial: bool) -> bool:
+    """Whether the checkpoint caught a group with a finished sample and an unfinished one (with
+    partial rollouts: one holding tokens, to be continued)."""
+    buffer = SampleBuffer(rule)
+    buffer.load_bytes(pickle.loads(checkpoint.driver_state)["buffer"])
+    samples = [s for g in buffer.in_flight_groups() for s in g.samples]
+    unfinished = [s for s in samples if not s.finished and (s.response_ids or not partial)]
+    return bool(unfinished) and any(s.finished for s in samples)
 
 
-def _half_generated(d: Driver) -> SampleGroup:
-    g = SampleGroup.from_prompt(d.src.next(), 2, 4)
-    assert d.buffer.try_reserve(g)
-    s = g.samples[0]
-    s.continuation()
-    s.extend(
-        type(
-            "Out",
-            (),
-            {
-                "token_ids": [5, 6],
-                "logprobs": [-1.0, -2.0],
-                "versions": [0, 0],
-                "finish_reason": "abort",
-                "topk_ids": None,
-            },
-        )()
-    )
-    return g
+PARTIAL = ("fullyAsync", {"partialRollout": True, "stalenessThreshold": 1.0})
+NOT_PARTIAL = ("fullyAsync", {"partialRollout": False, "stalenessThreshold": 1.0})
+ONE_STEP_OFF = ("oneStepOff", None)
 
 
-@pytest.mark.parametrize("partial", [True, False])
-async def test_checkpoint_state_keeps_cursor_and_unfinished_samples(tmp_path, tiny_models, partial) -> None:
-    spec = _spec(tmp_path, tiny_models, mode="fullyAsync" if partial else "oneStepOff", partial=partial)
-    d = _driver(spec, tiny_models)
-    g = _half_generated(d)
-    next_uid = d.src.next().uid  # drawn, never reserved: a checkpoint now must not skip it
-    d._pending_cursor = {**d.src.state_dict(), "position": d.src.position - 1}
-    state = d.driver_state()
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(PARTIAL, PARTIAL), (PARTIAL, NOT_PARTIAL), (ONE_STEP_OFF, ONE_STEP_OFF)],
+    ids=["partial", "partial-switched-off", "oneStepOff"],
+)
+async def test_a_checkpoint_resumes_unfinished_samples_and_skips_no_prompt(tmp_path, before, after) -> None:
+    checkpoint = {"path": str(tmp_path / "ckpt"), "everySteps": 1, "exportHf": False}
 
-    d2 = _driver(spec, tiny_models)
-    d2.restore(4, 2, state)
-    assert (d2.step, d2.version, d2.status.step, d2.status.weight_version) == (4, 2, 4, 2)
-    assert [x.group_id for x in d2._resumed_groups] == [g.group_id]
-    assert d2.src.next().uid == next_uid
-    s = d2._resumed_groups[0].samples[0]
-    if partial:  # resumed from its prefix under the new weights
-        assert s.response_ids == [5, 6] and s.needs_resume
-        assert s.continuation().prefix_token_ids == [5, 6]
-    else:  # restarted from scratch
-        assert s.response_ids == [] and s.finish_reason is None
+    def spec(steps: int, mode_and_async: tuple[str, dict[str, Any] | None]) -> DistillationJobSpec:
+        mode, asyncspec = mode_and_async
+        return job_spec(tmp_path, mode=mode, steps=steps, max_tokens=8, asyncspec=asyncspec, checkpoint=checkpoint)
+
+    partial, resume_partial = before is PARTIAL, after is PARTIAL
+    first = rig(spec(6, before), rollouts=_servers())
+    first.trainer.step_seconds = 0.01
+    await first.run()
+    rule = first.driver.staleness_rule
+    saved = next((c for c in first.trainer.checkpoints if _unfinished_state(c, rule, partial)), None)
+    assert saved is not None, "no checkpoint caught a group half generated"
+    state = pickle.loads(saved.driver_state)
+    buffer = SampleBuffer(rule)
+    buffer.load_bytes(state["buffer"])
+    in_flight, ready = buffer.in_flight_groups(), buffer.ready_groups()
+
+    # The cursor is one past the last prompt put in the buffer: every prompt before it was trained
+    # on, is buffered or in flight, or was dropped as too stale (none is skipped, none repeated).
+    next_uid = state["data"]["epoch"] * 16 + state["data"]["position"]
+    trained = [g for line in first.driver.history.lines[: saved.step] for g in line["groups"]]
+    held = trained + [g.group_id for g in [*ready, *in_flight]]
+    dropped = buffer.counters["dropped_stale"] // 2
+    assert len(held) == len(set(held)) == next_uid - dropped and max(held) < next_uid
+
+    second = rig(spec(saved.step + 2, after), rollouts=_servers())
+    second.driver.restore(saved.step, saved.weight_version, saved.driver_state)
+    assert (second.driver.step, second.driver.version) == (saved.step, saved.weight_version)
+    await second.driver.sync_weights(saved.weight_version)  # as the trainer does after a restore
+    await second.run()
+    assert len(second.trainer.steps) == 2
+    sent = {q.request_id: q for s in second.cluster.rollouts.values() for q in s.requests}
+
+    def first_request(sample: Sample) -> GenerateRequest | None:
+        ids = [rid for rid in sent if rid.startswith(f"{sample.sample_id}-r")]
+        return sent[min(ids, key=lambda r: int(r.split("-r")[1]))] if ids else None
+
+    for s in (s for g in in_flight for s in g.samples):
+        request = first_request(s)
+        if s.finished:  # kept, not generated again
+            assert request is None
+        elif resume_partial:  # continued from its tokens under the new weights
+            assert request is not None and request.prefix_token_ids == s.response_ids
+        else:  # generated from scratch, whatever tokens it had
+            assert request is not None and request.prefix_token_ids == []
+    # The first prompt drawn after the restore is the one the cursor points at.
+    new_groups = {int(rid.split("-")[0]) for rid in sent} - {g.group_id for g in in_flight}
+    assert min(new_groups) == next_uid
+    trained_after = [g for line in second.driver.history.lines for g in line["groups"]]
+    assert not set(trained_after) & set(trained)
 
 
-def test_restore_refuses_foreign_state(tmp_path, tiny_models) -> None:
-    d = _driver(_spec(tmp_path, tiny_models), tiny_models)
+async def test_restore_refuses_foreign_state(tmp_path) -> None:
+    d = rig(job_spec(tmp_path)).driver
     with pytest.raises(ValueError, match="unknown format"):
         d.restore(1, 1, {"format": 99})
 

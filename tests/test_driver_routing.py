@@ -1,4 +1,5 @@
-"""TeacherRouter on the reference multi-teacher spec, and least-outstanding balancing."""
+"""TeacherRouter on the reference multi-teacher spec, least-outstanding balancing, and per-endpoint
+failure accounting (out of rotation after failures in a row, back on restore)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kubedistill.api.validate import load_job
-from kubedistill.runtime.driver.routing import EndpointPool, TeacherRouter
+from kubedistill.runtime.driver.routing import MAX_TRANSPORT_FAILURES, AllEndpointsDown, EndpointPool, TeacherRouter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,3 +73,86 @@ def test_endpoints_must_cover_every_teacher(spec) -> None:
         TeacherRouter(spec, {**endpoints(), "physics": ["http://p:8000"]})
     with pytest.raises(ValueError, match="no endpoints"):
         EndpointPool("rollout", [])
+
+
+def fail(pool: EndpointPool, url: str, times: int) -> list[bool]:
+    """`times` transport failures of requests to `url`; whether each took it out of rotation."""
+    return [pool.failed(url) for _ in range(times)]
+
+
+def test_failures_in_a_row_count_per_endpoint() -> None:
+    pool = EndpointPool("rollout", ["u0", "u1", "u2"], max_failures=3)
+    assert pool.max_failures == 3 and EndpointPool("r", ["u"]).max_failures == MAX_TRANSPORT_FAILURES
+    assert fail(pool, "u0", 2) == [False, False]
+    pool.succeeded("u1")  # another endpoint's success does not forgive u0 ...
+    assert pool.failed("u0") is True
+    assert pool.out_of_rotation() == ["u0"] and pool.serving() == ["u1", "u2"]
+    pool.succeeded("u1")
+    assert fail(pool, "u1", 2) == [False, False]
+    pool.succeeded("u1")  # ... its own does
+    assert fail(pool, "u1", 2) == [False, False]
+    assert pool.serving() == ["u1", "u2"]
+    picks = []
+    for _ in range(6):
+        with pool.lease() as url:
+            picks.append(url)
+    assert sorted(picks) == ["u1"] * 3 + ["u2"] * 3
+    assert pool.failed("u0") is False  # a request already on its way when it was taken out
+    assert pool.urls == ["u0", "u1", "u2"]
+
+
+def test_a_restored_endpoint_takes_its_share_again() -> None:
+    pool = EndpointPool("rollout", ["u0", "u1"], max_failures=1)
+    assert pool.failed("u1") is True
+    for _ in range(10):
+        with pool.lease():
+            pass
+    pool.restore("u1")
+    assert pool.serving() == ["u0", "u1"] and pool.out_of_rotation() == []
+    # Not every new request until it has caught up with the ten u0 took meanwhile: an even share.
+    picks = []
+    for _ in range(4):
+        with pool.lease() as url:
+            picks.append(url)
+    assert sorted(picks) == ["u0", "u0", "u1", "u1"]
+    assert fail(pool, "u1", 1) == [True]  # its count restarted from zero and counts again
+
+
+def test_the_last_endpoint_taking_requests_is_never_taken_out() -> None:
+    only = EndpointPool("teacher math", ["m0"], max_failures=2)
+    assert only.failed("m0") is False
+    with pytest.raises(AllEndpointsDown, match=r"teacher math: m0 failed 2 times in a row and no other endpoint"):
+        only.failed("m0")
+    pool = EndpointPool("rollout", ["u0", "u1"], max_failures=2)
+    assert fail(pool, "u0", 2) == [False, True]
+    with pytest.raises(ValueError, match="cannot drain u1, the last endpoint taking requests"):
+        pool.drain("u1")
+    assert pool.failed("u1") is False
+    with pytest.raises(AllEndpointsDown) as down:
+        pool.failed("u1")
+    assert "u0: out of rotation, 2 failures in a row; u1: serving, 2 failures in a row" in str(down.value)
+    with pytest.raises(ValueError, match="max_failures"):
+        EndpointPool("rollout", ["u0"], max_failures=0)
+
+
+def test_an_endpoint_out_of_rotation_can_be_drained_and_removed() -> None:
+    pool = EndpointPool("rollout", ["u0", "u1", "u2"], max_failures=1)
+    assert pool.failed("u2") is True
+    pool.drain("u2")
+    pool.remove("u2")
+    assert pool.urls == ["u0", "u1"] and pool.out_of_rotation() == []
+    pool.drain("u0")  # u1 still takes requests
+    assert pool.serving() == ["u1"]
+    with pytest.raises(AllEndpointsDown, match="no other endpoint"):
+        pool.failed("u1")
+
+
+def test_each_teachers_replicas_are_accounted_apart(spec) -> None:
+    router = TeacherRouter(spec, endpoints())
+    math, vision = router.pools["math"], router.pools["vision"]
+    for _ in range(MAX_TRANSPORT_FAILURES - 1):
+        assert math.failed("http://math-0:8000") is False
+    vision.succeeded("http://vision-0:8000")
+    assert math.failed("http://math-0:8000") is True
+    assert {router.acquire("gsm8k")[1] for _ in range(3)} == {"http://math-1:8000"}
+    assert vision.serving() == ["http://vision-0:8000"]

@@ -10,7 +10,7 @@ teacher scores.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Self, TypeVar
+from typing import Protocol, Self, TypeVar
 
 import aiohttp
 from pydantic import BaseModel
@@ -122,3 +122,43 @@ class RolloutClient(_Client):
 class TeacherClient(_Client):
     async def score(self, req: ScoreRequest) -> ScoreResponse:
         return await self._post("/score", req, ScoreResponse)
+
+
+class RolloutClientLike(Protocol):
+    """What the driver calls on a rollout server (RolloutClient, or a test's fake server)."""
+
+    base_url: str
+
+    async def health(self) -> HealthResponse: ...
+    async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+    async def abort(self, request_ids: Sequence[str] | None = None) -> AbortResponse: ...
+    async def version(self) -> int: ...
+
+
+class TeacherClientLike(Protocol):
+    """What the driver calls on a teacher server (TeacherClient, or a test's fake server)."""
+
+    base_url: str
+
+    async def health(self) -> HealthResponse: ...
+    async def score(self, req: ScoreRequest) -> ScoreResponse: ...
+
+
+class ServerClients(Protocol):
+    """Makes the driver's client of each rollout and teacher server it talks to."""
+
+    def rollout(self, url: str) -> RolloutClientLike: ...
+    def teacher(self, url: str) -> TeacherClientLike: ...
+
+
+class HttpClients:
+    """The real clients: HTTP over one aiohttp session (the driver's, for the whole run)."""
+
+    def __init__(self, session: aiohttp.ClientSession):
+        self.session = session
+
+    def rollout(self, url: str) -> RolloutClient:
+        return RolloutClient(url, session=self.session)
+
+    def teacher(self, url: str) -> TeacherClient:
+        return TeacherClient(url, session=self.session)

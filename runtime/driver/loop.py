@@ -11,7 +11,11 @@ Two sides share a SampleBuffer:
   thread (generation and scoring continue meanwhile), syncs weights every
   `triggerParameterSyncStep` steps and tells the buffer, checkpoints;
 * rollout membership — while the job scales, follows the servers the job wants: a new one joins
-  the weight-sync group at a sync, a removed one is drained first (runtime/driver/membership.py).
+  the weight-sync group at a sync, a removed one is drained first (runtime/driver/membership.py);
+* failures — a request whose connection fails is sent again. Failures are counted per server:
+  MAX_TRANSPORT_FAILURES in a row take a server out of rotation (its role's other servers take
+  the requests) until a probe finds it answering /health again; the run fails only when a role
+  would have no server left (runtime/driver/routing.py).
 
 The modes differ only in the staleness rule (StalenessPolicy): sync allows one batch under the
 current weights (generate, train, sync), oneStepOff two (batch k+1 generates while k trains),
@@ -29,34 +33,41 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
-from kubedistill.runtime.driver.clients import TRANSPORT_ERRORS, RolloutClient, TeacherClient, new_session
+from kubedistill.runtime.driver.clients import (
+    TRANSPORT_ERRORS,
+    HttpClients,
+    RolloutClientLike,
+    ServerClients,
+    TeacherClientLike,
+    new_session,
+)
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
 from kubedistill.runtime.driver.membership import RolloutMembership
 from kubedistill.runtime.driver.progress import HistoryWriter
 from kubedistill.runtime.driver.rewards import RewardRegistry
-from kubedistill.runtime.driver.routing import EndpointPool, TeacherRouter
+from kubedistill.runtime.driver.routing import AllEndpointsDown, EndpointPool, TeacherRouter
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.wire.batch import TrainBatch
 from kubedistill.runtime.wire.protocol import TensorMeta
 
-if TYPE_CHECKING:
-    import aiohttp
-
 log = logging.getLogger("kubedistill.driver")
 
 DRIVER_STATE_FORMAT = 1
-MAX_TRANSPORT_RETRIES = 5
 ROLLOUT_POLL_SECONDS = 2.0
 """How often the driver re-reads the rollout servers the job wants, and re-probes a new one."""
+PROBE_SECONDS = 2.0
+"""How often the driver checks /health of a server out of rotation."""
+PROBE_TIMEOUT_SECONDS = 10.0
+"""A probe's wait for /health: a connect to a vanished pod's address may hang far longer."""
 EXPORT_DIR = "student-hf"
 
 
@@ -126,6 +137,9 @@ class Driver:
         status: TrainerProgress | None = None,
         clock: Callable[[], float] = time.monotonic,
         rollout_source: Callable[[], list[str]] | None = None,
+        clients: ServerClients | None = None,
+        rollout_poll_seconds: float = ROLLOUT_POLL_SECONDS,
+        probe_seconds: float = PROBE_SECONDS,
     ):
         self.spec = spec
         self.trainer = trainer
@@ -147,7 +161,12 @@ class Driver:
         self.rollout_source = rollout_source
         """The rollout servers the job wants now (the re-read config's endpoints.rollout): the
         driver follows it while it runs. None: the servers it started with, for good."""
+        self.rollout_poll_seconds = rollout_poll_seconds
+        self.probe_seconds = probe_seconds
         self.status.rollout_servers = self.rollouts.held()
+        self.clients = clients
+        """Makes the clients of the servers; None: HTTP over the run's aiohttp session."""
+        self._servers: ServerClients | None = None
         self.router = TeacherRouter(spec, teacher_urls)
         self._teacher_urls = [u for urls in teacher_urls.values() for u in urls]
         self.step = 0
@@ -155,12 +174,11 @@ class Driver:
         self._pending_cursor: dict[str, Any] | None = None
         """Data cursor before a prompt drawn but not yet reserved in the buffer (a checkpoint
         taken then must not skip it)."""
-        self._rollout: dict[str, RolloutClient] = {}
-        self._teacher: dict[str, TeacherClient] = {}
+        self._rollout: dict[str, RolloutClientLike] = {}
+        self._teacher: dict[str, TeacherClientLike] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests_by_server: dict[str, int] = {}
         """/generate calls answered, per rollout server (this driver process)."""
-        self._http: aiohttp.ClientSession | None = None
         self._error: BaseException | None = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._started = clock()
@@ -170,7 +188,6 @@ class Driver:
         self._wait_seconds = 0.0
         self._consumed = 0
         self._resumed_groups: list[SampleGroup] = []
-        self._transport_failures = 0
 
     # ---- checkpoint state ------------------------------------------------------------------
     def driver_state(self) -> bytes:
@@ -248,9 +265,9 @@ class Driver:
         self.status.set_phase("running")
         # A generation may wait out a weight sync (and its timeout) before it is aborted.
         async with new_session(timeout=float(self.spec.weight_sync.timeout_seconds) + 600.0) as http:
-            self._http = http
-            self._rollout = {u: RolloutClient(u, session=http) for u in self.rollouts.members}
-            self._teacher = {u: TeacherClient(u, session=http) for u in self._teacher_urls}
+            servers = self._servers = self.clients if self.clients is not None else HttpClients(http)
+            self._rollout = {u: servers.rollout(u) for u in self.rollouts.members}
+            self._teacher = {u: servers.teacher(u) for u in self._teacher_urls}
             await self._wait_healthy([*self._rollout.values(), *self._teacher.values()])
             self._started = self.clock()
             for g in self._resumed_groups:
@@ -278,18 +295,26 @@ class Driver:
         self._trainer_thread.shutdown(wait=True)
         self.status.set_phase("done")
 
-    async def _served_versions(self, version: int, wait: float = 10.0) -> list[int]:
+    async def _served_versions(self, version: int, wait: float = 10.0) -> list[int | None]:
         """GET /version of every rollout server, waiting briefly until each reports `version`
-        (an engine may finish bookkeeping just after the sync's last collective)."""
+        (an engine may finish bookkeeping just after the sync's last collective). None for a
+        server that does not answer: it went away after the sync, which its requests will find."""
+
+        async def served_by(client: RolloutClientLike) -> int | None:
+            try:
+                return await client.version()
+            except TRANSPORT_ERRORS:
+                return None
+
         deadline = self.clock() + wait
         while True:
             clients = [self._rollout[u] for u in self.rollouts.members]
-            served = list(await asyncio.gather(*(c.version() for c in clients)))
-            if all(v >= version for v in served) or self.clock() > deadline:
+            served = list(await asyncio.gather(*(served_by(c) for c in clients)))
+            if all(v is None or v >= version for v in served) or self.clock() > deadline:
                 return served
             await asyncio.sleep(0.05)
 
-    async def _wait_healthy(self, clients: list[RolloutClient | TeacherClient]) -> None:
+    async def _wait_healthy(self, clients: Sequence[RolloutClientLike | TeacherClientLike]) -> None:
         """Every server answers /health (teachers may still be loading when the rollout servers
         have already joined the weight-sync group)."""
         deadline = self.clock() + float(self.spec.weight_sync.timeout_seconds)
@@ -411,17 +436,18 @@ class Driver:
             # /status follows here only: a server let go stays listed until the next poll, which
             # only delays its pod's deletion.
             self.status.rollout_servers = self.rollouts.held()
-            await asyncio.sleep(ROLLOUT_POLL_SECONDS)
+            await asyncio.sleep(self.rollout_poll_seconds)
 
     async def _admit(self, url: str) -> None:
         """Wait until a new server answers /health (its engine is loaded), then mark it ready:
         the next weight sync takes it into the group, and the pool after that sync."""
-        client = RolloutClient(url, session=self._http)
+        assert self._servers is not None, "rollout servers are admitted while the driver runs"
+        client = self._servers.rollout(url)
         while self.rollouts.wanted(url):
             try:
                 await client.health()
             except Exception:
-                await asyncio.sleep(ROLLOUT_POLL_SECONDS)
+                await asyncio.sleep(self.rollout_poll_seconds)
                 continue
             self._rollout[url] = client
             if self.rollouts.healthy(url):
@@ -432,8 +458,8 @@ class Driver:
         """No new requests to `url`; the ones in flight finish there, or, with partial rollouts,
         are aborted and resumed on the other servers (their tokens kept). Then it leaves the
         group's next epoch and the driver lets it go."""
-        while not any(u != url for u in self.rollouts.serving()):
-            await asyncio.sleep(ROLLOUT_POLL_SECONDS)  # never drain the last server taking requests
+        while not any(u != url for u in self.pool.serving()):
+            await asyncio.sleep(self.rollout_poll_seconds)  # never drain the last server taking requests
         self.pool.drain(url)
         in_flight = self.pool.outstanding(url)
         if in_flight and self.staleness_rule.partial_rollout:
@@ -504,13 +530,13 @@ class Driver:
             try:
                 out = await self._rollout[url].generate(req)
             except TRANSPORT_ERRORS as e:
-                # A connection the server closed as the request went out: the sample is
-                # unchanged, so send it again (under a new request id).
-                self._transport_failure(f"generate on {url}", e)
+                # A connection the server closed as the request went out, or a server gone: the
+                # sample is unchanged, so send it again (under a new request id).
+                self._transport_failure(self.pool, url, f"generate on {url}", e)
                 continue
             finally:
                 self.pool.release(url)
-            self._transport_failures = 0
+            self.pool.succeeded(url)
             self.requests_by_server[url] = self.requests_by_server.get(url, 0) + 1
             s.extend(out)
         await self.buffer.sample_finished()
@@ -535,22 +561,68 @@ class Driver:
         )
         while True:
             name, url = self.router.acquire(s.route_value)
+            replicas = self.router.pools[name]
             try:
                 out = await self._teacher[url].score(req)
-                break
             except TRANSPORT_ERRORS as e:
-                self._transport_failure(f"score on {url}", e)
+                self._transport_failure(replicas, url, f"score on {url}", e)
+                continue
             finally:
                 self.router.release(name, url)
-        self._transport_failures = 0
+            replicas.succeeded(url)
+            break
         s.set_scores(name, out)
         self._observe("score", self.clock() - t0)
 
-    def _transport_failure(self, what: str, e: Exception) -> None:
-        self._transport_failures += 1
-        if self._transport_failures > MAX_TRANSPORT_RETRIES:
-            raise RuntimeError(f"{what}: {MAX_TRANSPORT_RETRIES} connection failures in a row ({e!r})") from e
-        log.warning("%s: %r; retrying", what, e)
+    def _transport_failure(self, pool: EndpointPool, url: str, what: str, e: Exception) -> None:
+        """Count a failed connection against `url`. Too many in a row take it out of rotation and
+        start probing it, unless none of its role would be left: then the run fails (a server that
+        stays down needs its pod replaced)."""
+        try:
+            taken_out = pool.failed(url)
+        except AllEndpointsDown as down:
+            raise AllEndpointsDown(f"{what}: {e!r}; {down}") from e
+        if not taken_out:
+            log.warning("%s: %r; retrying", what, e)
+            return
+        log.warning(
+            "%s: %r; %d failures in a row: %s is out of rotation until it answers /health (serving: %s)",
+            what,
+            e,
+            pool.max_failures,
+            url,
+            pool.serving(),
+        )
+        self._spawn(self._bring_back(pool, url), f"probing {url}")
+
+    async def _bring_back(self, pool: EndpointPool, url: str) -> None:
+        """Probe a server out of rotation every probe_seconds; put it back once /health answers.
+        A rollout server must also serve the current weights: a replaced pod starts with its
+        initial ones, and the next sync (which re-forms the group with it) brings it up to date.
+        Ends as well when the server is drained and let go meanwhile."""
+        rollout = pool is self.pool
+        client: RolloutClientLike | TeacherClientLike = self._rollout[url] if rollout else self._teacher[url]
+        told_stale = False
+        while url in pool.out_of_rotation():
+            await asyncio.sleep(self.probe_seconds)
+            try:
+                health = await asyncio.wait_for(client.health(), PROBE_TIMEOUT_SECONDS)
+            except Exception:  # refused, no answer, or 503 while its engine loads
+                continue
+            if url not in pool.out_of_rotation():
+                return
+            if rollout and health.version < self.version:
+                if not told_stale:
+                    log.info(
+                        "%s answers again but serves weight version %d, not %d: back in rotation after the next sync",
+                        url,
+                        health.version,
+                        self.version,
+                    )
+                    told_stale = True
+                continue
+            pool.restore(url)
+            log.info("%s answers /health again: back in rotation", url)
 
     def _observe(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:

@@ -2,6 +2,11 @@
 (least-outstanding-requests balancing over a role's replicas). I/O-free: they pick a base URL;
 the HTTP clients (runtime/driver/clients.py) send the request and release the lease when it ends.
 
+Failure accounting, per endpoint: the driver reports each request's outcome (`succeeded`,
+`failed` on a transport error). MAX_TRANSPORT_FAILURES failures in a row take an endpoint out of
+rotation while another one still takes requests; the driver probes it and `restore`s it once it
+answers. When none would be left, `failed` raises AllEndpointsDown instead.
+
     router = TeacherRouter(spec, config.endpoints.teachers)
     with router.lease(sample.route_value) as (teacher, url):
         scores = await teacher_client.score(url, ...)
@@ -16,6 +21,13 @@ from typing import Any
 
 from kubedistill.api.spec import DistillationJobSpec
 
+MAX_TRANSPORT_FAILURES = 5
+"""Transport failures in a row (connection refused or dropped) that take an endpoint out of rotation."""
+
+
+class AllEndpointsDown(RuntimeError):
+    """An endpoint failed MAX_TRANSPORT_FAILURES times in a row and no other one takes requests."""
+
 
 @dataclass
 class _Endpoint:
@@ -23,27 +35,46 @@ class _Endpoint:
     outstanding: int = 0
     assigned: int = 0
     draining: bool = False
+    failures: int = 0
+    """Transport failures in a row: a success resets it."""
+    out_of_rotation: bool = False
+    """Taken out after too many failures in a row, until `restore`."""
+
+    @property
+    def serving(self) -> bool:
+        return not self.draining and not self.out_of_rotation
 
 
 class EndpointPool:
-    """Base URLs of one role's replicas; `acquire` picks the one with the fewest requests in
-    flight (ties: the one given the fewest requests so far, then the lowest index). While the job
-    scales, endpoints are added, and removed in two steps: `drain` (no new requests; those in
-    flight go on) and `remove` once none is left in flight."""
+    """Base URLs of one role's replicas; `acquire` picks, among those serving, the one with the
+    fewest requests in flight (ties: the one given the fewest requests so far, then the lowest
+    index). While the job scales, endpoints are added, and removed in two steps: `drain` (no new
+    requests; those in flight go on) and `remove` once none is left in flight. An endpoint that
+    fails `max_failures` times in a row is out of rotation until `restore`."""
 
-    def __init__(self, name: str, urls: Sequence[str]):
+    def __init__(self, name: str, urls: Sequence[str], max_failures: int = MAX_TRANSPORT_FAILURES):
         if not urls:
             raise ValueError(f"{name}: no endpoints (need at least one base URL)")
         if len(set(urls)) != len(urls):
             raise ValueError(f"{name}: duplicate endpoints in {list(urls)}")
+        if max_failures < 1:
+            raise ValueError(f"{name}: max_failures must be >= 1, got {max_failures}")
         self.name = name
+        self.max_failures = max_failures
         self._endpoints = [_Endpoint(u) for u in urls]
         self._by_url = {e.url: e for e in self._endpoints}
 
     @property
     def urls(self) -> list[str]:
-        """Every endpoint, draining ones included."""
+        """Every endpoint, draining and out-of-rotation ones included."""
         return [e.url for e in self._endpoints]
+
+    def serving(self) -> list[str]:
+        """The endpoints that take new requests."""
+        return [e.url for e in self._endpoints if e.serving]
+
+    def out_of_rotation(self) -> list[str]:
+        return [e.url for e in self._endpoints if e.out_of_rotation]
 
     def add(self, url: str) -> None:
         if url in self._by_url:
@@ -55,7 +86,7 @@ class EndpointPool:
     def drain(self, url: str) -> None:
         """No new requests go to `url`; at least one other endpoint must still take them."""
         e = self._get(url)
-        if not any(x is not e and not x.draining for x in self._endpoints):
+        if not any(x is not e and x.serving for x in self._endpoints):
             raise ValueError(f"{self.name}: cannot drain {url}, the last endpoint taking requests")
         e.draining = True
 
@@ -73,7 +104,10 @@ class EndpointPool:
         return self._get(url).outstanding
 
     def acquire(self) -> str:
-        best = min((e for e in self._endpoints if not e.draining), key=lambda e: (e.outstanding, e.assigned))
+        serving = [e for e in self._endpoints if e.serving]
+        if not serving:  # `failed` and `drain` never leave none: a caller's bug
+            raise AllEndpointsDown(f"{self.name}: no endpoint takes requests ({self._states()})")
+        best = min(serving, key=lambda e: (e.outstanding, e.assigned))
         best.outstanding += 1
         best.assigned += 1
         return best.url
@@ -91,6 +125,43 @@ class EndpointPool:
             yield url
         finally:
             self.release(url)
+
+    def succeeded(self, url: str) -> None:
+        """A request to `url` was answered: its failures in a row start again from zero."""
+        self._get(url).failures = 0
+
+    def failed(self, url: str) -> bool:
+        """A request to `url` failed in transport. Returns True if this took `url` out of rotation
+        (its `max_failures`-th failure in a row). Raises AllEndpointsDown instead when no other
+        endpoint takes requests: a role with none left cannot go on."""
+        e = self._get(url)
+        e.failures += 1
+        if e.out_of_rotation or e.failures < self.max_failures:
+            return False
+        if not any(x is not e and x.serving for x in self._endpoints):
+            raise AllEndpointsDown(
+                f"{self.name}: {url} failed {e.failures} times in a row and no other endpoint takes requests "
+                f"({self._states()})"
+            )
+        e.out_of_rotation = True
+        return True
+
+    def restore(self, url: str) -> None:
+        """Put an endpoint taken out of rotation back (it answers again). It is given requests as
+        if it had been busy all along, so it does not take every new one until it catches up."""
+        e = self._get(url)
+        e.out_of_rotation = False
+        e.failures = 0
+        e.assigned = max(e.assigned, min((x.assigned for x in self._endpoints if x.serving and x is not e), default=0))
+
+    def _states(self) -> str:
+        """Each endpoint's state, for error messages."""
+
+        def state(e: _Endpoint) -> str:
+            what = "out of rotation" if e.out_of_rotation else "draining" if e.draining else "serving"
+            return f"{what}, {e.failures} failures in a row" if e.failures else what
+
+        return "; ".join(f"{e.url}: {state(e)}" for e in self._endpoints)
 
     def _get(self, url: str) -> _Endpoint:
         try:
