@@ -50,7 +50,7 @@ async def test_generation_pauses_at_the_bound_and_resumes_after_a_sync() -> None
     buf = SampleBuffer(p)
     for gid in range(3):
         assert buf.try_reserve(group(gid))
-    assert buf.stale_count == 6 and buf.paused
+    assert buf.stale_count == 6
     assert not buf.try_reserve(group(3))
 
     waiter = asyncio.create_task(buf.reserve(group(3)))
@@ -191,8 +191,6 @@ async def test_put_refuses_unfinished_or_unknown_groups() -> None:
     with pytest.raises(ValueError, match="not finished"):
         await buf.put(g)
     assert buf.in_flight == 2  # still registered
-    await buf.abandon(6)
-    assert buf.in_flight == 0 and buf.stale_count == 0
 
 
 @pytest.mark.parametrize("threshold,trigger", [(0.0, 1), (0.5, 1), (1.0, 1), (1.0, 2), (2.0, 1)])

@@ -71,10 +71,6 @@ class StepSamples:
         """One TrainBatch per mini-batch."""
         return [to_train_batch(mb, req, self.trainer_version) for mb in self.minibatches]
 
-    def train_batch(self, req: BatchRequirements) -> TrainBatch:
-        """The whole step as one TrainBatch."""
-        return to_train_batch(self.samples, req, self.trainer_version)
-
     def staleness(self) -> list[int]:
         """trainer_version - min_version of each sample."""
         return [

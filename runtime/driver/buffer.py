@@ -4,7 +4,7 @@ rule of kubedistill.runtime.driver.staleness.
 The generation side calls `await reserve(group)` before starting a group (it waits while the
 staleness bound or the in-flight cap would be exceeded), mutates the group's samples as results
 come back (telling `sample_finished()` when one is generated), and calls `await put(group)` once
-the group is generated and scored (or `abandon`).
+the group is generated and scored.
 The trainer side calls `await take()` for the next step's samples. The weight-sync code calls
 `await synced(version)` after every sync: the bound's count restarts at what is buffered or in
 flight, and buffered groups now too stale are dropped. No network, no clock: asyncio only.
@@ -70,11 +70,6 @@ class SampleBuffer:
         """What the in-flight cap counts: generating samples (fullyAsync) or every in-flight one."""
         return self.generating if self.staleness_rule.cap_counts_generating else self.in_flight
 
-    @property
-    def paused(self) -> bool:
-        """Whether a new group would have to wait (generation is paused by the staleness rule)."""
-        return not self.staleness_rule.may_submit(self.stale_count, self.capped)
-
     def in_flight_groups(self) -> list[SampleGroup]:
         return list(self._in_flight.values())
 
@@ -107,14 +102,6 @@ class SampleBuffer:
         if self.staleness_rule.cap_counts_generating:
             async with self._cond:
                 self._cond.notify_all()
-
-    async def abandon(self, group_id: int) -> SampleGroup:
-        """Forget an in-flight group that will not be generated (an error); frees its place."""
-        async with self._cond:
-            group = self._take_in_flight(group_id)
-            self.stale_count = max(0, self.stale_count - len(group))
-            self._cond.notify_all()
-            return group
 
     async def put(self, group: SampleGroup) -> bool:
         """A generated (and scored) group is ready. Returns False if it was dropped as too stale."""

@@ -1,6 +1,7 @@
 """Which server gets a request: TeacherRouter (sample -> teacher -> endpoint) and EndpointPool
 (least-outstanding-requests balancing over a role's replicas). I/O-free: they pick a base URL;
-the HTTP clients (runtime/driver/clients.py) send the request and release the lease when it ends.
+the HTTP clients (runtime/driver/clients.py) send the request, and the driver releases the URL
+when it ends.
 
 Failure accounting, per endpoint: the driver reports each request's outcome (`succeeded`,
 `failed` on a transport error). MAX_TRANSPORT_FAILURES failures in a row take an endpoint out of
@@ -8,14 +9,16 @@ rotation while another one still takes requests; the driver probes it and `resto
 answers. When none would be left, `failed` raises AllEndpointsDown instead.
 
     router = TeacherRouter(spec, config.endpoints.teachers)
-    with router.lease(sample.route_value) as (teacher, url):
-        scores = await teacher_client.score(url, ...)
+    name, url = router.acquire(sample.route_value)
+    try:
+        scores = await clients[url].score(request)
+    finally:
+        router.release(name, url)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,14 +121,6 @@ class EndpointPool:
             raise ValueError(f"{self.name}: release of {url} without a matching acquire")
         e.outstanding -= 1
 
-    @contextmanager
-    def lease(self) -> Iterator[str]:
-        url = self.acquire()
-        try:
-            yield url
-        finally:
-            self.release(url)
-
     def succeeded(self, url: str) -> None:
         """A request to `url` was answered: its failures in a row start again from zero."""
         self._get(url).failures = 0
@@ -203,11 +198,3 @@ class TeacherRouter:
 
     def release(self, teacher: str, url: str) -> None:
         self.pools[teacher].release(url)
-
-    @contextmanager
-    def lease(self, route_value: Any) -> Iterator[tuple[str, str]]:
-        name, url = self.acquire(route_value)
-        try:
-            yield name, url
-        finally:
-            self.release(name, url)

@@ -2,7 +2,7 @@
 
 Every function works per token on flat tensors of response tokens (shape ``[N]``, or ``[N, k]``
 for top-k terms) and returns per-token values; aggregation into one scalar is separate
-(:func:`token_weights`, :func:`masked_aggregate`) so the trainer can split a batch into
+(:func:`token_weights`) so the trainer can split a batch into
 micro-batches and ranks and still get exactly the loss of the whole batch.
 
 Notation per response token t: ``s`` = log pi_student(y_t) (with grad), ``mu`` = rollout
@@ -228,18 +228,6 @@ def token_weights(lengths: Sequence[int], mode: Aggregation) -> torch.Tensor:
     if mode == "seqMeanTokenMean":
         parts = [torch.full((n,), 1.0 / (len(lengths) * n), dtype=torch.float32) for n in lengths if n > 0]
         return torch.cat(parts)
-    raise ValueError(f"loss aggregation must be tokenMean or seqMeanTokenMean, got {mode!r}")
-
-
-def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
-    """Aggregate a padded ``[B, L]`` per-token loss over the positions where ``mask`` is true
-    (response tokens; prompt and padding positions are false)."""
-    mask = mask.to(values.dtype)
-    if mode == "tokenMean":
-        return (values * mask).sum() / mask.sum().clamp_min(1.0)
-    if mode == "seqMeanTokenMean":
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
-        return per_seq.mean()
     raise ValueError(f"loss aggregation must be tokenMean or seqMeanTokenMean, got {mode!r}")
 
 
