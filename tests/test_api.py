@@ -11,6 +11,7 @@ import pytest
 
 from k8s_offline import CRD_FILE, apply_defaults, cel_violations, crd_schema, read_manifest, schema_errors
 from kubedistill.api import DistillationJob
+from kubedistill.api.base import MAX_SAFE_INT
 from kubedistill.api.crd import crd, crd_yaml
 from kubedistill.api.rules import KUEUE_FIXED_SIZE_MESSAGE, NAME_RULES, ROLLOUT_MUTABLE
 from kubedistill.api.spec import RolloutSpec
@@ -70,6 +71,17 @@ def test_crd_schema_is_structural() -> None:
         ".spec.rollout.overrides.env[].valueFrom",
         ".spec.trainer.overrides.env[].valueFrom",
     }
+
+
+def test_every_integer_field_is_bounded() -> None:
+    """pydantic's int has no bound and the API server's is int64: a field without a maximum lets
+    pydantic take 2^63 and above, which the server refuses (tests/test_k8s_api_server.py)."""
+    unbounded = [
+        path
+        for path, node in _walk(SCHEMA)
+        if node["type"] == "integer" and not ("minimum" in node and node.get("maximum", 2**64) <= MAX_SAFE_INT)
+    ]
+    assert unbounded == []
 
 
 def test_crd_identity_and_columns() -> None:

@@ -19,9 +19,12 @@ from pydantic.alias_generators import to_camel
 FREE_FORM = "kubedistill-free-form"
 FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={FREE_FORM: True})]
 
-# The largest integer a seed may take: 2^53 - 1 is exact in float64, which is how the API server
-# holds a schema's bounds and how JSON tools read numbers. The API server refuses a CRD whose
-# bound 2^63 - 1 rounds to 2^63 (not an int64).
+# The largest integer any API field may take; every integer field is bounded by it (or less), so
+# pydantic and the CRD refuse the same values. Unbounded, they did not: the API server holds an
+# int64 and refuses 2^63 and above, which a Python int takes (tests/test_k8s_api_server.py).
+# 2^53 - 1 is exact in float64, which is how the API server holds a schema's bounds and how JSON
+# tools read numbers: the server refuses a CRD whose bound 2^63 - 1 (it rounds to 2^63, not an
+# int64) sits over a default.
 MAX_SAFE_INT = 2**53 - 1
 
 # Kubernetes DNS-1035 label: what Service names (and so teacher names) must be.

@@ -251,7 +251,7 @@ class OptimSpec(ApiModel):
     """AdamW epsilon."""
     grad_clip: Annotated[float, Field(gt=0.0)] = 1.0
     """Maximum global gradient norm."""
-    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    warmup_steps: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Linear warm-up steps."""
     schedule: LrSchedule = LrSchedule.constant
     """Learning-rate decay after warm-up."""
@@ -270,13 +270,13 @@ class TrainerSpec(ApiModel):
     """Optimiser settings."""
     mini_batch_size: Annotated[int, Field(ge=1, le=1048576)] = 16
     """Samples per train step (a multiple of rollout.sampling.samplesPerPrompt, so GRPO groups stay whole)."""
-    micro_batch_tokens: Annotated[int, Field(ge=1)] = 16384
+    micro_batch_tokens: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] = 16384
     """Token budget of one forward/backward micro-batch per rank (gradient accumulation beyond)."""
     pack_sequences: bool = True
     """Lay several samples end to end in one row (position ids restart per sample), so a step
     computes on real tokens, not padding. Falls back to padded rows, with a warning, for a model
     whose attention ignores packing (checked at start)."""
-    total_steps: Annotated[int, Field(ge=1)] = 100
+    total_steps: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] = 100
     """Train steps to run before the job succeeds."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
@@ -390,7 +390,7 @@ class CheckpointSpec(ApiModel):
 
     path: Path = "/ckpt"
     """Directory on a volume shared across trainer restarts."""
-    every_steps: Annotated[int, Field(ge=1)] = 50
+    every_steps: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] = 50
     """Checkpoint interval in train steps (and always at the end)."""
     resume: ResumePolicy = ResumePolicy.auto
     """auto: resume from the newest complete checkpoint; never: start fresh."""
@@ -512,9 +512,9 @@ class DistillationJobSpec(ApiModel):
     # Lifecycle.
     suspend: bool = False
     """true deletes the job's pods and keeps the job; false (re)creates them."""
-    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
+    ttl_seconds_after_finished: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] | None = None
     """Delete the job this many seconds after it succeeded or failed."""
-    active_deadline_seconds: Annotated[int, Field(ge=1)] | None = None
+    active_deadline_seconds: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] | None = None
     """Fail the job when it has been running longer than this."""
     backoff_limit: Annotated[int, Field(ge=0, le=1000)] = 3
     """Trainer gang restarts allowed before the job fails."""

@@ -7,7 +7,11 @@ from typing import Annotated
 
 from pydantic import Field
 
-from kubedistill.api.base import ApiModel
+from kubedistill.api.base import MAX_SAFE_INT, ApiModel
+
+SCALE_REPLICAS_MAX = 2**31 - 1
+"""The scale subresource's replicas are an autoscaling/v1 Scale's int32: the API server refuses a
+larger status.rolloutReplicas (its statusReplicasPath) whatever the schema allows."""
 
 
 class Phase(str, Enum):
@@ -59,11 +63,11 @@ class Condition(ApiModel):
 class RoleStatus(ApiModel):
     """Pod counts of one role (trainer, rollout, teacher/<name>)."""
 
-    desired: Annotated[int, Field(ge=0)] = 0
+    desired: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Pods the spec asks for."""
-    ready: Annotated[int, Field(ge=0)] = 0
+    ready: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Pods running and ready."""
-    failed: Annotated[int, Field(ge=0)] = 0
+    failed: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Pods currently failed."""
 
 
@@ -92,7 +96,7 @@ class DistillationJobStatus(ApiModel):
     """Pod counts per role: trainer, rollout, teacher/<name>."""
     ready: ReadySummary = Field(default_factory=ReadySummary)
     """ready/desired summaries shown by kubectl get."""
-    rollout_replicas: Annotated[int, Field(ge=0)] = 0
+    rollout_replicas: Annotated[int, Field(ge=0, le=SCALE_REPLICAS_MAX)] = 0
     """Rollout pods that exist and have not finished, those still draining after a scale-down
     included (the scale subresource's status.replicas, as a Deployment counts its pods)."""
     rollout_selector: Annotated[str, Field(max_length=1024)] = ""
@@ -101,18 +105,18 @@ class DistillationJobStatus(ApiModel):
     rollout_drain_start_time: str | None = None
     """RFC 3339 time of the scale-down whose surplus rollout pods (replica index at or beyond
     spec.rollout.replicas) still run while the trainer drains them; unset when none is left."""
-    step: Annotated[int, Field(ge=0)] = 0
+    step: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Last completed train step (reported by the trainer; totalSteps once it succeeded)."""
-    weight_version: Annotated[int, Field(ge=0)] = 0
+    weight_version: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Weight version the rollout servers serve."""
     last_checkpoint: str | None = None
     """Path of the newest complete checkpoint."""
-    restarts: Annotated[int, Field(ge=0)] = 0
+    restarts: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Trainer gang restarts caused by the job's own failures so far (bounded by spec.backoffLimit)."""
-    disruptions: Annotated[int, Field(ge=0)] = 0
+    disruptions: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Trainer gang restarts caused by the cluster (preemption, eviction, node drain); not counted
     against spec.backoffLimit. The gang attempt is restarts + disruptions."""
-    observed_generation: Annotated[int, Field(ge=0)] = 0
+    observed_generation: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """metadata.generation the status reflects."""
     start_time: str | None = None
     """RFC 3339 time the job's pods were first created."""

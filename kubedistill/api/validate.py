@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import json
+import math
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -107,6 +109,19 @@ def _message(err: ErrorDetails) -> str:
     return msg
 
 
+def _non_finite(value: Any, loc: tuple[Any, ...] = ()) -> str | None:
+    """The path of the first infinite or NaN number (YAML's .inf, .nan): kubectl cannot encode it
+    as JSON, so the API server never receives the object."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return _path(loc)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, (*loc, key))
+        if found is not None:
+            return found
+    return None
+
+
 def problems_of(doc: Any, where: str) -> list[Problem]:
     """Problems of one parsed YAML document; empty when it is a valid DistillationJob."""
     if not isinstance(doc, dict):
@@ -115,8 +130,13 @@ def problems_of(doc: Any, where: str) -> list[Problem]:
         return [Problem(where, "apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})")]
     if doc.get("kind") != KIND:
         return [Problem(where, "kind", f"must be {KIND} (got {doc.get('kind')!r})")]
+    infinite = _non_finite(doc)
+    if infinite is not None:
+        return [Problem(where, infinite, "must be a finite number (kubectl cannot send infinity or NaN in JSON)")]
     try:
-        DistillationJob.model_validate(doc)
+        # Strict JSON, as the API server types the object: "100" is no integer, 1 no boolean, "0.2"
+        # no number (pydantic's lax Python mode would convert each; the server refuses them).
+        DistillationJob.model_validate_json(json.dumps(doc), strict=True)
     except ValidationError as exc:
         out: list[Problem] = []
         for err in exc.errors():
