@@ -52,13 +52,15 @@ def _batch(vocab: int, samples: int, prompt: int, response: int, k: int = 32):
         token_ids=ids,
         prompt_lens=[prompt] * samples,
         rollout_logprobs=[[-1.0] * response for _ in range(samples)],
-        teacher_logprobs=[[-1.0] * response for _ in range(samples)],
-        teacher_topk_ids=[
-            [torch.randperm(vocab - 4, generator=g)[:k].add(4).tolist()] * response for _ in range(samples)
-        ],
-        teacher_topk_logprobs=[
-            [sorted((-torch.rand(k, generator=g) * 5).tolist(), reverse=True)] * response for _ in range(samples)
-        ],
+        signals={
+            "teacher_logprobs": [[-1.0] * response for _ in range(samples)],
+            "teacher_topk_ids": [
+                [torch.randperm(vocab - 4, generator=g)[:k].add(4).tolist()] * response for _ in range(samples)
+            ],
+            "teacher_topk_logprobs": [
+                [sorted((-torch.rand(k, generator=g) * 5).tolist(), reverse=True)] * response for _ in range(samples)
+            ],
+        },
     )
 
 

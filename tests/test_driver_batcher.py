@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kubedistill.api.losses import CONTRACTS
+from kubedistill.api.spec import LossMode
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, to_train_batch
 from kubedistill.runtime.driver.samples import SampleGroup
 
@@ -22,14 +24,15 @@ def scored_group(gid: int, n: int = 2, version: int = 0, top_k: int = 2) -> Samp
         s.extend(Out([5, 2][: 1 + s.index % 2], version))
         t = len(s.response_ids)
         s.teacher = "arith"
-        s.teacher_logprobs = [-0.1] * t
-        s.teacher_topk_ids = [[5, 6][:top_k]] * t
-        s.teacher_topk_logprobs = [[-0.1, -2.0][:top_k]] * t
+        s.signals["teacher_logprobs"] = [-0.1] * t
+        s.signals["teacher_topk_ids"] = [[5, 6][:top_k]] * t
+        s.signals["teacher_topk_logprobs"] = [[-0.1, -2.0][:top_k]] * t
         s.reward = float(s.index)
     return g
 
 
-REQ = BatchRequirements(group_size=2, mini_batch_size=4, require_batches=2, teacher_scores=True, top_k=2, rewards=True)
+FORWARD = CONTRACTS[LossMode.forward_kl_top_k]
+REQ = BatchRequirements(group_size=2, mini_batch_size=4, require_batches=2, contract=FORWARD, top_k=2, rewards=True)
 
 
 def test_step_is_split_into_whole_group_minibatches() -> None:
@@ -45,16 +48,17 @@ def test_step_is_split_into_whole_group_minibatches() -> None:
     assert b.rollout_logprobs[1] == [-0.25, -0.5]
     assert b.group_ids == [10, 10, 11, 11] and b.rewards == [0.0, 1.0, 0.0, 1.0]
     assert b.weight_versions == [3, 3, 4, 4]
-    assert b.teacher_topk_ids[1] == [[5, 6], [5, 6]]
+    assert b.signals["teacher_topk_ids"][1] == [[5, 6], [5, 6]]
 
 
 def test_what_the_loss_needs_is_checked() -> None:
     with pytest.raises(ValueError, match="needs requireBatches x miniBatchSize = 8 samples, got 4"):
         assemble([scored_group(1), scored_group(2)], REQ, 0)
     unscored = scored_group(3)
-    unscored.samples[1].teacher_logprobs = None
+    del unscored.samples[1].signals["teacher_logprobs"]
+    step = assemble([scored_group(1), scored_group(2), unscored, scored_group(4)], REQ, 0)
     with pytest.raises(ValueError, match=r"sample 3-1 .*teacher log-probs for None of 2"):
-        assemble([scored_group(1), scored_group(2), unscored, scored_group(4)], REQ, 0)
+        step.train_batches(REQ)
     no_reward = scored_group(5)
     no_reward.samples[0].reward = None
     with pytest.raises(ValueError, match="no task reward"):
@@ -62,22 +66,22 @@ def test_what_the_loss_needs_is_checked() -> None:
     with pytest.raises(ValueError, match="3 samples, rollout.sampling.samplesPerPrompt is 2"):
         assemble([scored_group(6, n=3)], REQ, 0)
     wide = scored_group(7)
-    wide.samples[0].teacher_topk_ids = [[1, 2, 3]]
+    wide.samples[0].signals["teacher_topk_ids"] = [[1, 2, 3]]
     with pytest.raises(ValueError, match="top-k row 0 has 3 ids"):
         to_train_batch(wide.samples, REQ)
 
 
 def test_distillation_only_batches_carry_no_rewards_and_small_vocab_topk_is_fine() -> None:
-    req = BatchRequirements(group_size=2, mini_batch_size=2, teacher_scores=True, top_k=4, rewards=False)
+    req = BatchRequirements(group_size=2, mini_batch_size=2, contract=FORWARD, top_k=4, rewards=False)
     g = scored_group(1, top_k=2)  # rows of 2 < topK 4: a vocabulary smaller than k
     g.samples[0].reward = None
     b = to_train_batch(g.samples, req)
-    assert b.rewards is None and b.group_ids is None and b.teacher_topk_ids is not None
-    rl_only = BatchRequirements(group_size=2, mini_batch_size=2, teacher_scores=False, rewards=True)
+    assert b.rewards is None and b.group_ids is None and "teacher_topk_ids" in b.signals
+    rl_only = BatchRequirements(group_size=2, mini_batch_size=2, contract=None, rewards=True)
     g2 = scored_group(2)
-    g2.samples[0].teacher_logprobs = None
+    g2.samples[0].signals.clear()
     b2 = to_train_batch(g2.samples, rl_only)
-    assert b2.teacher_logprobs is None and b2.rewards == [0.0, 1.0]
+    assert b2.signals == {} and b2.rewards == [0.0, 1.0]
 
 
 def test_requirements_from_the_example_specs() -> None:
@@ -88,12 +92,12 @@ def test_requirements_from_the_example_specs() -> None:
     root = Path(__file__).resolve().parent.parent
     quick = BatchRequirements.from_spec(load_job(root / "examples/quickstart-cpu.yaml").spec)
     # miniBatchSize 64 samples = 64 groups of n=1
-    assert (quick.group_size, quick.step_samples, quick.teacher_scores, quick.top_k, quick.rewards) == (
+    assert (quick.group_size, quick.step_samples, quick.contract, quick.top_k, quick.rewards) == (
         1,
         64,
-        True,
+        FORWARD,
         16,
         False,
     )
     multi = BatchRequirements.from_spec(load_job(root / "examples/multi-teacher-6gpu.yaml").spec)
-    assert (multi.group_size, multi.step_samples, multi.top_k, multi.rewards) == (4, 16, 0, True)
+    assert (multi.group_size, multi.step_samples, multi.contract.top_k, multi.rewards) == (4, 16, None, True)

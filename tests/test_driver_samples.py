@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kubedistill.api.losses import CONTRACTS, ROLLOUT_TOP_K
+from kubedistill.api.spec import LossMode
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, Sampling
 
@@ -81,7 +83,8 @@ def test_teacher_scores_are_checked_against_the_response() -> None:
         "math",
         ScoreResponse(logprobs=[-0.5, -0.25], topk_ids=[[7, 3], [8, 3]], topk_logprobs=[[-0.5, -1.0], [-0.25, -2.0]]),
     )
-    assert (s.teacher, s.teacher_logprobs, s.teacher_topk_ids[1], s.scored) == ("math", [-0.5, -0.25], [8, 3], True)
+    got = (s.teacher, s.signals["teacher_logprobs"], s.signals["teacher_topk_ids"][1], s.scored)
+    assert got == ("math", [-0.5, -0.25], [8, 3], True)
     with pytest.raises(ValueError, match="scored 1 log-probs, 1 top-k id rows and 1 top-k log-prob rows for 2"):
         s.set_scores("math", ScoreResponse(logprobs=[-0.5], topk_ids=[[7]], topk_logprobs=[[-0.5]]))
 
@@ -90,9 +93,9 @@ def test_restart_forgets_tokens_and_scores() -> None:
     s = Sample(group_id=0, index=0, prompt_ids=[1], max_tokens=3)
     s.continuation()
     s.extend(response("x", [5], [-1.0], 0, "abort"))
-    s.teacher_logprobs, s.reward = [-2.0], 1.0
+    s.signals["teacher_logprobs"], s.reward = [-2.0], 1.0
     s.restart()
-    assert (s.response_ids, s.versions, s.teacher_logprobs, s.reward, s.finish_reason) == ([], [], None, None, None)
+    assert (s.response_ids, s.versions, s.signals, s.reward, s.finish_reason) == ([], [], {}, None, None)
     assert s.continuation().prefix_token_ids == []
 
 
@@ -185,18 +188,22 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
             topk_ids=[[7, 5], [3, 4]],
         )
     )
-    assert s.rollout_topk_ids == [[5, 6], [7, 5], [3, 4]]
+    assert s.signals["rollout_topk_ids"] == [[5, 6], [7, 5], [3, 4]]
     scores = dict(logprobs=[-1.0] * 3, topk_ids=[[5]] * 3, topk_logprobs=[[-0.5]] * 3)
     with pytest.raises(ValueError, match="gathered log-prob rows do not match"):
         s.set_scores("t", ScoreResponse(**scores, gather_logprobs=[[-1.0, -2.0]] * 2))
     s.set_scores("t", ScoreResponse(**scores, gather_logprobs=[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]))
-    req = BatchRequirements(group_size=1, mini_batch_size=1, rollout_top_k=2)
+    req = BatchRequirements(group_size=1, mini_batch_size=1, contract=CONTRACTS[LossMode.reverse_kl_top_k], top_k=2)
+    assert req.rollout_top_k == 2 and req.gather_ids(s) == [[5, 6], [7, 5], [3, 4]]
     batch = to_train_batch([s], req, trainer_version=1)
-    assert batch.top_k_scores() == ([[[5, 6], [7, 5], [3, 4]]], [[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]])
-    assert batch.teacher_topk_ids is None and batch.lag(0) == 1
+    assert batch.top_k_scores(ROLLOUT_TOP_K) == (
+        [[[5, 6], [7, 5], [3, 4]]],
+        [[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]],
+    )
+    assert "teacher_topk_ids" not in batch.signals and batch.lag(0) == 1
     # A continuation without rows, after a prefix that has them, is refused.
     s.restart()
-    assert s.rollout_topk_ids is None and s.teacher_logprobs_at_rollout_topk is None
+    assert s.signals == {}
     c = s.continuation()
     s.extend(response(c.request_id, [5], [-0.1], 0, "abort").model_copy(update={"topk_ids": [[5, 6]]}))
     c = s.continuation()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kubedistill.api.losses import TEACHER_TOP_K
 from kubedistill.api.spec import Device, DType, OptimSpec
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.trainer import Trainer
@@ -46,7 +47,7 @@ def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[
     batch = make_batch()
     idx = [i for row in rows for i in row]  # the order collate emits tokens in
     resp = [batch.response_len(i) for i in range(len(batch))]
-    mb = collate(batch, rows, [torch.ones(r) for r in resp], None, trainer.pad_id)
+    mb = collate(batch, rows, [torch.ones(r) for r in resp], None, trainer.pad_id, top_k=TEACHER_TOP_K)
     assert (mb.position_ids is not None) == any(len(r) > 1 for r in rows)
     with torch.no_grad():
         got, got_topk = trainer.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids, mb.position_ids)
@@ -59,7 +60,7 @@ def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[
             p = batch.prompt_lens[i]
             rows = lp[p - 1 : len(batch.token_ids[i]) - 1]
             want.append(rows.gather(-1, torch.tensor(batch.token_ids[i][p:]).unsqueeze(-1)).squeeze(-1))
-            want_topk.append(rows.gather(-1, torch.tensor(batch.teacher_topk_ids[i])))
+            want_topk.append(rows.gather(-1, torch.tensor(batch.signals["teacher_topk_ids"][i])))
     assert torch.allclose(got, torch.cat(want), atol=1e-5)
     assert torch.allclose(got_topk, torch.cat(want_topk), atol=1e-5)
 
@@ -169,8 +170,8 @@ def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path:
 
 def test_missing_teacher_signal_is_a_clear_error(trainer: Trainer) -> None:
     batch = make_batch()
-    batch.teacher_topk_ids = batch.teacher_topk_logprobs = None
-    with pytest.raises(ValueError, match="TrainBatch.teacher_topk_ids: lossMode forwardKLTopK needs teacher top-k"):
+    del batch.signals["teacher_topk_ids"], batch.signals["teacher_topk_logprobs"]
+    with pytest.raises(ValueError, match=r"TrainBatch.signals\['teacher_topk_ids'\]: lossMode forwardKLTopK needs"):
         trainer.step(batch)
 
 
@@ -249,11 +250,10 @@ def test_short_top_k_rows_are_masked() -> None:
         token_ids=[[1, 5, 6, 7]],
         prompt_lens=[2],
         rollout_logprobs=[[-1.0, -1.0]],
-        teacher_topk_ids=[[[5, 6], [7]]],
-        teacher_topk_logprobs=[[[-0.1, -2.0], [-0.01]]],
+        signals={"teacher_topk_ids": [[[5, 6], [7]]], "teacher_topk_logprobs": [[[-0.1, -2.0], [-0.01]]]},
     )
     batch.validate()
-    mb = collate(batch, [[0]], [torch.ones(2)], None, 0)
+    mb = collate(batch, [[0]], [torch.ones(2)], None, 0, top_k=TEACHER_TOP_K)
     assert mb.topk_ids.tolist() == [[5, 6], [7, 0]]
     assert mb.topk_valid.tolist() == [[True, True], [True, False]]
     assert mb.gather_index.tolist() == [1, 2] and mb.targets.tolist() == [6, 7]

@@ -8,7 +8,8 @@ from typing import Any
 
 from kubedistill.api import kubeyaml
 from kubedistill.api.crd import crd
-from kubedistill.api.rules import IMMUTABLE_SPEC_FIELDS, NAME_RULES, ROLLOUT_MUTABLE, SPEC_RULES, TRANSITION_RULES
+from kubedistill.api.rules import IMMUTABLE_SPEC_FIELDS, NAME_RULES, ROLLOUT_MUTABLE, SPEC_RULES
+from kubedistill.api.transitions import TRANSITION_RULES
 
 INTRO = f"""# DistillationJob API reference (kubedistill.io/v1alpha1)
 

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kubedistill.api.spec import (
-    KUEUE_MAX_TEACHERS,
-    Advantage,
-    Device,
-    DistillationJobSpec,
-    Engine,
-    GangScheduler,
-    LossMode,
-    Mode,
-    RolloutSpec,
-)
+from kubedistill.api.enums import KUEUE_MAX_TEACHERS, Advantage, Device, Engine, GangScheduler, LossMode, Mode
+from kubedistill.api.losses import CONTRACTS, PolicyGradient
+
+if TYPE_CHECKING:
+    from kubedistill.api.spec import DistillationJobSpec
 
 
 @dataclass(frozen=True)
@@ -94,6 +89,36 @@ def _gang(spec: DistillationJobSpec, *kinds: GangScheduler) -> bool:
     return spec.scheduling.gang_scheduler in kinds
 
 
+def _policy_gradient_rules() -> list[Rule]:
+    """usePolicyGradient where a loss mode's contract requires or forbids it, in LossMode order."""
+    distillation = "self.algorithm.distillation"
+    out: list[Rule] = []
+    for mode, contract in CONTRACTS.items():
+        why = contract.policy_gradient_reason
+        if contract.policy_gradient is PolicyGradient.required:
+            cel = f"{distillation}.lossMode != '{mode.value}' || {distillation}.usePolicyGradient"
+            message = f"lossMode {mode.value} needs usePolicyGradient: true ({why})"
+            want = True
+        elif contract.policy_gradient is PolicyGradient.forbidden:
+            cel = f"{distillation}.lossMode != '{mode.value}' || !{distillation}.usePolicyGradient"
+            message = f"lossMode {mode.value} is a direct loss: usePolicyGradient must be false ({why})"
+            want = False
+        else:
+            continue
+        out.append(
+            Rule("spec", cel, message, ".algorithm.distillation.usePolicyGradient", _policy_gradient_check(mode, want))
+        )
+    return out
+
+
+def _policy_gradient_check(mode: LossMode, want: bool) -> Callable[[DistillationJobSpec], bool]:
+    def check(s: DistillationJobSpec) -> bool:
+        d = s.algorithm.distillation
+        return d.loss_mode is not mode or d.use_policy_gradient is want
+
+    return check
+
+
 HF_ON_CUDA_MESSAGE = "hf runs on the CPU; on device cuda use vllm"
 GPU_MESSAGE = "must be > 0 on device cuda and 0 (or unset) on device cpu"
 
@@ -142,24 +167,7 @@ SPEC_RULES: list[Rule] = [
         ".teachers",
         _reachable,
     ),
-    Rule(
-        "spec",
-        "self.algorithm.distillation.lossMode != 'k1' || self.algorithm.distillation.usePolicyGradient",
-        "lossMode k1 needs usePolicyGradient: true (k1 has no useful gradient as a direct loss)",
-        ".algorithm.distillation.usePolicyGradient",
-        lambda s: s.algorithm.distillation.loss_mode is not LossMode.k1 or s.algorithm.distillation.use_policy_gradient,
-    ),
-    Rule(
-        "spec",
-        "self.algorithm.distillation.lossMode != 'reverseKLTopK' || !self.algorithm.distillation.usePolicyGradient",
-        "lossMode reverseKLTopK is a direct loss: usePolicyGradient must be false (as an advantage it is the "
-        "same for every token sampled at a position, so its policy gradient is zero in expectation)",
-        ".algorithm.distillation.usePolicyGradient",
-        lambda s: (
-            s.algorithm.distillation.loss_mode is not LossMode.reverse_kl_top_k
-            or not s.algorithm.distillation.use_policy_gradient
-        ),
-    ),
+    *_policy_gradient_rules(),
     Rule(
         "spec",
         "self.algorithm.distillation.enabled || self.algorithm.distillation.useTaskRewards",
@@ -336,64 +344,6 @@ KUEUE_FIXED_SIZE_MESSAGE = (
     "cannot change with gangScheduler kueue: Kueue admits the job as one pod group of a fixed size; "
     "delete and recreate the job to resize it"
 )
-
-
-def _rollout_transition_rules() -> list[Rule]:
-    """Every spec.rollout field but ROLLOUT_MUTABLE is immutable: `self == oldSelf` on the field,
-    and where the field is optional without a default (absent unless set, e.g. gpus), a presence
-    check on spec.rollout, since a transition rule on the field itself runs only when both the old
-    and the new object have it. Derived from RolloutSpec, so a new field is covered."""
-    out: list[Rule] = []
-    for name, info in RolloutSpec.model_fields.items():
-        key = info.alias or name
-        if key in ROLLOUT_MUTABLE:
-            continue
-        only = "only spec.rollout.replicas may change on a running job; delete and recreate the job to change it"
-        out.append(Rule(f"spec.rollout.{key}", "self == oldSelf", f"spec.rollout.{key} is immutable: {only}"))
-        if info.default is None and info.default_factory is None:
-            out.append(
-                Rule(
-                    "spec.rollout",
-                    f"has(self.{key}) == has(oldSelf.{key})",
-                    f"spec.rollout.{key} cannot be added or removed: {only}",
-                    f".{key}",
-                )
-            )
-    return out
-
-
-def _optional_immutable_rules() -> list[Rule]:
-    """An optional immutable spec field without a default (e.g. async) cannot be added or
-    removed either: its own `self == oldSelf` runs only when both objects have it."""
-    out: list[Rule] = []
-    for name, info in DistillationJobSpec.model_fields.items():
-        key = info.alias or name
-        if key in IMMUTABLE_SPEC_FIELDS and info.default is None and info.default_factory is None:
-            out.append(
-                Rule(
-                    "spec",
-                    f"has(self.{key}) == has(oldSelf.{key})",
-                    f"spec.{key} cannot be added or removed; delete and recreate the job to change it",
-                    f".{key}",
-                )
-            )
-    return out
-
-
-TRANSITION_RULES: list[Rule] = [
-    # Kueue admits a plain pod group whose size every pod's annotation names: a pod beyond it
-    # would never be admitted, and fewer pods would leave the group unfinished.
-    Rule(
-        "spec",
-        "self.scheduling.gangScheduler != 'kueue' || self.rollout.replicas == oldSelf.rollout.replicas",
-        KUEUE_FIXED_SIZE_MESSAGE,
-        ".rollout.replicas",
-    ),
-    *_rollout_transition_rules(),
-    *_optional_immutable_rules(),
-]
-"""Rules on updates (CEL over self and oldSelf), checked by the API server only: besides the
-`self == oldSelf` of IMMUTABLE_SPEC_FIELDS."""
 
 
 def violations(spec: DistillationJobSpec) -> list[tuple[str, str]]:

@@ -7,101 +7,81 @@ are checked here (``DistillationJobSpec`` after-validator) and emitted as CEL in
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from kubedistill.api.base import DNS_LABEL, MAX_SAFE_INT, ApiModel, FreeForm
+from kubedistill.api.enums import (
+    KUEUE_MAX_TEACHERS,
+    Advantage,
+    AdvantageBaseline,
+    Device,
+    DType,
+    Engine,
+    GangScheduler,
+    ImportanceLevel,
+    ImportanceMode,
+    LossAggregation,
+    LossMode,
+    LrSchedule,
+    Mode,
+    PartialRolloutStrategy,
+    ProximalPolicy,
+    PullPolicy,
+    ResumePolicy,
+    SyncBackend,
+)
+from kubedistill.api.rules import violations
 
-
-class Mode(str, Enum):
-    sync = "sync"
-    one_step_off = "oneStepOff"
-    fully_async = "fullyAsync"
-
-
-class Device(str, Enum):
-    cuda = "cuda"
-    cpu = "cpu"
-
-
-class Engine(str, Enum):
-    vllm = "vllm"
-    hf = "hf"
-
-
-class DType(str, Enum):
-    auto = "auto"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
-
-
-class LossMode(str, Enum):
-    k1 = "k1"
-    k3 = "k3"
-    forward_kl_top_k = "forwardKLTopK"
-    reverse_kl_top_k = "reverseKLTopK"
-
-
-class Advantage(str, Enum):
-    grpo = "grpo"
-    none = "none"
-
-
-class AdvantageBaseline(str, Enum):
-    none = "none"
-    batch_mean = "batchMean"
-
-
-class ProximalPolicy(str, Enum):
-    recompute = "recompute"
-    current = "current"
-
-
-class ImportanceLevel(str, Enum):
-    token = "token"
-    sequence = "sequence"
-
-
-class ImportanceMode(str, Enum):
-    truncate = "truncate"
-    mask = "mask"
-
-
-class LossAggregation(str, Enum):
-    token_mean = "tokenMean"
-    seq_mean_token_mean = "seqMeanTokenMean"
-
-
-class LrSchedule(str, Enum):
-    constant = "constant"
-    cosine = "cosine"
-    linear = "linear"
-
-
-class PartialRolloutStrategy(str, Enum):
-    resume = "resume"
-    inflight = "inflight"
-
-
-class ResumePolicy(str, Enum):
-    auto = "auto"
-    never = "never"
-
-
-class SyncBackend(str, Enum):
-    auto = "auto"
-    nccl = "nccl"
-    gloo = "gloo"
-
-
-class PullPolicy(str, Enum):
-    always = "Always"
-    if_not_present = "IfNotPresent"
-    never = "Never"
+# The enums live in kubedistill.api.enums (the rules read them without the spec); they are
+# exported here too, with the models, as the spec's vocabulary.
+__all__ = [
+    "Advantage",
+    "AdvantageBaseline",
+    "AlgorithmSpec",
+    "AsyncSpec",
+    "CheckpointSpec",
+    "DType",
+    "DataSpec",
+    "Device",
+    "DistillationJobSpec",
+    "DistillationSpec",
+    "Engine",
+    "EnvVar",
+    "GangScheduler",
+    "ImportanceCorrectionSpec",
+    "ImportanceLevel",
+    "ImportanceMode",
+    "InferenceSpec",
+    "KUEUE_MAX_TEACHERS",
+    "LossAggregation",
+    "LossMode",
+    "LrSchedule",
+    "Mode",
+    "ModelSpec",
+    "Name",
+    "OffPolicySpec",
+    "OptimSpec",
+    "PartialRolloutStrategy",
+    "Path",
+    "ProximalPolicy",
+    "PullPolicy",
+    "QueueName",
+    "ResourceRequirements",
+    "ResumePolicy",
+    "RoleOverrides",
+    "RolloutSpec",
+    "RoutingSpec",
+    "SamplingSpec",
+    "SchedulingSpec",
+    "SyncBackend",
+    "TeacherMatch",
+    "TeacherSpec",
+    "TrainerSpec",
+    "WeightSyncSpec",
+]
 
 
 Path = Annotated[str, Field(min_length=1, max_length=4096)]
@@ -411,16 +391,7 @@ class WeightSyncSpec(ApiModel):
     """Timeout of one sync."""
 
 
-class GangScheduler(str, Enum):
-    none = "none"
-    kueue = "kueue"
-    volcano = "volcano"
-    coscheduling = "coscheduling"
-
-
 QueueName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
-KUEUE_MAX_TEACHERS = 6
-"""Kueue admits a plain pod group of at most 8 pod shapes: trainer, rollout and one per teacher."""
 
 
 class SchedulingSpec(ApiModel):
@@ -521,9 +492,6 @@ class DistillationJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> DistillationJobSpec:
-        # Imported here: rules.py needs the model classes defined above.
-        from kubedistill.api.rules import violations
-
         found = violations(self)
         if found:
             raise PydanticCustomError(

@@ -1,7 +1,8 @@
 """The batcher: turns the groups one train step takes from the SampleBuffer into that step's
 mini-batches. GRPO groups stay whole (miniBatchSize is a multiple of rollout.sampling.samplesPerPrompt), and a
-sample the loss cannot use (no teacher scores when distilling, no reward when task rewards are
-on, token arrays of unequal length) is refused with a message naming it.
+sample the loss cannot use (lacking a signal of the loss contract when distilling, no reward when
+task rewards are on, token arrays of unequal length) is refused with a message naming it, once,
+as its TrainBatch is built.
 
 Output: `StepSamples`, `requireBatches` mini-batches of `miniBatchSize` samples each, in group
 order; `to_train_batch` turns samples into the trainer's TrainBatch (runtime/wire/batch.py).
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kubedistill.api.losses import CONTRACTS, SIGNAL_NAMES, TOKEN_SIGNALS, LossContract, active_contract
 from kubedistill.api.spec import DistillationJobSpec, LossMode
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.wire.batch import TrainBatch
@@ -27,15 +29,12 @@ class BatchRequirements:
     group_size: int
     mini_batch_size: int
     require_batches: int = 1
-    teacher_scores: bool = True
-    """Distillation on: teacher log-probs for every response token."""
-    top_k: int = 0
-    """forwardKLTopK: teacher top-k rows (1..top_k entries) at every position (0: not needed)."""
+    contract: LossContract | None = CONTRACTS[LossMode.k3]
+    """The loss contract whose signals every sample carries; None with distillation disabled."""
+    top_k: int = 32
+    """The widest top-k row the contract's top-k pair may have (algorithm.distillation.topK)."""
     rewards: bool = False
     """Task rewards in the loss: a reward on every sample."""
-    rollout_top_k: int = 0
-    """reverseKLTopK: the rollout's top-k ids at every position and the teacher's log-probs at
-    them (0: not needed)."""
 
     @classmethod
     def from_spec(cls, spec: DistillationJobSpec) -> BatchRequirements:
@@ -45,11 +44,27 @@ class BatchRequirements:
             group_size=spec.rollout.sampling.samples_per_prompt,
             mini_batch_size=spec.trainer.mini_batch_size,
             require_batches=a.require_batches if a is not None else 1,
-            teacher_scores=d.enabled,
-            top_k=d.top_k if d.enabled and d.loss_mode is LossMode.forward_kl_top_k else 0,
+            contract=active_contract(d),
+            top_k=d.top_k,
             rewards=d.use_task_rewards,
-            rollout_top_k=d.top_k if d.enabled and d.loss_mode is LossMode.reverse_kl_top_k else 0,
         )
+
+    @property
+    def teacher_scores(self) -> bool:
+        """Every sample goes to a teacher."""
+        return self.contract is not None
+
+    @property
+    def rollout_top_k(self) -> int:
+        """The top-k ids a /generate request asks the rollout for (0: none)."""
+        return self.top_k if self.contract is not None and self.contract.rollout_top_k else 0
+
+    def gather_ids(self, s: Sample) -> list[list[int]] | None:
+        """The ids a /score request asks the teacher to score at each position (None: none)."""
+        c = self.contract
+        if c is None or not c.teacher_gather or c.top_k is None:
+            return None
+        return s.signal(c.top_k.ids)
 
     @property
     def step_samples(self) -> int:
@@ -88,21 +103,15 @@ def check_sample(s: Sample, req: BatchRequirements) -> None:
         raise ValueError(f"{where} has an empty response")
     if len(s.logprobs) != t or len(s.versions) != t:
         raise ValueError(f"{where}: {t} tokens but {len(s.logprobs)} log-probs and {len(s.versions)} versions")
-    if req.teacher_scores:
-        if s.teacher_logprobs is None or len(s.teacher_logprobs) != t:
-            got = None if s.teacher_logprobs is None else len(s.teacher_logprobs)
-            raise ValueError(f"{where}: teacher log-probs for {got} of {t} response tokens")
-        if req.top_k:
-            _check_top_k(where, "teacher top-k", s.teacher_topk_ids, s.teacher_topk_logprobs, t, req.top_k)
-        if req.rollout_top_k:
-            _check_top_k(
-                where,
-                "rollout top-k",
-                s.rollout_topk_ids,
-                s.teacher_logprobs_at_rollout_topk,
-                t,
-                req.rollout_top_k,
-            )
+    c = req.contract
+    if c is not None:
+        for name in c.signals:
+            values = s.signal(name)
+            if name in TOKEN_SIGNALS and (values is None or len(values) != t):
+                got = None if values is None else len(values)
+                raise ValueError(f"{where}: {SIGNAL_NAMES[name]} for {got} of {t} response tokens")
+        if c.top_k is not None:
+            _check_top_k(where, c.top_k.label, s.signal(c.top_k.ids), s.signal(c.top_k.logprobs), t, req.top_k)
     if req.rewards and s.reward is None:
         raise ValueError(f"{where} has no task reward (useTaskRewards is on)")
 
@@ -126,14 +135,13 @@ def _check_top_k(
 
 
 def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_version: int) -> StepSamples:
-    """One step's mini-batches from whole groups (as SampleBuffer.take returns them)."""
+    """One step's mini-batches from whole groups (as SampleBuffer.take returns them); each sample
+    is checked as its TrainBatch is built (to_train_batch)."""
     for g in groups:
         if len(g) != req.group_size:
             raise ValueError(
                 f"group {g.group_id} has {len(g)} samples, rollout.sampling.samplesPerPrompt is {req.group_size}"
             )
-        for s in g.samples:
-            check_sample(s, req)
     flat = [s for g in groups for s in g.samples]
     if len(flat) != req.step_samples:
         raise ValueError(f"a step needs requireBatches x miniBatchSize = {req.step_samples} samples, got {len(flat)}")
@@ -143,39 +151,23 @@ def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_vers
 
 def to_train_batch(samples: Sequence[Sample], req: BatchRequirements, trainer_version: int | None = None) -> TrainBatch:
     """The trainer's batch of these samples: prompt + response ids, behaviour log-probs, the
-    teacher scores and rewards the loss needs, and each sample's oldest weight version."""
+    signals of the loss contract and the rewards the loss needs, and each sample's oldest weight
+    version. The one check of the samples (check_sample); the batch is consistent by construction."""
     for s in samples:
         check_sample(s, req)
-    batch = TrainBatch(
+    signals = req.contract.signals if req.contract is not None else ()
+    return TrainBatch(
         token_ids=[list(s.prompt_ids) + list(s.response_ids) for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
         rollout_logprobs=[list(s.logprobs) for s in samples],
-        teacher_logprobs=(
-            [list(_checked(s.teacher_logprobs, s, "teacher log-probs")) for s in samples]
-            if req.teacher_scores
-            else None
-        ),
-        teacher_topk_ids=(
-            [list(_checked(s.teacher_topk_ids, s, "teacher top-k")) for s in samples] if req.top_k else None
-        ),
-        teacher_topk_logprobs=(
-            [list(_checked(s.teacher_topk_logprobs, s, "teacher top-k")) for s in samples] if req.top_k else None
-        ),
-        rollout_topk_ids=(
-            [list(_checked(s.rollout_topk_ids, s, "rollout top-k")) for s in samples] if req.rollout_top_k else None
-        ),
-        teacher_logprobs_at_rollout_topk=(
-            [list(_checked(s.teacher_logprobs_at_rollout_topk, s, "teacher scores of the top-k")) for s in samples]
-            if req.rollout_top_k
-            else None
-        ),
+        signals={
+            name.value: [list(_checked(s.signal(name), s, SIGNAL_NAMES[name])) for s in samples] for name in signals
+        },
         rewards=[float(_checked(s.reward, s, "task reward")) for s in samples] if req.rewards else None,
         group_ids=[s.group_id for s in samples] if req.rewards else None,
         weight_versions=[_checked(s.min_version, s, "tokens") for s in samples],
         trainer_version=trainer_version,
     )
-    batch.validate()
-    return batch
 
 
 def _checked(value: T | None, s: Sample, what: str) -> T:

@@ -557,7 +557,7 @@ class Driver:
             prompt_len=prompt_len,
             top_k=self.spec.algorithm.distillation.top_k,
             images=group.images,
-            gather_ids=s.rollout_topk_ids if self.req.rollout_top_k else None,
+            gather_ids=self.req.gather_ids(s),
         )
         while True:
             name, url = self.router.acquire(s.route_value)

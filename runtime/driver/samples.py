@@ -14,10 +14,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kubedistill.api.losses import Signal
+
 if TYPE_CHECKING:
     from kubedistill.runtime.driver.data import PromptItem
 
 FINISHED = ("stop", "length")
+TEACHER_SIGNALS = tuple(s for s in Signal if s is not Signal.rollout_topk_ids)
+"""What a teacher's /score fills in (and clear_scores forgets)."""
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -88,8 +92,6 @@ class Sample:
     """Rollout (behaviour-policy) log-prob of each response token."""
     versions: list[int] = field(default_factory=list)
     """Weight version that sampled each response token."""
-    rollout_topk_ids: list[list[int]] | None = None
-    """The behaviour policy's most likely ids at each response position (lossMode reverseKLTopK)."""
     finish_reason: str | None = None
     """None while generating; stop, length, or abort (interrupted, to be resumed)."""
     requests: int = 0
@@ -97,11 +99,10 @@ class Sample:
     reward: float | None = None
     teacher: str | None = None
     """Name of the teacher that scored the sample."""
-    teacher_logprobs: list[float] | None = None
-    teacher_topk_ids: list[list[int]] | None = None
-    teacher_topk_logprobs: list[list[float]] | None = None
-    teacher_logprobs_at_rollout_topk: list[list[float]] | None = None
-    """The teacher's log-prob of each of rollout_topk_ids, row for row (lossMode reverseKLTopK)."""
+    signals: dict[str, list[Any]] = field(default_factory=dict)
+    """What the servers returned per response token beyond the sampled ids, keyed by the loss
+    contract's signal names (kubedistill.api.losses.Signal): the rollout's top-k ids when the
+    contract asks for them, and the teacher's scores."""
 
     @property
     def sample_id(self) -> str:
@@ -135,7 +136,10 @@ class Sample:
 
     @property
     def scored(self) -> bool:
-        return self.teacher_logprobs is not None
+        return Signal.teacher_logprobs.value in self.signals
+
+    def signal(self, name: Signal) -> list[Any] | None:
+        return self.signals.get(name.value)
 
     def continuation(self) -> Continuation:
         """The next /generate request of this sample (the first one, or a resume after an abort).
@@ -177,13 +181,14 @@ class Sample:
             raise ValueError(
                 f"sample {self.sample_id}: generate output has {len(topk)} top-k rows for {len(ids)} tokens"
             )
-        if topk is None and self.rollout_topk_ids is not None and ids:
+        rollout_topk = self.signal(Signal.rollout_topk_ids)
+        if topk is None and rollout_topk is not None and ids:
             raise ValueError(f"sample {self.sample_id}: a continuation came back without the top-k ids its prefix has")
         self.response_ids.extend(ids)
         self.logprobs.extend(float(x) for x in lps)
         self.versions.extend(int(v) for v in vers)
         if topk is not None:
-            self.rollout_topk_ids = (self.rollout_topk_ids or []) + topk
+            self.signals[Signal.rollout_topk_ids.value] = (rollout_topk or []) + topk
         reason = out.finish_reason
         # An abort that lands exactly on the budget is a finished sample: nothing is left to resume.
         if reason == "abort" and len(self.response_ids) >= self.max_tokens:
@@ -205,41 +210,60 @@ class Sample:
             )
         gathered = None if out.gather_logprobs is None else [list(map(float, row)) for row in out.gather_logprobs]
         if gathered is not None:
-            widths = [len(row) for row in self.rollout_topk_ids or []]
+            widths = [len(row) for row in self.signal(Signal.rollout_topk_ids) or []]
             if [len(row) for row in gathered] != widths:
                 raise ValueError(
                     f"sample {self.sample_id}: teacher {teacher} gathered log-prob rows do not match the "
                     f"rollout's top-k rows ({len(gathered)} rows for {len(widths)})"
                 )
         self.teacher = teacher
-        self.teacher_logprobs = [float(x) for x in lps]
-        self.teacher_topk_ids = [list(map(int, row)) for row in ids]
-        self.teacher_topk_logprobs = [list(map(float, row)) for row in tlps]
-        self.teacher_logprobs_at_rollout_topk = gathered
+        self.signals[Signal.teacher_logprobs.value] = [float(x) for x in lps]
+        self.signals[Signal.teacher_topk_ids.value] = [list(map(int, row)) for row in ids]
+        self.signals[Signal.teacher_topk_logprobs.value] = [list(map(float, row)) for row in tlps]
+        self.signals.pop(Signal.teacher_logprobs_at_rollout_topk.value, None)
+        if gathered is not None:
+            self.signals[Signal.teacher_logprobs_at_rollout_topk.value] = gathered
 
     def restart(self) -> None:
         """Forget the tokens generated so far (resume without partial rollouts: start over)."""
         self.response_ids, self.logprobs, self.versions = [], [], []
-        self.rollout_topk_ids = None
+        self.signals.pop(Signal.rollout_topk_ids.value, None)
         self.finish_reason = None
         self.clear_scores()
 
     def clear_scores(self) -> None:
         self.reward = None
         self.teacher = None
-        self.teacher_logprobs = self.teacher_topk_ids = self.teacher_topk_logprobs = None
-        self.teacher_logprobs_at_rollout_topk = None
+        for name in TEACHER_SIGNALS:
+            self.signals.pop(name.value, None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
+        d = _migrate_signals(d)
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"sample state has unknown fields {sorted(unknown)}")
         return cls(**d)
+
+
+def _migrate_signals(d: dict[str, Any]) -> dict[str, Any]:
+    """A sample's state as checkpoints before the signals dict stored it: each signal a field of
+    its own (None when absent). Those fields move into `signals` under the same names."""
+    old = [name.value for name in Signal if name.value in d]
+    if not old:
+        return d
+    d = dict(d)
+    signals = dict(d.pop("signals", None) or {})
+    for name in old:
+        value = d.pop(name)
+        if value is not None:
+            signals[name] = value
+    d["signals"] = signals
+    return d
 
 
 @dataclass

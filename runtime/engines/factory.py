@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, LossMode, ModelSpec
+from kubedistill.api.losses import active_contract
+from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, ModelSpec
 from kubedistill.api.spec import Engine as EngineKind
 from kubedistill.runtime.engines.base import Engine
 
@@ -39,15 +40,17 @@ def make_engine(
 
 
 def rollout_max_logprobs(spec: DistillationJobSpec) -> int:
-    """Log-probs a rollout engine returns per position at most: the student's top-k for lossMode
-    reverseKLTopK (the ids the teacher scores), else only the sampled token's."""
+    """Log-probs a rollout engine returns per position at most: the student's top-k when the loss
+    contract asks the rollout for it (the ids the teacher scores), else only the sampled token's."""
     d = spec.algorithm.distillation
-    return d.top_k if d.enabled and d.loss_mode is LossMode.reverse_kl_top_k else 0
+    contract = active_contract(d)
+    return d.top_k if contract is not None and contract.rollout_top_k else 0
 
 
 def teacher_max_logprobs(spec: DistillationJobSpec) -> int:
-    """Log-probs a teacher engine returns per position at most: its top-k, or for lossMode
-    reverseKLTopK without limit (-1): vLLM's V1 runner can only gather arbitrary ids from the whole
-    distribution (vllm_engine.gather_params)."""
+    """Log-probs a teacher engine returns per position at most: its top-k, or without limit (-1)
+    when the loss contract has it gather the rollout's ids: vLLM's V1 runner can only gather
+    arbitrary ids from the whole distribution (vllm_engine.gather_params)."""
     d = spec.algorithm.distillation
-    return -1 if d.enabled and d.loss_mode is LossMode.reverse_kl_top_k else d.top_k
+    contract = active_contract(d)
+    return -1 if contract is not None and contract.teacher_gather else d.top_k

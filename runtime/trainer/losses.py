@@ -12,12 +12,14 @@ Notation per response token t: ``s`` = log pi_student(y_t) (with grad), ``mu`` =
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 import torch
 
-from kubedistill.api.spec import AlgorithmSpec, ImportanceLevel, ImportanceMode, LossMode
+from kubedistill.api.spec import AlgorithmSpec, DistillationSpec, ImportanceLevel, ImportanceMode, LossMode
 
 Aggregation = Literal["tokenMean", "seqMeanTokenMean"]
 
@@ -112,6 +114,72 @@ def _kl_over_top_k(
     return terms.sum(dim=-1)
 
 
+@dataclass(frozen=True)
+class TermInputs:
+    """What a per-token distillation term may read (each mode's contract says which it needs):
+    the student's log-probs ``s`` ([N], with grad), the teacher's of the sampled tokens ([N]), and
+    the student's and teacher's log-probs at the contract's top-k ids ([N, k], `topk_valid`
+    masking padded slots)."""
+
+    logprobs: torch.Tensor
+    teacher_logprobs: torch.Tensor | None = None
+    student_topk_logprobs: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
+    topk_valid: torch.Tensor | None = None
+
+
+DistillTerm = Callable[[TermInputs, DistillationSpec], tuple[torch.Tensor, torch.Tensor]]
+"""A mode's per-token function: (its term, the signal its policy-gradient advantage is built from)."""
+
+
+def _needed(value: torch.Tensor | None, d: DistillationSpec, what: str) -> torch.Tensor:
+    if value is None:
+        raise ValueError(f"lossMode {d.loss_mode.value} needs {what} in the batch")
+    return value
+
+
+def _k1_term(x: TermInputs, d: DistillationSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    term = k1(x.logprobs, _needed(x.teacher_logprobs, d, "teacher log-probs of the sampled tokens"))
+    return term, term
+
+
+def _k3_term(x: TermInputs, d: DistillationSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    teacher = _needed(x.teacher_logprobs, d, "teacher log-probs of the sampled tokens")
+    # k3 depends on the student's log-prob too: the gradient of E_q[k3] is its score term
+    # (alone: grad RKL - grad FKL) plus its pathwise one, (1 - r) grad log q. Per token they sum
+    # to (k3 + 1 - r) grad log q = k1 grad log q, so a policy gradient is built from k1: clamping
+    # k3 alone would drop the pathwise part exactly where the teacher likes a token far more than
+    # the student, and reverse its push.
+    return k3(x.logprobs, teacher), k1(x.logprobs, teacher)
+
+
+def _top_k_term(
+    top_k_loss: Callable[..., torch.Tensor],
+) -> DistillTerm:
+    def term(x: TermInputs, d: DistillationSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        raw = top_k_loss(
+            _needed(x.student_topk_logprobs, d, "top-k ids and teacher log-probs"),
+            _needed(x.teacher_topk_logprobs, d, "top-k ids and teacher log-probs"),
+            renormalize=d.renormalize,
+            log_prob_min_clamp=d.log_prob_min_clamp,
+            valid=x.topk_valid,
+        )
+        return raw, raw
+
+    return term
+
+
+PER_TOKEN_TERMS: Mapping[LossMode, DistillTerm] = MappingProxyType(
+    {
+        LossMode.k1: _k1_term,
+        LossMode.k3: _k3_term,
+        LossMode.forward_kl_top_k: _top_k_term(forward_kl_top_k),
+        LossMode.reverse_kl_top_k: _top_k_term(reverse_kl_top_k),
+    }
+)
+"""The per-token function of every LossMode (its contract: kubedistill.api.losses.CONTRACTS)."""
+
+
 def distillation_advantages(distill_loss: torch.Tensor, loss_max_clamp: float, baseline: float = 0.0) -> torch.Tensor:
     """Per-token advantage a_t = -(clamp(loss_t, ±loss_max_clamp) - b), detached (a reward, not a loss).
 
@@ -131,7 +199,8 @@ def batch_baseline(
     policy-gradient step from pushing every sampled token down (k1 and k3 terms are mostly
     positive), which hands their probability to tokens nobody sampled.
     """
-    d = (k1 if loss_mode is LossMode.k1 else k3)(behaviour_logprobs, teacher_logprobs)
+    settings = DistillationSpec(loss_mode=loss_mode, loss_max_clamp=loss_max_clamp)
+    d, _ = PER_TOKEN_TERMS[loss_mode](TermInputs(behaviour_logprobs, teacher_logprobs=teacher_logprobs), settings)
     return float(d.clamp(-loss_max_clamp, loss_max_clamp).mean()) if d.numel() else 0.0
 
 
@@ -254,8 +323,9 @@ def per_token_losses(
     * distill: the per-token distillation term, clamped to ±lossMaxClamp. As a direct loss
       (usePolicyGradient false) it is the training signal; with usePolicyGradient it becomes the
       advantage -(clamp(term) - b) of a PPO term and ``distill`` reports the PPO term's value.
-      For k3 that term is k1: the score and pathwise gradients of k3 sum to k1's per token
-      (docs/algorithms.md), and k3 remains in the baseline b (:func:`batch_baseline`).
+      The term and the advantage's signal come from the mode's per-token function
+      (`PER_TOKEN_TERMS`); for k3 the signal is k1: the score and pathwise gradients of k3 sum to
+      k1's per token (docs/algorithms.md), and k3 remains in the baseline b (:func:`batch_baseline`).
     * pg: the PPO term of the GRPO task advantages (useTaskRewards), else zeros.
     * total = pg + coef x distill (coef = 1 when task rewards are off).
     """
@@ -270,30 +340,14 @@ def per_token_losses(
     distill = zero
     advantage = zero
     if d.enabled:
-        if d.loss_mode in (LossMode.forward_kl_top_k, LossMode.reverse_kl_top_k):
-            if student_topk_logprobs is None or teacher_topk_logprobs is None:
-                raise ValueError(f"lossMode {d.loss_mode.value} needs top-k ids and teacher log-probs in the batch")
-            top_k_loss = forward_kl_top_k if d.loss_mode is LossMode.forward_kl_top_k else reverse_kl_top_k
-            raw = top_k_loss(
-                student_topk_logprobs,
-                teacher_topk_logprobs,
-                renormalize=d.renormalize,
-                log_prob_min_clamp=d.log_prob_min_clamp,
-                valid=topk_valid,
-            )
-            pg_signal = raw
-        else:
-            if teacher_logprobs is None:
-                raise ValueError(
-                    f"lossMode {d.loss_mode.value} needs teacher log-probs of the sampled tokens in the batch"
-                )
-            # k3 depends on the student's log-prob too: the gradient of E_q[k3] is its score term
-            # (alone: grad RKL - grad FKL) plus its pathwise one, (1 - r) grad log q. Per token
-            # they sum to (k3 + 1 - r) grad log q = k1 grad log q, so a policy gradient is built
-            # from k1 for both: clamping k3 alone would drop the pathwise part exactly where the
-            # teacher likes a token far more than the student, and reverse its push.
-            pg_signal = k1(logprobs, teacher_logprobs)
-            raw = pg_signal if d.loss_mode is LossMode.k1 else k3(logprobs, teacher_logprobs)
+        inputs = TermInputs(
+            logprobs,
+            teacher_logprobs=teacher_logprobs,
+            student_topk_logprobs=student_topk_logprobs,
+            teacher_topk_logprobs=teacher_topk_logprobs,
+            topk_valid=topk_valid,
+        )
+        raw, pg_signal = PER_TOKEN_TERMS[d.loss_mode](inputs, d)
         if d.use_policy_gradient:
             advantage = distillation_advantages(pg_signal, d.loss_max_clamp, advantage_baseline)
             distill = ppo_loss(logprobs, old, advantage, is_weight, clip_ratio=algorithm.clip_ratio)

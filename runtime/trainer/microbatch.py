@@ -9,10 +9,11 @@ ranks and micro-batches is exactly the loss of the batch whatever the split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kubedistill.api.losses import TOKEN_SIGNALS, TopKSignals
 from kubedistill.runtime.wire.batch import TrainBatch
 
 
@@ -86,7 +87,9 @@ class MicroBatch:
     targets: torch.Tensor  # [N] response token ids
     behaviour_logprobs: torch.Tensor  # [N]
     weights: torch.Tensor  # [N] loss weight of each token (0 for a filler micro-batch)
-    teacher_logprobs: torch.Tensor | None = None  # [N]
+    # The batch's per-token float signals ([N] each), keyed as in TrainBatch.signals.
+    signals: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The loss contract's top-k pair: the ids the term sums over and the teacher's log-probs at them.
     topk_ids: torch.Tensor | None = None  # [N, k]
     topk_logprobs: torch.Tensor | None = None  # [N, k]
     topk_valid: torch.Tensor | None = None  # [N, k]
@@ -98,6 +101,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        kw["signals"] = {k: v.to(device) for k, v in self.signals.items()}
         return MicroBatch(**kw)
 
 
@@ -108,18 +112,23 @@ def collate(
     sample_advantages: torch.Tensor | None,
     pad_id: int,
     filler: bool = False,
+    *,
+    top_k: TopKSignals | None = None,
 ) -> MicroBatch:
     """Tensors for the samples in `rows` of `batch` (each row's samples laid end to end, rows
     right-padded to the widest). `token_weight[i]` holds sample i's per-token weights; a `filler`
     micro-batch (a rank with less work) gets zero weights. When a row holds more than one sample,
     `position_ids` restart at 0 for each, which is how transformers recognises packed sequences
-    (block-causal attention: no sample sees another)."""
+    (block-causal attention: no sample sees another). `top_k` is the loss contract's top-k pair;
+    every per-token float signal of the batch is laid out like the behaviour log-probs."""
     width = max(sum(len(batch.token_ids[i]) for i in row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     packed = any(len(row) > 1 for row in rows)
     positions = torch.zeros((len(rows), width), dtype=torch.long) if packed else None
-    gather, targets, mu, w, teacher, adv, lags, segments = [], [], [], [], [], [], [], []
-    scored_topk = batch.top_k_scores()
+    gather, targets, mu, w, adv, lags, segments = [], [], [], [], [], [], []
+    token_signals = {name: values for name, values in batch.signals.items() if name in TOKEN_SIGNALS}
+    per_token: dict[str, list[float]] = {name: [] for name in token_signals}
+    scored_topk = batch.top_k_scores(top_k)
     topk_rows: list[list[int]] = []
     topk_lp_rows: list[list[float]] = []
     real = 0
@@ -140,8 +149,8 @@ def collate(
             lags.extend([-1 if lag is None else lag] * (n - p))
             segments.extend([len(gather) - 1] * (n - p))
             w.append(torch.zeros(n - p) if filler else token_weight[i])
-            if batch.teacher_logprobs is not None:
-                teacher.extend(batch.teacher_logprobs[i])
+            for name, values in token_signals.items():
+                per_token[name].extend(values[i])
             if sample_advantages is not None:
                 adv.append(sample_advantages[i].expand(n - p))
             if scored_topk is not None:
@@ -161,7 +170,7 @@ def collate(
         targets=torch.tensor(targets, dtype=torch.long),
         behaviour_logprobs=torch.tensor(mu, dtype=torch.float32),
         weights=torch.cat(w).to(torch.float32),
-        teacher_logprobs=torch.tensor(teacher, dtype=torch.float32) if batch.teacher_logprobs is not None else None,
+        signals={name: torch.tensor(values, dtype=torch.float32) for name, values in per_token.items()},
         task_advantages=torch.cat(adv).to(torch.float32) if sample_advantages is not None else None,
         lags=torch.tensor(lags, dtype=torch.long),
         segments=torch.tensor(segments, dtype=torch.long),

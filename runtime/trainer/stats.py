@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kubedistill.api.losses import Signal
+
 if TYPE_CHECKING:
     from kubedistill.runtime.metrics import RoleMetrics
     from kubedistill.runtime.trainer.microbatch import MicroBatch
@@ -87,8 +89,9 @@ class StepSums:
             self.loss_pg += float((losses["pg"].double() * w).sum())
             if filler:
                 return
-            if mb.teacher_logprobs is not None:
-                self.kl_sum += float((logprobs.detach().double() - mb.teacher_logprobs.double()).sum())
+            teacher = mb.signals.get(Signal.teacher_logprobs.value)
+            if teacher is not None:
+                self.kl_sum += float((logprobs.detach().double() - teacher.double()).sum())
                 self.kl_tokens += logprobs.numel()
             self.tokens += mb.real_tokens
             self.response_tokens += logprobs.numel()

@@ -57,7 +57,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kubedistill.api.spec import AdvantageBaseline, AlgorithmSpec, DistillationJobSpec, LossMode, ProximalPolicy
+from kubedistill.api.losses import LossContract, Signal, active_contract
+from kubedistill.api.spec import AdvantageBaseline, AlgorithmSpec, DistillationJobSpec, ProximalPolicy
 from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handler
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
@@ -83,6 +84,7 @@ class Trainer:
         self, spec: DistillationJobSpec, *, metrics: RoleMetrics | None = None, model_path: str | Path | None = None
     ):
         self.spec = spec
+        self.contract = active_contract(spec.algorithm.distillation)
         self.metrics = metrics
         self.ranks = Ranks(spec.device)
         self.commands = CommandChannel(self.ranks)
@@ -147,12 +149,12 @@ class Trainer:
     def train(self, batches: Sequence[TrainBatch]) -> list[StepStats]:
         """One optimiser step per mini-batch of a driver step, after the proximal pass when the
         spec asks for it (rank 0; the followers join)."""
+        for b in batches:
+            self._validate(b)
         if needs_proximal_pass(self.spec.algorithm, len(batches)):
-            for b in batches:
-                b.validate()
             self.commands.broadcast(Command.recompute_proximal, list(batches))
             self._recompute_proximal(batches)
-        return [self.step(b) for b in batches]
+        return [self._lead_step(b) for b in batches]
 
     def _recompute_proximal(self, batches: Sequence[TrainBatch]) -> None:
         self._proximal = []
@@ -180,6 +182,7 @@ class Trainer:
         lengths = [len(t) for t in batch.token_ids]
         if per_sample_w is None:
             per_sample_w = [torch.zeros(batch.response_len(i)) for i in range(len(batch))]
+        top_k = self.contract.top_k if self.contract is not None else None
         shards = shard_samples(lengths, self.world)
         plans = [micro_batches(s, lengths, self.spec.trainer.micro_batch_tokens, pack=self.pack) for s in shards]
         n_micro = max(len(p) for p in plans)
@@ -187,35 +190,23 @@ class Trainer:
         for j in range(n_micro):
             filler = j >= len(mine)
             rows = mine[j] if not filler else (mine[-1] if mine else [[0]])
-            mb = collate(batch, rows, per_sample_w, advantages, self.pad_id, filler=filler)
+            mb = collate(batch, rows, per_sample_w, advantages, self.pad_id, filler=filler, top_k=top_k)
             self.model.set_requires_gradient_sync(j == n_micro - 1)
             yield rows, mb.to(self.device), filler
 
     def step(self, batch: TrainBatch) -> StepStats:
         """One optimiser step on `batch` (rank 0; the followers join). Returns global stats."""
-        batch.validate()
-        self._check_signals(batch)
+        self._validate(batch)
+        return self._lead_step(batch)
+
+    def _validate(self, batch: TrainBatch) -> None:
+        """Refuse an inconsistent batch, or one lacking what the loss contract reads, before the
+        followers get it: the one check of a batch on the trainer."""
+        batch.validate(self.contract, rewards=self.spec.algorithm.distillation.use_task_rewards)
+
+    def _lead_step(self, batch: TrainBatch) -> StepStats:
         self.commands.broadcast(Command.step, batch)
         return self._step(batch)
-
-    def _check_signals(self, batch: TrainBatch) -> None:
-        """Refuse a batch lacking what the configured loss reads, before the followers get it."""
-        d = self.spec.algorithm.distillation
-        if d.enabled and d.loss_mode is LossMode.forward_kl_top_k and batch.teacher_topk_ids is None:
-            raise ValueError(
-                "TrainBatch.teacher_topk_ids: lossMode forwardKLTopK needs teacher top-k ids and log-probs"
-            )
-        if d.enabled and d.loss_mode is LossMode.reverse_kl_top_k and batch.rollout_topk_ids is None:
-            raise ValueError(
-                "TrainBatch.rollout_topk_ids: lossMode reverseKLTopK needs the rollout's top-k ids and the "
-                "teacher's log-probs at them"
-            )
-        if d.enabled and d.loss_mode in (LossMode.k1, LossMode.k3) and batch.teacher_logprobs is None:
-            raise ValueError(f"TrainBatch.teacher_logprobs: lossMode {d.loss_mode.value} needs teacher log-probs")
-        if d.use_task_rewards and batch.rewards is None:
-            raise ValueError(
-                "TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true"
-            )
 
     def _step(self, batch: TrainBatch) -> StepStats:
         start = time.perf_counter()
@@ -226,7 +217,7 @@ class Trainer:
         weights = L.token_weights(resp_lens, algo.loss_aggregation.value) * self.world
         per_sample_w = list(torch.split(weights, resp_lens))
         advantages = _task_advantages(batch) if algo.distillation.use_task_rewards else None
-        baseline = _distillation_baseline(batch, algo)
+        baseline = _distillation_baseline(batch, algo, self.contract)
 
         proximal = self._proximal.pop(0) if self._proximal else None
         sums = StepSums()
@@ -240,7 +231,7 @@ class Trainer:
                 algo,
                 logprobs=logprobs,
                 behaviour_logprobs=mb.behaviour_logprobs,
-                teacher_logprobs=mb.teacher_logprobs,
+                teacher_logprobs=mb.signals.get(Signal.teacher_logprobs.value),
                 student_topk_logprobs=topk_lp,
                 teacher_topk_logprobs=mb.topk_logprobs,
                 topk_valid=mb.topk_valid,
@@ -341,16 +332,17 @@ def needs_proximal_pass(algo: AlgorithmSpec, mini_batches: int) -> bool:
     return pg and algo.off_policy.proximal is ProximalPolicy.recompute and mini_batches > 1
 
 
-def _distillation_baseline(batch: TrainBatch, algo: AlgorithmSpec) -> float:
+def _distillation_baseline(batch: TrainBatch, algo: AlgorithmSpec, contract: LossContract | None) -> float:
     """The constant subtracted from every per-token distillation advantage of this batch (0 unless
-    a k1/k3 policy-gradient loss asks for a batch-mean baseline)."""
+    a policy-gradient loss whose contract has a batch-mean baseline asks for it)."""
     d = algo.distillation
-    if not (d.enabled and d.use_policy_gradient and d.loss_mode in (LossMode.k1, LossMode.k3)):
+    if contract is None or not (d.use_policy_gradient and contract.batch_mean_baseline):
         return 0.0
-    if d.advantage_baseline is not AdvantageBaseline.batch_mean or batch.teacher_logprobs is None:
+    teacher_logprobs = batch.signal(Signal.teacher_logprobs)
+    if d.advantage_baseline is not AdvantageBaseline.batch_mean or teacher_logprobs is None:
         return 0.0
     mu = torch.tensor([x for row in batch.rollout_logprobs for x in row], dtype=torch.float64)
-    teacher = torch.tensor([x for row in batch.teacher_logprobs for x in row], dtype=torch.float64)
+    teacher = torch.tensor([x for row in teacher_logprobs for x in row], dtype=torch.float64)
     return L.batch_baseline(d.loss_mode, mu, teacher, d.loss_max_clamp)
 
 

@@ -7,13 +7,13 @@ and calls ``Trainer.step(batch)``. Per sample i:
   The response is ``token_ids[i][prompt_lens[i]:]`` (R_i = len - prompt_len >= 1 tokens).
 * ``rollout_logprobs[i]``: the rollout engine's log-prob of each response token (behaviour
   policy mu, length R_i).
-* ``teacher_logprobs[i]``: the teacher's log-prob of each response token (length R_i); needed by
-  k1/k3.
-* ``teacher_topk_ids[i]`` / ``teacher_topk_logprobs[i]``: ``R_i`` rows of k ids / log-probs (k =
-  spec.algorithm.distillation.topK); needed by forwardKLTopK. Rows may be shorter than k (a
-  small vocabulary); missing slots are padded internally and masked.
-* ``rollout_topk_ids[i]`` / ``teacher_logprobs_at_rollout_topk[i]``: ``R_i`` rows of the
-  rollout's (student's) top-k ids and the teacher's log-probs at them; needed by reverseKLTopK.
+* ``signals[name][i]``: what the loss reads of sample i, keyed by the loss contract's signal
+  names (kubedistill.api.losses.Signal): one entry per response token (length R_i), a float
+  (``teacher_logprobs``) or a row of top-k ids or log-probs (``teacher_topk_ids`` /
+  ``teacher_topk_logprobs`` of forwardKLTopK, ``rollout_topk_ids`` /
+  ``teacher_logprobs_at_rollout_topk`` of reverseKLTopK). Rows may be shorter than
+  spec.algorithm.distillation.topK (a small vocabulary); missing slots are padded internally and
+  masked.
 * ``rewards[i]`` and ``group_ids[i]``: the task reward and the prompt group (samples of one
   prompt share a group id); needed by GRPO (useTaskRewards).
 * ``weight_versions[i]``: the oldest weight version that produced any of the sample's tokens
@@ -30,6 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Sized
 from dataclasses import dataclass, field
+from typing import Any
+
+from kubedistill.api.losses import SIGNAL_NAMES, LossContract, Signal, TopKSignals
 
 
 @dataclass
@@ -37,11 +40,7 @@ class TrainBatch:
     token_ids: list[list[int]]
     prompt_lens: list[int]
     rollout_logprobs: list[list[float]]
-    teacher_logprobs: list[list[float]] | None = None
-    teacher_topk_ids: list[list[list[int]]] | None = None
-    teacher_topk_logprobs: list[list[list[float]]] | None = None
-    rollout_topk_ids: list[list[list[int]]] | None = None
-    teacher_logprobs_at_rollout_topk: list[list[list[float]]] | None = None
+    signals: dict[str, list[list[Any]]] = field(default_factory=dict)
     rewards: list[float] | None = None
     group_ids: list[int] | None = None
     weight_versions: list[int] = field(default_factory=list)
@@ -53,14 +52,18 @@ class TrainBatch:
             return None
         return self.trainer_version - self.weight_versions[i]
 
-    def top_k_scores(self) -> tuple[list[list[list[int]]], list[list[list[float]]]] | None:
-        """The ids a top-k loss sums over at each position and the teacher's log-probs at them: the
-        rollout's top-k (reverseKLTopK) or the teacher's (forwardKLTopK); None without either."""
-        if self.rollout_topk_ids is not None and self.teacher_logprobs_at_rollout_topk is not None:
-            return self.rollout_topk_ids, self.teacher_logprobs_at_rollout_topk
-        if self.teacher_topk_ids is not None and self.teacher_topk_logprobs is not None:
-            return self.teacher_topk_ids, self.teacher_topk_logprobs
-        return None
+    def signal(self, name: Signal) -> list[list[Any]] | None:
+        return self.signals.get(name.value)
+
+    def top_k_scores(self, pair: TopKSignals | None) -> tuple[list[list[list[int]]], list[list[list[float]]]] | None:
+        """The ids a top-k loss sums over at each position and the teacher's log-probs at them (the
+        loss contract's `pair`); None without it."""
+        if pair is None:
+            return None
+        ids, logprobs = self.signal(pair.ids), self.signal(pair.logprobs)
+        if ids is None or logprobs is None:
+            return None
+        return ids, logprobs
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -68,19 +71,27 @@ class TrainBatch:
     def response_len(self, i: int) -> int:
         return len(self.token_ids[i]) - self.prompt_lens[i]
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field (one line, no traceback noise)."""
+    def validate(self, contract: LossContract | None = None, *, rewards: bool = False) -> None:
+        """Raise ValueError naming the first inconsistent field (one line, no traceback noise),
+        or the first signal `contract` needs that the batch lacks (and rewards, when `rewards`)."""
         n = len(self.token_ids)
         if n == 0:
             raise ValueError("TrainBatch.token_ids: the batch has no samples")
+        if contract is not None:
+            for needed in contract.signals:
+                if needed.value not in self.signals:
+                    raise ValueError(
+                        f"TrainBatch.signals[{needed.value!r}]: lossMode {contract.mode.value} needs "
+                        f"{SIGNAL_NAMES[needed]}"
+                    )
+        if rewards and (self.rewards is None or self.group_ids is None):
+            raise ValueError(
+                "TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true"
+            )
         per_sample: dict[str, Sized | None] = {
             "prompt_lens": self.prompt_lens,
             "rollout_logprobs": self.rollout_logprobs,
-            "teacher_logprobs": self.teacher_logprobs,
-            "teacher_topk_ids": self.teacher_topk_ids,
-            "teacher_topk_logprobs": self.teacher_topk_logprobs,
-            "rollout_topk_ids": self.rollout_topk_ids,
-            "teacher_logprobs_at_rollout_topk": self.teacher_logprobs_at_rollout_topk,
+            **{f"signals[{name!r}]": values for name, values in self.signals.items()},
             "rewards": self.rewards,
             "group_ids": self.group_ids,
         }
@@ -89,38 +100,30 @@ class TrainBatch:
         for name, values in per_sample.items():
             if values is not None and len(values) != n:
                 raise ValueError(f"TrainBatch.{name}: has {len(values)} entries, expected one per sample ({n})")
-        if (self.teacher_topk_ids is None) != (self.teacher_topk_logprobs is None):
-            raise ValueError("TrainBatch.teacher_topk_ids and teacher_topk_logprobs must be given together")
-        if (self.rollout_topk_ids is None) != (self.teacher_logprobs_at_rollout_topk is None):
-            raise ValueError("TrainBatch.rollout_topk_ids and teacher_logprobs_at_rollout_topk must be given together")
-        if self.teacher_topk_ids is not None and self.rollout_topk_ids is not None:
-            raise ValueError("TrainBatch.teacher_topk_ids and rollout_topk_ids: one top-k loss per batch, give one")
+        unknown = set(self.signals) - {s.value for s in Signal}
+        if unknown:
+            raise ValueError(f"TrainBatch.signals: unknown signals {sorted(unknown)}")
         if (self.rewards is None) != (self.group_ids is None):
             raise ValueError("TrainBatch.rewards and group_ids must be given together")
+        pair = contract.top_k if contract is not None else None
         for i in range(n):
             p, total = self.prompt_lens[i], len(self.token_ids[i])
             if not 1 <= p < total:
                 raise ValueError(f"TrainBatch.prompt_lens[{i}]: {p} must be >= 1 and < the sample's {total} tokens")
             r = total - p
-            for name in (
-                "rollout_logprobs",
-                "teacher_logprobs",
-                "teacher_topk_ids",
-                "teacher_topk_logprobs",
-                "rollout_topk_ids",
-                "teacher_logprobs_at_rollout_topk",
-            ):
-                values = getattr(self, name)
-                if values is not None and len(values[i]) != r:
+            per_token = {"rollout_logprobs": self.rollout_logprobs} | {
+                f"signals[{name!r}]": values for name, values in self.signals.items()
+            }
+            for name, values in per_token.items():
+                if len(values[i]) != r:
                     raise ValueError(
                         f"TrainBatch.{name}[{i}]: has {len(values[i])} entries, expected {r} response tokens"
                     )
-            scored = self.top_k_scores()
-            if scored is not None:
-                name = "rollout_topk_ids" if self.rollout_topk_ids is not None else "teacher_topk_ids"
+            scored = self.top_k_scores(pair)
+            if pair is not None and scored is not None:
                 for t, (ids, lps) in enumerate(zip(scored[0][i], scored[1][i])):
                     if len(ids) != len(lps) or not ids:
                         raise ValueError(
-                            f"TrainBatch.{name}[{i}][{t}]: needs >= 1 id and as many log-probs "
-                            f"({len(ids)} vs {len(lps)})"
+                            f"TrainBatch.signals[{pair.ids.value!r}][{i}][{t}]: needs >= 1 id and as many "
+                            f"log-probs ({len(ids)} vs {len(lps)})"
                         )
