@@ -169,6 +169,11 @@ def refusal_reason(http_status: int, message: str) -> str:
         return "PodSecurity"
     if "exceeded quota" in text:
         return "QuotaExceeded"
+    if "failed quota" in text:
+        # A quota on requests.cpu (memory, ...) refuses a pod that does not state that request:
+        # the server answers 403 "failed quota: NAME: must specify requests.cpu for: CONTAINER",
+        # which read as plain Forbidden points at the operator's RBAC instead of the quota.
+        return "QuotaRequiresResources"
     if "admission webhook" in text and "denied" in text:
         return "AdmissionWebhookDenied"
     return {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 422: "Invalid"}.get(http_status, "Refused")
@@ -455,8 +460,15 @@ def _run(
         or bool(lost)
     )
     # A running job stays Running while a server is added (a scale-up) or replaced, as long as
-    # every role still has a ready pod: the trainer goes on with the others meanwhile.
-    serving = st.phase is Phase.running and current_trainers_running and _every_group_ready(desired, pods)
+    # every role still has a ready pod: the trainer goes on with the others meanwhile. So it does
+    # while its trainer ranks exit: each pod's kubelet reports on its own, a rank > 0 may show
+    # Succeeded before rank 0 does, and that is the job finishing, not a job back to Pending.
+    trainers_on = all(
+        q is not None and not q.deleting and q.attempt == attempt and q.phase in (PodPhase.running, PodPhase.succeeded)
+        for s, q in zip(desired, pods)
+        if s.role is Role.trainer
+    )
+    serving = st.phase is Phase.running and trainers_on and _every_group_ready(desired, pods)
     if restarting:
         st.phase = Phase.restarting
     elif serving or (len(present) == len(desired) and all(q.ready for q in present)):

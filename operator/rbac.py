@@ -20,6 +20,10 @@ NAMESPACED: list[PolicyRule] = [
         "verbs": ["get", "list", "watch", "patch", "update", "delete"],
     },
     {"apiGroups": ["kubedistill.io"], "resources": ["distillationjobs/status"], "verbs": ["get", "patch", "update"]},
+    # Children carry ownerReferences with blockOwnerDeletion (kopf.adopt): where the admission plugin
+    # OwnerReferencesPermissionEnforcement runs (OpenShift, hardened clusters) setting it needs
+    # update on the owner's finalizers subresource, or every child create is refused.
+    {"apiGroups": ["kubedistill.io"], "resources": ["distillationjobs/finalizers"], "verbs": ["update"]},
     # The children: pods are watched (phase, readiness) and recreated; the rest only when missing,
     # and the ConfigMap patched when the spec it carries changes (spec.rollout.replicas).
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},

@@ -162,6 +162,9 @@ class ControlPlane:
     bins: dict[str, Path]
     port: int = field(default_factory=free_port)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    admin_token: str = field(default_factory=lambda: secrets.token_hex(24))
+    """A static token of the admin (system:masters), for plain HTTP calls."""
+    start_seconds: float = 0.0
 
     @property
     def server(self) -> str:
@@ -191,7 +194,6 @@ class ControlPlane:
     def start(self) -> None:
         started = time.monotonic()
         make_pki(self.pki)
-        self.admin_token = secrets.token_hex(24)
         (self.pki / "tokens.csv").write_text(f"{self.admin_token},admin-token,admin-token-uid,system:masters\n")
         self._write_kubeconfig(self.kubeconfig, cert_user(self.pki, "admin"), "admin")
         for who in ("controller-manager", "scheduler"):
@@ -224,6 +226,9 @@ class ControlPlane:
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
             "--allow-privileged=true", "--endpoint-reconciler-type=none", "--profiling=false", "-v=1",
+            # Off by default upstream, on in OpenShift and hardened clusters: an owner reference
+            # with blockOwnerDeletion needs update on the owner's finalizers (the chart grants it).
+            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
         )  # fmt: skip
         self._wait("kube-apiserver", lambda: self.get("/readyz") == b"ok")
         if CONTROLLERS in self.bins:

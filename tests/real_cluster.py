@@ -25,9 +25,12 @@ RELEASE = "kd"
 CRD_NAME = "distillationjobs.kubedistill.io"
 
 
-def chart_objects(release_namespace: str, watch: list[str], *extra: str) -> list[dict[str, Any]]:
-    """`helm template` of the chart watching `watch`, CRD included."""
-    args = [tool("helm"), "template", RELEASE, str(CHART), "-n", release_namespace, "--include-crds"]
+def chart_objects(
+    release_namespace: str, watch: list[str], *extra: str, release: str = RELEASE
+) -> list[dict[str, Any]]:
+    """`helm template` of the chart watching `watch`, CRD included. `release` names the cluster-scoped
+    objects (ClusterRole...): two installs in one cluster need two release names."""
+    args = [tool("helm"), "template", release, str(CHART), "-n", release_namespace, "--include-crds"]
     for i, ns in enumerate(watch):
         args += ["--set", f"watch.namespaces[{i}]={ns}"]
     r = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=60)
@@ -35,11 +38,13 @@ def chart_objects(release_namespace: str, watch: list[str], *extra: str) -> list
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
-def install_chart(plane: ControlPlane, release_namespace: str, watch: list[str]) -> list[dict[str, Any]]:
+def install_chart(
+    plane: ControlPlane, release_namespace: str, watch: list[str], release: str = RELEASE
+) -> list[dict[str, Any]]:
     """Apply the chart's objects (namespaces created first) and wait for the CRD to be served."""
     for ns in {release_namespace, *watch}:
         plane.namespace(ns)
-    docs = chart_objects(release_namespace, watch)
+    docs = chart_objects(release_namespace, watch, release=release)
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     plane.apply(crds)
     plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")

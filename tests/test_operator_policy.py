@@ -248,6 +248,16 @@ def test_trainer_rank0_success_completes_the_job_and_deletes_servers() -> None:
     assert plan(done, world, T0 + timedelta(seconds=61)).delete_job
 
 
+def test_a_rank_that_exits_before_rank0_keeps_the_job_running() -> None:
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    world = _with(_world(job), "j-trainer-1", phase=PodPhase.succeeded, ready=False)
+    p = plan(job, world, T0)
+    assert p.status.phase is Phase.running and p.events == [] and p.delete == [] and p.create == []
+    # Before the job ran, a finished rank does not make it Running.
+    pending = _job({"phase": "Initializing", "startTime": "2026-01-01T00:00:00Z"})
+    assert plan(pending, world, T0).status.phase is not Phase.running
+
+
 def test_suspend_deletes_pods_and_resume_recreates_them() -> None:
     job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}, suspend=True)
     p = plan(job, _world(job), T0)
@@ -348,6 +358,11 @@ def test_refusal_reasons_and_backoff() -> None:
     assert (
         refusal_reason(403, 'pods "x" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=1')
         == "QuotaExceeded"
+    )
+    # kube-apiserver 1.36's answer to a pod without requests in a namespace with a requests.cpu quota.
+    assert (
+        refusal_reason(403, 'pods "x" is forbidden: failed quota: q: must specify requests.cpu for: kubedistill')
+        == "QuotaRequiresResources"
     )
     assert refusal_reason(400, 'admission webhook "v.kyverno.io" denied the request: no') == "AdmissionWebhookDenied"
     assert refusal_reason(422, "Pod is invalid: spec.affinity") == "Invalid"

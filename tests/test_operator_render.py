@@ -395,6 +395,8 @@ def test_rbac_covers_every_call_the_operator_makes() -> None:
         assert "patch" in rule["verbs"] and "podgroups" in rule["resources"]
     assert allowed("kubedistill.io", "distillationjobs/status", "patch", NAMESPACED)
     assert allowed("kubedistill.io", "distillationjobs", "patch", NAMESPACED)  # finalizer, annotations
+    # Children's ownerReferences set blockOwnerDeletion (kopf.adopt): OwnerReferencesPermissionEnforcement.
+    assert allowed("kubedistill.io", "distillationjobs/finalizers", "update", NAMESPACED)
     assert allowed("", "events", "create", NAMESPACED)
     assert allowed("apiextensions.k8s.io", "customresourcedefinitions", "list", CLUSTER)
     everything = rules(all_namespaces=True)

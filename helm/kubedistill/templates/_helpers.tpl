@@ -74,6 +74,11 @@ same data (NAMESPACED, CLUSTER); tests/test_helm_chart.py checks that the chart 
 - apiGroups: ["kubedistill.io"]
   resources: ["distillationjobs/status"]
   verbs: ["get", "patch", "update"]
+# Children's ownerReferences set blockOwnerDeletion: OwnerReferencesPermissionEnforcement
+# (OpenShift, hardened clusters) admits that only with update on the job's finalizers.
+- apiGroups: ["kubedistill.io"]
+  resources: ["distillationjobs/finalizers"]
+  verbs: ["update"]
 # The children; the ConfigMap is patched when the job's rollout replicas change.
 - apiGroups: [""]
   resources: ["pods"]
