@@ -190,6 +190,18 @@ class ControlPlane:
     def has_scheduler(self) -> bool:
         return SCHEDULER in self.processes
 
+    def needs(self, *components: str, why: str) -> None:
+        """Skip the calling test unless these components run (fail instead where the tier is
+        required, as in CI: there a missing binary must not pass as a skip)."""
+        missing = [c for c in components if c not in self.processes]
+        if missing:
+            import pytest
+
+            message = f"needs {', '.join(missing)} ({why}), not in {ASSETS_ENV}"
+            if required():
+                pytest.fail(message, pytrace=False)
+            pytest.skip(message)
+
     # -- start and stop ---------------------------------------------------------------------
     def start(self) -> None:
         started = time.monotonic()

@@ -1,7 +1,19 @@
 """A node-agent twin for tests: it plays the kubelet for the pods of one namespace.
 
-It talks to the same API the operator uses (the KMock emulator in the tests) and runs each pod
-from its spec alone, with the local installation (.venv) standing in for the image:
+It talks to the same API the operator uses and runs each pod from its spec alone, with the local
+installation (.venv) standing in for the image. Two ways to get its pods:
+
+* **On a real API server** (`node=NodeRegistration(...)`, credentials from a kubeconfig): it
+  registers a Node (capacity, a Ready condition, its address, a NoSchedule taint that only pods
+  tolerating `TWIN_TOLERATION` pass, so that other tests' pods stay Pending) and renews its Lease
+  in kube-node-lease every 10 s as a kubelet does (without it the node lifecycle controller marks
+  the node's Ready condition Unknown and taints it unreachable after node-monitor-grace-period,
+  50 s, and its pods are evicted 300 s later). The real scheduler binds pods to it; the agent
+  runs those whose spec.nodeName is its node. `close()` deletes the Node and its Lease.
+* **On the KMock emulator** (a plain URL: no scheduler, no graceful deletion), it binds every
+  pod of the namespace itself: nodeName and a finalizer when it takes the pod.
+
+What it does with a pod:
 
 * **Network**: one bridge the agent makes on the host, in a private range not routed here; each
   pod gets its own network namespace with a veth on that bridge and a new address (never reused
@@ -14,18 +26,26 @@ from its spec alone, with the local installation (.venv) standing in for the ima
   cluster IPs). The pod's own hostname is its UTS hostname and resolves to its address.
 * **Filesystem**: the pod's root is an overlay over the host's / (writes land in a per-pod
   tmpfs), remounted read-only when `readOnlyRootFilesystem` is set; volumes are bind-mounted on
-  their mountPaths: a ConfigMap or Secret as files from the API's object, emptyDir as a fresh
-  directory, hostPath as the host directory, a PersistentVolumeClaim as one directory per claim
-  shared by every pod that mounts it (bound on first use). The directories of the interpreter
-  are made traversable in the pod's own root (an image has its Python readable by its user).
+  their mountPaths (resolved inside the pod's root: /var/run -> /run stays in the pod): a
+  ConfigMap or Secret as files from the API's object, emptyDir as a fresh directory, hostPath as
+  the host directory, a PersistentVolumeClaim as one directory per claim name shared by every
+  pod that mounts it (made on first use), a projected volume (the ServiceAccount admission's
+  `kube-api-access-*`) as files: a token from the TokenRequest API bound to the pod (not
+  refreshed: tests are short), ConfigMap/Secret keys (the cluster's CA from kube-root-ca.crt)
+  and downward-API fields. The directories of the interpreter are made traversable in the pod's
+  own root (an image has its Python readable by its user).
 * **Process**: command + args (with `$(VAR)` expanded) run chrooted in that root, as the
   securityContext's user (the image's user, 1000, when none is given), fsGroup as supplementary
   group, no_new_privs for `allowPrivilegeEscalation: false`, `.venv/bin` first on PATH.
-* **Status**: like a kubelet: nodeName and a finalizer when it takes the pod, podIP, phase
-  Pending -> Running -> Succeeded/Failed (restartPolicy Never), containerStatuses with exitCode
-  and reason, Ready from the readinessProbe (httpGet; a pod without one is Ready once running).
-* **Deletion**: SIGTERM to the pod's processes, SIGKILL after terminationGracePeriodSeconds,
-  then the finalizer is removed, which lets the API server drop the object.
+* **Status**: like a kubelet, through the pods/status subresource (field validation Strict on a
+  real server): podIP, phase Pending -> Running -> Succeeded/Failed (restartPolicy Never),
+  containerStatuses with exitCode and reason, Ready from the readinessProbe (httpGet; a pod
+  without one is Ready once running).
+* **Deletion**: SIGTERM to the pod's processes, SIGKILL after the grace period, then the pod is
+  let go: on a real server a DELETE with gracePeriodSeconds=0 (and the pod's uid as
+  precondition), which is what removes a graceful-deleted pod bound to a node; on the emulator
+  the finalizer is removed. A pod of the same name with another uid is a new pod (a terminal
+  pod is deleted at once, without waiting for the kubelet).
 
 Needs root (namespaces, mounts). `close()` kills every process and removes every namespace,
 link and directory the agent made. Not supported: init containers, several containers per
@@ -47,6 +67,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -60,6 +81,15 @@ from typing import Any
 
 FINALIZER = "kubedistill.io/test-node-agent"
 NODE_NAME = "twin-node"
+"""The node the agent names on the emulator, where it binds pods itself."""
+TWIN_TAINT: dict[str, str] = {"key": "kubedistill.io/node-agent-twin", "value": "true", "effect": "NoSchedule"}
+TWIN_TOLERATION: dict[str, str] = {**TWIN_TAINT, "operator": "Equal"}
+"""What a pod needs to be scheduled on the twin's Node (and what other tests' pods lack)."""
+LEASE_NAMESPACE = "kube-node-lease"
+LEASE_SECONDS = 40
+RENEW_SECONDS = 10.0
+"""A kubelet's defaults: the node lifecycle controller sees a node as alive while its Lease is
+renewed within node-monitor-grace-period (50 s)."""
 VENV_BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -85,6 +115,104 @@ class Image:
     mounted over a parent (the restricted defaults' /tmp emptyDir over a checkout in /tmp)."""
 
 
+@dataclass(frozen=True)
+class ApiAccess:
+    """Where the API server is and how to authenticate to it."""
+
+    server: str
+    ssl_context: ssl.SSLContext | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def plain(cls, url: str) -> ApiAccess:
+        """Plain HTTP, no credentials: the KMock emulator."""
+        return cls(server=url.rstrip("/"))
+
+    @classmethod
+    def from_kubeconfig(cls, path: Path) -> ApiAccess:
+        """The current context of a kubeconfig: its CA, client certificate or bearer token."""
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        # kubernetes ships py.typed but leaves its config loaders unannotated.
+        config.load_kube_config(config_file=str(path), client_configuration=cfg)  # type: ignore[no-untyped-call]
+        ctx: ssl.SSLContext | None = None
+        if cfg.host.startswith("https"):
+            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+            if cfg.cert_file:
+                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        # The client keeps a kubeconfig's token under "BearerToken" (since 36.0.1).
+        auth = cfg.auth_settings().get("BearerToken")
+        token = auth.get("value") if auth else None
+        headers: dict[str, str] = {"Authorization": str(token)} if token else {}
+        return cls(server=cfg.host.rstrip("/"), ssl_context=ctx, headers=headers)
+
+
+def _meminfo_kib() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1])
+    return 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class NodeRegistration:
+    """The Node the agent registers on a real API server for the scheduler to bind pods to."""
+
+    name: str = field(default_factory=lambda: f"node-agent-twin-{random.randrange(16**6):06x}")
+    taints: tuple[Mapping[str, str], ...] = (TWIN_TAINT,)
+    cpu: str = field(default_factory=lambda: str(os.cpu_count() or 1))
+    memory: str = field(default_factory=lambda: f"{_meminfo_kib()}Ki")
+    pods: int = 110
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def body(self, address: str, kubelet_version: str) -> dict[str, Any]:
+        """The Node object, status included (the API server keeps a Node's status on create)."""
+        now = now_rfc3339()
+        resources = {"cpu": self.cpu, "memory": self.memory, "pods": str(self.pods)}
+
+        def condition(kind: str, status: str, reason: str) -> dict[str, str]:
+            return {"type": kind, "status": status, "reason": reason, "message": "node-agent twin",
+                    "lastHeartbeatTime": now, "lastTransitionTime": now}  # fmt: skip
+
+        labels = {
+            "kubernetes.io/hostname": self.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
+            **self.labels,
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": self.name, "labels": labels},
+            "spec": {"taints": [dict(t) for t in self.taints]},
+            "status": {
+                "capacity": resources,
+                "allocatable": resources,
+                "conditions": [
+                    condition("Ready", "True", "KubeletReady"),
+                    condition("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+                    condition("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+                    condition("PIDPressure", "False", "KubeletHasSufficientPID"),
+                ],
+                "addresses": [{"type": "InternalIP", "address": address}, {"type": "Hostname", "address": self.name}],
+                "nodeInfo": {
+                    "kubeletVersion": kubelet_version,
+                    "operatingSystem": "linux",
+                    "architecture": labels["kubernetes.io/arch"],
+                    "kernelVersion": os.uname().release,
+                    "containerRuntimeVersion": "node-agent-twin://0",
+                    "osImage": "node-agent-twin",
+                    "machineID": "",
+                    "systemUUID": "",
+                    "bootID": "",
+                    "kubeProxyVersion": "",
+                },
+            },
+        }
+
+
 class PodStartError(Exception):
     """The pod cannot start yet: (kubelet waiting reason, message)."""
 
@@ -96,6 +224,11 @@ class PodStartError(Exception):
 
 def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def now_micro() -> str:
+    """A MicroTime (a Lease's renewTime)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # -- pure pieces (unit-tested) ---------------------------------------------------------------
@@ -121,7 +254,7 @@ def field_ref(pod: Mapping[str, Any], path: str, pod_ip: str) -> str:
         "metadata.name": meta.get("name", ""),
         "metadata.namespace": meta.get("namespace", ""),
         "metadata.uid": meta.get("uid", ""),
-        "spec.nodeName": NODE_NAME,
+        "spec.nodeName": (pod.get("spec") or {}).get("nodeName") or NODE_NAME,
         "spec.serviceAccountName": (pod.get("spec") or {}).get("serviceAccountName", "default"),
         "status.podIP": pod_ip,
         "status.podIPs": pod_ip,
@@ -312,6 +445,34 @@ def covered_by_volumes(paths: list[str], targets: list[str]) -> list[str]:
     return [p for p in paths if any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)]
 
 
+def in_root(root: str, path: str) -> str:
+    """The host path of `path` as a process chrooted in `root` sees it: symlinks on the way are
+    followed inside `root` (an absolute target starts again at `root`, `..` stops there), so that
+    a mount on the image's /var/run/... (-> /run) lands in the pod's /run, not the host's.
+    Components that do not exist yet are appended as they are."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    resolved = root.rstrip("/") or "/"
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            if resolved != root.rstrip("/"):
+                resolved = os.path.dirname(resolved)
+            continue
+        candidate = os.path.join(resolved, part)
+        if not os.path.islink(candidate):
+            resolved = candidate
+            continue
+        hops += 1
+        if hops > 40:  # as the kernel gives up (ELOOP)
+            raise OSError(f"too many levels of symbolic links under {root}: {path}")
+        target = os.readlink(candidate)
+        if target.startswith("/"):
+            resolved = root.rstrip("/") or "/"
+        parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+    return resolved
+
+
 def pod_init(plan: Mapping[str, Any]) -> None:
     """Run as root inside the pod's new network, mount and UTS namespaces (nsenter + unshare):
     build the pod's root, mount its volumes, drop to its user and exec its command."""
@@ -324,7 +485,7 @@ def pod_init(plan: Mapping[str, Any]) -> None:
     for d in ("dev", "proc", "sys"):
         _run("mount", "--rbind", f"/{d}", f"{root}/{d}")
     for m in sorted(plan["mounts"], key=lambda m: m["target"].count("/")):
-        target = root + m["target"]
+        target = in_root(root, m["target"])
         if os.path.isdir(m["source"]):
             os.makedirs(target, exist_ok=True)
         else:
@@ -335,8 +496,8 @@ def pod_init(plan: Mapping[str, Any]) -> None:
         if m["read_only"]:
             _run("mount", "-o", "remount,bind,ro", target)
     for path in covered_by_volumes(plan["image_files"], [m["target"] for m in plan["mounts"]]):
-        os.makedirs(root + path, exist_ok=True)
-        _run("mount", "--rbind", path, root + path)
+        os.makedirs(in_root(root, path), exist_ok=True)
+        _run("mount", "--rbind", path, in_root(root, path))
     # An image makes its programs readable by its user; here they may live under /root or a
     # pytest directory (0700): open up their directories in the pod's own root.
     for path in (plan["bin_dir"], os.path.realpath(os.path.join(plan["bin_dir"], "python"))):
@@ -476,22 +637,35 @@ class PodRun:
         return self.proc is not None and self.exit_code is None
 
 
+class ApiError(Exception):
+    """The API server refused a request: HTTP status and its Status message."""
+
+    def __init__(self, status: int, method: str, url: str, message: str):
+        super().__init__(f"{method} {url}: HTTP {status}: {message}")
+        self.status = status
+
+
 class NodeAgent:
-    """Plays the kubelet for every pod of `namespace` on the API server at `server` (plain
-    HTTP, no auth: the emulator). `async with NodeAgent(...)` starts and closes it."""
+    """Plays the kubelet for the pods of `namespace` on the API server `api` (a plain URL: the
+    emulator; or ApiAccess, e.g. from a kubeconfig). With `node` it registers that Node and runs
+    the pods the scheduler binds to it; without, it binds every pod of the namespace itself (the
+    emulator has no scheduler). `async with NodeAgent(...)` starts and closes it."""
 
     def __init__(
         self,
-        server: str,
+        api: str | ApiAccess,
         namespace: str,
         *,
+        node: NodeRegistration | None = None,
         image: Image = Image(),
         poll_seconds: float = 0.2,
         probe_period_max: float | None = None,
         base: Path | None = None,
     ):
-        self.server = server.rstrip("/")
+        self.api = ApiAccess.plain(api) if isinstance(api, str) else api
+        self.server = self.api.server
         self.namespace = namespace
+        self.node = node
         self.image = image
         self.poll_seconds = poll_seconds
         self.probe_period_max = probe_period_max
@@ -503,11 +677,17 @@ class NodeAgent:
         """Every pod run, newest last (the test reads logs and exit codes from it)."""
         self.network: Network | None = None
         self._task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self._http: Any = None
         self._services: dict[str, dict[str, str]] = {}
         self._hosts_table: tuple[Any, ...] | None = None
         self.errors: list[str] = []
         self._cache: dict[tuple[str, str], dict[str, str] | None] = {}
+        self._registered = False
+
+    @property
+    def node_name(self) -> str:
+        return self.node.name if self.node is not None else NODE_NAME
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> NodeAgent:
@@ -517,19 +697,33 @@ class NodeAgent:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def start(self) -> None:
+    async def start(self, ready_timeout: float = 60.0) -> None:
+        """Make the bridge; on a real server register the Node, start renewing its Lease and
+        wait until the scheduler may use it (the node lifecycle controller lifts the
+        `node.kubernetes.io/not-ready` taint the API server puts on a new Node)."""
         import aiohttp
 
-        self.network = await asyncio.to_thread(Network)
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        try:
+            self.network = await asyncio.to_thread(Network)
+            connector = aiohttp.TCPConnector(ssl=self.api.ssl_context or False)
+            self._http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10))
+            if self.node is not None:
+                await self._register()
+                self._heartbeat_task = asyncio.create_task(self._heartbeat())
+                await self._until_schedulable(ready_timeout)
+        except BaseException:
+            await self.close()  # no bridge or Node left behind by a start that did not finish
+            raise
         self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:
-        """Kill every pod process, remove every namespace, link and directory made here."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        """Kill every pod process, remove every namespace, link and directory made here, and on
+        a real server the Node and its Lease."""
+        for task in (self._task, self._heartbeat_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         for run in list(self.pods.values()):
             self._signal(run, signal.SIGKILL)
             if run.proc is not None:
@@ -537,6 +731,11 @@ class NodeAgent:
                     await asyncio.to_thread(run.proc.wait, 10)
             self._teardown(run)
         self.pods.clear()
+        if self._registered and self.node is not None:
+            with contextlib.suppress(Exception):
+                await self._request("DELETE", self._lease_url())
+            with contextlib.suppress(Exception):
+                await self._request("DELETE", f"{self.server}/api/v1/nodes/{self.node.name}")
         if self.network is not None:
             await asyncio.to_thread(self.network.close)
         if self._http is not None:
@@ -565,20 +764,39 @@ class NodeAgent:
         path = f"{self.server}/api/v1/namespaces/{self.namespace}/{kind}"
         return f"{path}/{name}" if name else path
 
-    async def _get(self, url: str) -> Any:
-        async with self._http.get(url) as r:
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> Any:
+        """The response's JSON; None for 404 (gone is as good as deleted to a kubelet)."""
+        headers = {"Accept": "application/json", **self.api.headers}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        if method in ("POST", "PUT", "PATCH") and self.node is not None:
+            # As kubectl asks: an unknown or misspelt field is an error, not a warning.
+            params = {"fieldValidation": "Strict", **(params or {})}
+        data = json.dumps(body) if body is not None else None
+        async with self._http.request(method, url, data=data, headers=headers, params=params) as r:
             if r.status == 404:
                 return None
-            r.raise_for_status()
-            return await r.json()
+            if r.status >= 400:
+                text = await r.text()
+                with contextlib.suppress(ValueError, AttributeError):
+                    text = json.loads(text).get("message") or text
+                raise ApiError(r.status, method, url, text)
+            text = await r.text()
+            return json.loads(text) if text.strip() else {}
+
+    async def _get(self, url: str, params: Mapping[str, str] | None = None) -> Any:
+        return await self._request("GET", url, params=params)
 
     async def _patch(self, url: str, body: Mapping[str, Any]) -> bool:
-        headers = {"Content-Type": "application/merge-patch+json"}
-        async with self._http.patch(url, data=json.dumps(body), headers=headers) as r:
-            if r.status == 404:
-                return False
-            r.raise_for_status()
-            return True
+        return await self._request("PATCH", url, body, content_type="application/merge-patch+json") is not None
 
     async def _data(self, kind: str, name: str) -> dict[str, str] | None:
         obj = await self._get(self._path(kind, name))
@@ -592,6 +810,53 @@ class NodeAgent:
             data.update({k: base64.b64decode(v).decode("latin-1") for k, v in (obj.get("binaryData") or {}).items()})
         return data
 
+    # -- the Node -------------------------------------------------------------------------------
+    def _lease_url(self) -> str:
+        return f"{self.server}/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.node_name}"
+
+    async def _register(self) -> None:
+        assert self.node is not None and self.network is not None
+        version = (await self._get(f"{self.server}/version") or {}).get("gitVersion", "v0.0.0")
+        created = await self._request(
+            "POST", f"{self.server}/api/v1/nodes", self.node.body(self.network.gateway, version)
+        )
+        self._registered = True
+        # Owned by the Node, as a kubelet makes it: the garbage collector removes it with the Node.
+        owner = {"apiVersion": "v1", "kind": "Node", "name": self.node.name, "uid": created["metadata"]["uid"]}
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": self.node.name, "namespace": LEASE_NAMESPACE, "ownerReferences": [owner]},
+            "spec": {"holderIdentity": self.node.name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": now_micro()},
+        }
+        url = f"{self.server}/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases"
+        await self._request("POST", url, lease)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_SECONDS)
+            try:
+                await self._patch(self._lease_url(), {"spec": {"renewTime": now_micro()}})
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # try again next period, as a kubelet does
+                self.errors.append(f"lease renewal: {type(e).__name__}: {e}")
+
+    async def _until_schedulable(self, timeout: float) -> None:
+        assert self.node is not None
+        deadline = time.monotonic() + timeout
+        taints: list[Any] = []
+        while time.monotonic() < deadline:
+            node = await self._get(f"{self.server}/api/v1/nodes/{self.node.name}") or {}
+            taints = (node.get("spec") or {}).get("taints") or []
+            if not any(str(t.get("key", "")).startswith("node.kubernetes.io/") for t in taints):
+                return
+            await asyncio.sleep(0.2)
+        raise RuntimeError(
+            f"node {self.node.name} still has taints {taints} after {timeout} s: the node lifecycle "
+            "controller (kube-controller-manager) lifts node.kubernetes.io/not-ready"
+        )
+
     # -- the loop -------------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
@@ -604,7 +869,9 @@ class NodeAgent:
             await asyncio.sleep(self.poll_seconds)
 
     async def _tick(self) -> None:
-        listed = (await self._get(self._path("pods")))["items"]
+        # A kubelet watches the pods bound to its node; on the emulator every pod is ours to bind.
+        selector = {"fieldSelector": f"spec.nodeName={self.node.name}"} if self.node is not None else None
+        listed = (await self._get(self._path("pods"), selector))["items"]
         services = (await self._get(self._path("services")))["items"]
         self._services = {
             s["metadata"]["name"]: dict((s.get("spec") or {}).get("selector") or {})
@@ -617,10 +884,14 @@ class NodeAgent:
             name = meta["name"]
             seen.add(name)
             run = self.pods.get(name)
+            if run is not None and meta.get("uid") and meta["uid"] != run.uid:
+                # The pod we ran is gone (a terminal pod is deleted at once) and a new one took
+                # its name between two polls.
+                self._forget(run)
+                run = None
             if run is None:
                 if meta.get("deletionTimestamp"):
-                    if FINALIZER in (meta.get("finalizers") or []):
-                        await self._release(name)
+                    await self._release(name, meta.get("uid"), meta.get("finalizers") or [])
                     continue
                 run = await self._take(pod)
                 if run is None:
@@ -630,10 +901,8 @@ class NodeAgent:
                 await self._terminate(run)
             elif run.proc is None and run.exit_code is None and time.monotonic() >= run.retry_at:
                 await self._start(run)
-        for name in set(self.pods) - seen:  # someone removed our finalizer: nothing to wait for
-            run = self.pods.pop(name)
-            self._signal(run, signal.SIGKILL)
-            self._teardown(run)
+        for name in set(self.pods) - seen:  # deleted without us (a terminal pod, a force delete)
+            self._forget(self.pods[name])
         for run in list(self.pods.values()):
             self._reap(run)
         await self._probe_all()
@@ -642,18 +911,27 @@ class NodeAgent:
             if run.name in self.pods:
                 await self._report(run)
 
+    def _forget(self, run: PodRun) -> None:
+        """The pod object is gone: nothing to report or wait for, its processes go now."""
+        self.pods.pop(run.name, None)
+        self._signal(run, signal.SIGKILL)
+        self._teardown(run)
+
     async def _take(self, pod: dict[str, Any]) -> PodRun | None:
-        """Bind the pod to this node and hold it with a finalizer until its processes are gone."""
+        """A pod to run: on the emulator, bind it to this node and hold it with a finalizer
+        until its processes are gone (a real server's graceful deletion does that for a bound
+        pod, and its nodeName is the scheduler's to set)."""
         meta = pod["metadata"]
         # The emulator gives objects no uid; a kubelet never sets one (kopf indexes pods by
         # namespace, name and uid: a uid appearing mid-life would leave a ghost entry behind).
         uid = meta.get("uid") or str(uuid.uuid4())
-        patch = {
-            "metadata": {"finalizers": [*(meta.get("finalizers") or []), FINALIZER]},
-            "spec": {"nodeName": NODE_NAME},
-        }
-        if not await self._patch(self._path("pods", meta["name"]), patch):
-            return None
+        if self.node is None:
+            patch = {
+                "metadata": {"finalizers": [*(meta.get("finalizers") or []), FINALIZER]},
+                "spec": {"nodeName": NODE_NAME},
+            }
+            if not await self._patch(self._path("pods", meta["name"]), patch):
+                return None
         d = self.base / "pods" / f"{meta['name']}-{uid[:8]}"
         (d / "stage").mkdir(parents=True)
         run = PodRun(name=meta["name"], uid=uid, body=pod, dir=d, log=self.logs / f"{meta['name']}-{uid[:8]}.log")
@@ -661,7 +939,22 @@ class NodeAgent:
         self.history.append(run)
         return run
 
-    async def _release(self, name: str) -> None:
+    async def _release(self, name: str, uid: str | None, finalizers: list[str] | None = None) -> None:
+        """Let the API server drop a deleted pod whose processes are gone."""
+        if self.node is not None:
+            # What a kubelet does last: the pod object goes now. The uid precondition keeps a new
+            # pod of the same name (409 Conflict) from being deleted in its place.
+            options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0}
+            if uid:
+                options["preconditions"] = {"uid": uid}
+            try:
+                await self._request("DELETE", self._path("pods", name), options)
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+            return
+        if finalizers is not None and FINALIZER not in finalizers:
+            return
         pod = await self._get(self._path("pods", name))
         if pod is None:
             return
@@ -749,22 +1042,14 @@ class NodeAgent:
                 vdir.chmod(0o777)  # as the kubelet makes an emptyDir
                 sources[name] = (str(vdir), False)
             elif "configMap" in v or "secret" in v:
-                kind, ref = ("configmaps", v["configMap"]) if "configMap" in v else ("secrets", v["secret"])
-                obj_name = ref.get("name") or ref.get("secretName")
-                data = await self._data(kind, obj_name)
-                if data is None:
-                    if ref.get("optional"):
-                        data = {}
-                    else:
-                        raise PodStartError("ContainerCreating", f"{kind[:-1]} {obj_name!r} not found")
-                items = ref.get("items") or [{"key": k, "path": k} for k in data]
-                vdir.mkdir(parents=True, exist_ok=True)
-                for it in items:
-                    f = vdir / it["path"]
-                    f.parent.mkdir(parents=True, exist_ok=True)
-                    f.write_text(data[it["key"]])
-                    f.chmod(it.get("mode", ref.get("defaultMode", 0o644)))
+                await self._key_files(vdir, v, 0o644)
                 sources[name] = (str(vdir), True)  # the kubelet mounts these read-only
+            elif "projected" in v:
+                vdir.mkdir(parents=True, exist_ok=True)
+                mode = v["projected"].get("defaultMode", 0o644)
+                for src in v["projected"].get("sources") or []:
+                    await self._projected(run, vdir, src, mode)
+                sources[name] = (str(vdir), True)
             elif "hostPath" in v:
                 hp = Path(v["hostPath"]["path"])
                 if v["hostPath"].get("type") == "DirectoryOrCreate":
@@ -797,6 +1082,62 @@ class NodeAgent:
                 os.makedirs(src, exist_ok=True)
             mounts.append(Mount(src, vm["mountPath"], forced_ro or bool(vm.get("readOnly"))))
         return mounts
+
+    async def _key_files(self, vdir: Path, source: Mapping[str, Any], default_mode: int) -> None:
+        """A `configMap` or `secret` volume (or projected source): its keys (or `items`) as files."""
+        kind, ref = ("configmaps", source["configMap"]) if "configMap" in source else ("secrets", source["secret"])
+        obj_name = ref.get("name") or ref.get("secretName")
+        data = await self._data(kind, obj_name)
+        if data is None:
+            if not ref.get("optional"):
+                raise PodStartError("ContainerCreating", f"{kind[:-1]} {obj_name!r} not found")
+            data = {}
+        items = ref.get("items") or [{"key": k, "path": k} for k in data]
+        vdir.mkdir(parents=True, exist_ok=True)
+        for it in items:
+            if it["key"] not in data:
+                if ref.get("optional"):
+                    continue
+                raise PodStartError("ContainerCreating", f"key {it['key']!r} of {kind[:-1]} {obj_name!r} not found")
+            self._write_file(vdir / it["path"], data[it["key"]], it.get("mode", ref.get("defaultMode", default_mode)))
+
+    @staticmethod
+    def _write_file(path: Path, text: str, mode: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(mode)
+
+    async def _projected(self, run: PodRun, vdir: Path, src: Mapping[str, Any], mode: int) -> None:
+        """One source of a projected volume (what the ServiceAccount admission plugin adds as
+        kube-api-access-*: a token, the cluster's CA, the namespace)."""
+        if "configMap" in src or "secret" in src:
+            await self._key_files(vdir, src, mode)
+        elif "serviceAccountToken" in src:
+            sat = src["serviceAccountToken"]
+            meta, spec = run.body["metadata"], run.body["spec"]
+            sa = spec.get("serviceAccountName") or "default"
+            request: dict[str, Any] = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "audiences": [sat["audience"]] if sat.get("audience") else [],
+                    "expirationSeconds": int(sat.get("expirationSeconds", 3600)),
+                    # Bound to the pod, as the kubelet asks: the token dies with it.
+                    "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]},
+                },
+            }
+            answer = await self._request("POST", self._path("serviceaccounts", sa) + "/token", request)
+            if answer is None:
+                raise PodStartError("ContainerCreating", f"serviceaccount {sa!r} not found")
+            self._write_file(vdir / sat["path"], answer["status"]["token"], mode)
+        elif "downwardAPI" in src:
+            for it in src["downwardAPI"].get("items") or []:
+                if "fieldRef" not in it:
+                    raise PodStartError("ContainerCreating", f"downwardAPI item {it['path']!r}: only fieldRef")
+                value = field_ref(run.body, it["fieldRef"]["fieldPath"], run.ip or "")
+                self._write_file(vdir / it["path"], value, it.get("mode", mode))
+        else:
+            raise PodStartError("ContainerCreating", f"projected volume: unsupported source {sorted(src)}")
 
     def _hosts_for(self, run: PodRun) -> str:
         assert run.ip is not None
@@ -848,7 +1189,9 @@ class NodeAgent:
     async def _terminate(self, run: PodRun) -> None:
         if run.running:
             if run.kill_at is None:
-                grace = run.body["spec"].get("terminationGracePeriodSeconds", 30)
+                # The API server puts the delete request's grace period (else the pod's) here.
+                meta, spec = run.body["metadata"], run.body["spec"]
+                grace = meta.get("deletionGracePeriodSeconds", spec.get("terminationGracePeriodSeconds", 30))
                 run.kill_at = time.monotonic() + float(grace)
                 self._signal(run, signal.SIGTERM)
             elif time.monotonic() >= run.kill_at:
@@ -857,7 +1200,7 @@ class NodeAgent:
         if run.proc is not None and run.exit_code is None:
             self._reap(run)
         await self._report(run)
-        await self._release(run.name)
+        await self._release(run.name, run.body["metadata"].get("uid"))
         self.pods.pop(run.name, None)
         self._teardown(run)
 
@@ -919,6 +1262,7 @@ class NodeAgent:
         status: dict[str, Any] = {
             "phase": phase,
             "hostIP": self.network.gateway if self.network else None,
+            "hostIPs": [{"ip": self.network.gateway}] if self.network else [],
             "podIP": run.ip,
             "podIPs": [{"ip": run.ip}] if run.ip else [],
             "startTime": run.started,
@@ -937,8 +1281,16 @@ class NodeAgent:
                 st.pop("finishedAt", None)
         if key == run.reported:
             return
-        if await self._patch(self._path("pods", run.name) + "/status", {"status": status}):
-            run.reported = key
+        patch: dict[str, Any] = {"status": status}
+        if self.node is not None:
+            # The uid as precondition, as the kubelet patches: never another pod of the same name.
+            patch["metadata"] = {"uid": run.uid}
+        try:
+            if await self._patch(self._path("pods", run.name) + "/status", patch):
+                run.reported = key
+        except ApiError as e:
+            if e.status != 409:
+                raise
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "init":

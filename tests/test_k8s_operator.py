@@ -31,7 +31,7 @@ import pytest
 import yaml
 from kubernetes.config import ConfigException, incluster_config, kube_config
 
-from control_plane import ControlPlane, required
+from control_plane import CONTROLLERS, ControlPlane
 from kubedistill.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.operator.handlers import FINALIZER
@@ -262,11 +262,7 @@ def uids(pods: dict[str, JsonDict]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cluster(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     plane = control_plane
-    if not plane.has_controllers:
-        why = "the garbage collector and quota accounting need kube-controller-manager (not in the assets)"
-        if required():
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
+    plane.needs(CONTROLLERS, why="the garbage collector and quota accounting")
     home = tmp_path_factory.mktemp("k8s-operator")
     docs = install_chart(plane, RELEASE_NS, [*OPERATED, AUTH_NS], release=RELEASE)
     sa = service_account(docs)

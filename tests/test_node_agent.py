@@ -1,8 +1,11 @@
 """The node-agent twin (tests/node_agent.py): its pure pieces, then real pods run through the
-KMock API: network and DNS, volumes, env, user and read-only root, status, deletion and cleanup."""
+KMock API (network and DNS, volumes, env, user and read-only root, status, deletion and
+cleanup), then as a kubelet on the real control plane: the Node it registers, the scheduler's
+binding, the ServiceAccount's projected volume, graceful deletion."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -18,10 +21,15 @@ from typing import Any
 
 import pytest
 
+from control_plane import CONTROLLERS, SCHEDULER
 from node_agent import (
     FINALIZER,
+    LEASE_NAMESPACE,
+    TWIN_TOLERATION,
+    ApiAccess,
     Image,
     NodeAgent,
+    NodeRegistration,
     PodAddress,
     PodStartError,
     container_status,
@@ -29,6 +37,7 @@ from node_agent import (
     exit_code_of,
     expand,
     hosts_file,
+    in_root,
     resolve_env,
     security,
 )
@@ -104,6 +113,23 @@ def test_the_installation_stays_visible_under_a_pod_volume() -> None:
     assert all(os.path.isabs(f) for f in Image().files)
 
 
+def test_mount_targets_resolve_inside_the_pod_s_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "run").mkdir(parents=True)
+    (root / "var").mkdir()
+    (root / "var" / "run").symlink_to("/run")  # as on the host: absolute
+    (root / "opt" / "real").mkdir(parents=True)
+    (root / "opt" / "link").symlink_to("real")
+    (root / "loop").symlink_to("loop")
+    sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+    assert in_root(str(root), sa) == f"{root}/run/secrets/kubernetes.io/serviceaccount"
+    assert in_root(str(root), "/opt/link/x") == f"{root}/opt/real/x"
+    assert in_root(str(root), "/../../etc/hosts") == f"{root}/etc/hosts"  # `..` stops at the root
+    assert in_root(str(root), "/tmp/") == f"{root}/tmp"
+    with pytest.raises(OSError, match="symbolic links"):
+        in_root(str(root), "/loop/x")
+
+
 def test_hosts_file_answers_like_cluster_dns() -> None:
     trainer = PodAddress("j-trainer-0", "10.9.0.2", "j-trainer-0", "j-trainer", {"role": "trainer"})
     rollout = PodAddress("j-rollout-0", "10.9.0.3", "j-rollout-0", "j-rollout", {"role": "rollout"})
@@ -149,6 +175,19 @@ needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None,
     reason="the node agent needs root, ip and nsenter (network and mount namespaces)",
 )
+
+
+def twin_namespace(plane: Any, name: str) -> str:
+    """A namespace of the real control plane where the twin can run pods. The control plane is
+    MicroShift's build: its ServiceAccount admission adds the ConfigMap openshift-service-ca.crt
+    (not optional) to every pod's kube-api-access volume, and the controller that publishes it is
+    off (tests/control_plane.py); a kubelet holds such a pod in ContainerCreating. Publish it as
+    that controller would (the service CA is the cluster's CA here)."""
+    plane.namespace(name)
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "openshift-service-ca.crt", "namespace": name}}
+    plane.apply({**cm, "data": {"service-ca.crt": plane.ca_file.read_text()}})
+    return name
+
 
 SERVER = textwrap.dedent(
     """
@@ -433,3 +472,123 @@ async def _operator_story(kmock: Any, cluster: Cluster, spec: dict[str, Any], bi
 async def _step_seen(cluster: Cluster) -> Any:
     st = ((await cluster.job("tw")) or {}).get("status") or {}
     return st.get("step", 0) >= 1
+
+
+# -- as a kubelet on the real control plane ------------------------------------------------------
+
+KUBELET_POD = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+    out = {f: open(os.path.join(sa, f)).read() for f in sorted(os.listdir(sa))}
+    out["node"] = os.environ["NODE"]
+    def bye(*_):
+        open("/out/terminated", "w").write("SIGTERM")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, bye)
+    open("/out/report.json", "w").write(json.dumps(out))
+    time.sleep(600)
+    """
+)
+
+
+def _jwt_claims(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    return dict(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))))
+
+
+@needs_root
+async def test_on_a_real_server_it_runs_what_the_scheduler_binds_to_its_node(control_plane: Any) -> None:
+    import kubernetes
+
+    plane = control_plane
+    plane.needs(SCHEDULER, CONTROLLERS, why="the scheduler binds the pods; node lifecycle")
+    ns = twin_namespace(plane, "node-agent-twin")
+    api = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig))  # type: ignore[no-untyped-call]
+    core = kubernetes.client.CoreV1Api(api)
+    coordination = kubernetes.client.CoordinationV1Api(api)
+    out = Path(tempfile.mkdtemp(prefix="twin-out-", dir="/var/tmp"))
+    out.chmod(0o777)
+
+    async def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, _request_timeout=10, **kwargs)
+
+    async def read(name: str) -> Any:
+        try:
+            return await call(core.read_namespaced_pod, name, ns)
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    agent = NodeAgent(ApiAccess.from_kubeconfig(plane.kubeconfig), ns, node=NodeRegistration(), probe_period_max=0.3)
+    await agent.start()
+    node = agent.node_name
+    try:
+        container = {
+            "name": "main",
+            "image": "stand-in",
+            "command": ["python", "-c", KUBELET_POD],
+            "env": [{"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+            "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False},
+            "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+        }
+        spec = {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 5,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+            "containers": [container],
+            "volumes": [{"name": "out", "hostPath": {"path": str(out), "type": "Directory"}}],
+        }
+        twin = {"metadata": {"name": "twin"}, "spec": {**spec, "tolerations": [TWIN_TOLERATION]}}
+        stray = {"metadata": {"name": "stray"}, "spec": spec}  # what other tests' pods are like
+        await call(core.create_namespaced_pod, ns, twin, field_validation="Strict")
+        await call(core.create_namespaced_pod, ns, stray, field_validation="Strict")
+
+        async def running() -> Any:
+            p = await read("twin")
+            return p if p.status.phase == "Running" and (out / "report.json").is_file() else None
+
+        try:
+            pod = await eventually(running, timeout=30, what="twin Running, its report written")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{agent.log_tail()}") from None
+        assert pod.spec.node_name == node and pod.status.host_ip == agent.network.gateway  # type: ignore[union-attr]
+        report = json.loads((out / "report.json").read_text())
+        # The kube-api-access volume the ServiceAccount admission added: a token bound to this
+        # pod, the cluster's CA, the namespace.
+        assert report["node"] == node and report["namespace"] == ns
+        assert report["ca.crt"] == plane.ca_file.read_text()
+        bound = _jwt_claims(report["token"])["kubernetes.io"]
+        assert (bound["namespace"], bound["pod"]["name"], bound["pod"]["uid"]) == (ns, "twin", pod.metadata.uid)
+
+        async def unschedulable() -> Any:
+            p = await read("stray")
+            return [c for c in p.status.conditions or [] if c.type == "PodScheduled" and c.reason == "Unschedulable"]
+
+        (cond,) = await eventually(unschedulable, timeout=10, what="stray refused by the scheduler")
+        assert "untolerated taint" in cond.message and (await read("stray")).spec.node_name is None
+        lease = await call(coordination.read_namespaced_lease, node, LEASE_NAMESPACE)
+        assert lease.spec.holder_identity == node
+
+        # Graceful deletion: the object stays (no finalizer holds it) until the twin, its process
+        # gone after SIGTERM, deletes it with grace 0.
+        await call(core.delete_namespaced_pod, "twin", ns)
+        held = await read("twin")
+        assert held.metadata.deletion_timestamp is not None and not held.metadata.finalizers
+        await eventually(lambda: _none(read("twin")), timeout=15, what="twin deleted by the twin")
+        assert (out / "terminated").read_text() == "SIGTERM"
+        assert [r.exit_code for r in agent.history] == [0] and not agent.pods
+        assert not agent.errors, agent.errors  # every request taken, strict field validation included
+        await call(core.delete_namespaced_pod, "stray", ns)  # never bound: deleted at once
+    finally:
+        await agent.close()
+        shutil.rmtree(out, ignore_errors=True)
+        plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    with pytest.raises(kubernetes.client.ApiException) as gone_node:
+        await call(core.read_node, node)
+    assert gone_node.value.status == 404
+
+
+async def _none(value: Any) -> bool:
+    return await value is None
