@@ -116,6 +116,7 @@ rm -rf "$WORK/ckpt"
 # --- 3. NCCL weight sync to a vLLM GPU rollout server, checksums ---------------------------------
 step "3/4 weight sync ($BACKEND) to a vLLM rollout server on the GPU, checksums"
 "$PY" - "$WORK" "$JOB" "$BACKEND" <<'EOF' 2>&1 | tee "$WORK/sync.log" || fail "weight sync (see $WORK/sync.log, $WORK/rollout.log)"
+import json
 import os
 import signal
 import socket
@@ -124,7 +125,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -133,6 +133,8 @@ from kubedistill.api.validate import load_job
 from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 from kubedistill.runtime.weight_sync.sender import WeightSender
 from kubedistill.runtime.weight_sync.transfer import torch_dtype
+from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient
+from kubedistill.runtime.wire.protocol import VersionResponse, WeightsGroupResponse
 
 work, job_path, backend = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
@@ -171,15 +173,16 @@ server = subprocess.Popen(
     env={**os.environ, **nccl_env}, start_new_session=True,
 )
 os.environ.update(NCCL_HOSTID="kubedistill-smoke-trainer", NCCL_NET="Socket")
+http = BlockingClient()
 try:
     deadline = time.monotonic() + 900
     while True:
         if server.poll() is not None:
             sys.exit(f"the rollout server exited with {server.returncode}; see {work / 'rollout.log'}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
+            http.fetch("GET", url + "/health", timeout=2)
+            break
+        except REQUEST_ERRORS:
             pass
         if time.monotonic() > deadline:
             sys.exit("the rollout server did not become healthy in 15 minutes")
@@ -196,14 +199,14 @@ try:
     t0 = time.monotonic()
     sender.sync(1, named)
     print(f"sync of {sum(t.numel() for _, t in named)} parameters in {time.monotonic() - t0:.2f} s")
-    served = httpx.get(url + "/weights/group", timeout=30).json()["dtype"] or "float32"
+    served = http.call("GET", url + "/weights/group", WeightsGroupResponse, timeout=30).dtype or "float32"
     want = {n: tensor_checksum(t.to(torch_dtype(served)).cpu()) for n, t in named}
     want["lm_head.weight"] = want["model.embed_tokens.weight"]  # tied
-    got = httpx.get(url + "/weights/checksums", timeout=300).json()
+    got = json.loads(http.fetch("GET", url + "/weights/checksums", timeout=300))
     bad = sorted(n for n in want if got.get(n) != want[n])
     if bad:
         sys.exit(f"{len(bad)} of {len(want)} weights differ on the server ({served}), e.g. {bad[:3]}")
-    version = httpx.get(url + "/version", timeout=30).json()["version"]
+    version = http.call("GET", url + "/version", VersionResponse, timeout=30).version
     if version != 1:
         sys.exit(f"the server serves version {version}, expected 1")
     print(f"checksums equal: {len(want)} weights in {served}, lm_head included")

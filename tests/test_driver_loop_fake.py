@@ -31,7 +31,7 @@ NO_SYNC = {"triggerParameterSyncStep": 1000}
 real sender does (after weightSync.timeoutSeconds)."""
 
 
-async def run_with(r: Rig, scenario: Awaitable[None], timeout: float = 15.0) -> None:
+async def run_with(r: Rig, scenario: Awaitable[None], timeout: float = 60.0) -> None:
     """Run the driver while `scenario` acts on the fakes; both must finish."""
     run = asyncio.create_task(r.run(timeout))
     try:
@@ -128,7 +128,7 @@ async def test_a_dead_server_is_taken_out_of_rotation_and_the_run_completes(tmp_
     dead.die_at_request = 3
     r = rig(spec, rollouts=rollouts, teachers=teachers, **PROBE)
     pool = r.driver.pool if role == "rollout" else r.driver.router.pools["arith"]
-    await r.run(timeout=10)
+    await r.run(timeout=60)
 
     assert len(r.trainer.steps) == 6
     assert pool.out_of_rotation() == [dead.base_url]
@@ -149,7 +149,7 @@ async def test_the_run_fails_naming_the_servers_when_a_role_has_none_left(tmp_pa
         server.die_at_request = 2
     r = rig(spec, rollouts=rollouts, teachers=teachers, **PROBE)
     with pytest.raises(AllEndpointsDown, match="failed 5 times in a row and no other endpoint") as failure:
-        await r.run(timeout=10)
+        await r.run(timeout=60)
     assert all(s.base_url in str(failure.value) for s in dying)
     assert len(r.trainer.steps) < 6
 

@@ -1,10 +1,8 @@
 """Async HTTP clients of the rollout and teacher servers (used by the driver).
 
-aiohttp, not httpx: with a step's ~100 concurrent /generate and /score requests in flight,
-httpx/httpcore's connection-pool bookkeeping takes most of the driver's CPU, and that CPU is
-taken from the train step beside it (docs/servers.md, "The driver's HTTP client"). Bodies are
-encoded and decoded by pydantic's own JSON code (no intermediate dicts), which matters for top-k
-teacher scores.
+They are thin: every request goes through the runtime's one HTTP stack (runtime/wire/http.py:
+aiohttp, pydantic's JSON code, TRANSPORT_ERRORS for a request that may be sent again and
+ServerError for an answer that is an error), which the weight sender and `kubedistill run` use too.
 """
 
 from __future__ import annotations
@@ -15,6 +13,9 @@ from typing import Protocol, Self, TypeVar
 import aiohttp
 from pydantic import BaseModel
 
+from kubedistill.runtime.wire.http import TRANSPORT_ERRORS as TRANSPORT_ERRORS
+from kubedistill.runtime.wire.http import ServerError as ServerError
+from kubedistill.runtime.wire.http import call, fetch, new_session
 from kubedistill.runtime.wire.protocol import (
     AbortRequest,
     AbortResponse,
@@ -26,31 +27,7 @@ from kubedistill.runtime.wire.protocol import (
     VersionResponse,
 )
 
-KEEPALIVE_SECONDS = 2.0
-"""Idle connections are dropped before the servers' keep-alive (uvicorn: 5 s) closes them, so a
-request rarely goes out on a connection the server is closing (the driver retries it if it does)."""
-
-TRANSPORT_ERRORS: tuple[type[Exception], ...] = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
-"""Failures of the connection rather than answers of the server: the request may be sent again."""
-
 M = TypeVar("M", bound=BaseModel)
-_JSON = {"Content-Type": "application/json"}
-
-
-class ServerError(RuntimeError):
-    def __init__(self, url: str, status: int, message: str):
-        super().__init__(f"{url}: {status} {message}")
-        self.status = status
-        self.message = message
-
-
-def new_session(timeout: float = 600.0) -> aiohttp.ClientSession:
-    """One session for any number of servers and concurrent requests (no connection cap: every
-    request reaches its server at once, so the engine can batch them). Call inside a running loop."""
-    return aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=timeout),
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
-    )
 
 
 class _Client:
@@ -67,33 +44,17 @@ class _Client:
         return self._session
 
     async def _post(self, path: str, body: BaseModel, model: type[M]) -> M:
-        data = body.model_dump_json(exclude_none=True)
-        async with self.session.post(self.base_url + path, data=data, headers=_JSON) as r:
-            return model.model_validate_json(await self._read_ok(path, r))
+        return await call(self.session, "POST", self.base_url + path, model, body)
 
     async def _get(self, path: str, model: type[M]) -> M:
-        async with self.session.get(self.base_url + path) as r:
-            return model.model_validate_json(await self._read_ok(path, r))
-
-    async def _read_ok(self, path: str, r: aiohttp.ClientResponse) -> bytes:
-        raw = await r.read()
-        if r.status != 200:
-            text = raw.decode(errors="replace")
-            try:
-                body = await r.json(content_type=None)
-            except ValueError:
-                body = None
-            msg = str(body.get("error", text)) if isinstance(body, dict) else text
-            raise ServerError(self.base_url + path, r.status, msg)
-        return raw
+        return await call(self.session, "GET", self.base_url + path, model)
 
     async def health(self) -> HealthResponse:
         return await self._get("/health", HealthResponse)
 
     async def metrics_text(self) -> str:
         """The server's Prometheus exposition."""
-        async with self.session.get(self.base_url + "/metrics") as r:
-            return (await self._read_ok("/metrics", r)).decode()
+        return (await fetch(self.session, "GET", self.base_url + "/metrics")).decode()
 
     async def aclose(self) -> None:
         if self._own and self._session is not None:

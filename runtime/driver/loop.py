@@ -12,10 +12,11 @@ Two sides share a SampleBuffer:
   `triggerParameterSyncStep` steps and tells the buffer, checkpoints;
 * rollout membership — while the job scales, follows the servers the job wants: a new one joins
   the weight-sync group at a sync, a removed one is drained first (runtime/driver/membership.py);
-* failures — a request whose connection fails is sent again. Failures are counted per server:
-  MAX_TRANSPORT_FAILURES in a row take a server out of rotation (its role's other servers take
-  the requests) until a probe finds it answering /health again; the run fails only when a role
-  would have no server left (runtime/driver/routing.py).
+* failures — a request whose connection fails or times out (runtime/wire/http.py's
+  TRANSPORT_ERRORS) is sent again. Failures are counted per server: MAX_TRANSPORT_FAILURES in a
+  row take a server out of rotation (its role's other servers take the requests) until a probe
+  finds it answering /health again; the run fails only when a role would have no server left
+  (runtime/driver/routing.py).
 
 The modes differ only in the staleness rule (StalenessPolicy): sync allows one batch under the
 current weights (generate, train, sync), oneStepOff two (batch k+1 generates while k trains),
@@ -40,14 +41,7 @@ from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
-from kubedistill.runtime.driver.clients import (
-    TRANSPORT_ERRORS,
-    HttpClients,
-    RolloutClientLike,
-    ServerClients,
-    TeacherClientLike,
-    new_session,
-)
+from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
 from kubedistill.runtime.driver.membership import RolloutMembership
 from kubedistill.runtime.driver.progress import HistoryWriter
@@ -57,6 +51,7 @@ from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, new_session
 from kubedistill.runtime.wire.protocol import TensorMeta
 
 log = logging.getLogger("kubedistill.driver")

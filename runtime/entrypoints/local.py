@@ -36,6 +36,7 @@ from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, rol
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.driver.progress import read_history
 from kubedistill.runtime.entrypoints.gpu_share import GpuDemand, share_gpus
+from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient
 
 HOST = "127.0.0.1"
 
@@ -282,14 +283,14 @@ def _process_actor_class() -> Any:
     return RoleProcess
 
 
-def _poll_progress(url: str) -> TrainerProgress | None:
-    """Trainer rank 0's GET /status; None while it does not answer."""
-    import urllib.request
-
+def _poll_progress(http: BlockingClient, url: str) -> TrainerProgress | None:
+    """Trainer rank 0's GET /status; None while it does not answer (starting, restarting, gone)
+    or answers with an error or a document it cannot read."""
     try:
-        with urllib.request.urlopen(f"{url}/status", timeout=2) as r:
-            return TrainerProgress.from_json(json.loads(r.read()))
-    except Exception:
+        return http.call("GET", f"{url}/status", TrainerProgress, timeout=2)
+    except REQUEST_ERRORS:
+        return None
+    except ValueError:  # pydantic's ValidationError: a document of another version, say
         return None
 
 
@@ -393,6 +394,7 @@ def run(
     interactive = sys.stdout.isatty() if progress is None else progress
     outcome: dict[str, Any] = {"job": job.metadata.name, "mode": job.spec.mode.value}
     code = 1
+    http = BlockingClient(timeout=10.0, name="status-poll")
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for p in processes:
@@ -441,7 +443,7 @@ def run(
                 _restart_gang(actors, gang, run_dir)
                 polled = None
                 continue
-            fresh = _poll_progress(config.endpoints.trainer)
+            fresh = _poll_progress(http, config.endpoints.trainer)
             polled = fresh or polled
             for name in scaler.due(fresh):
                 try:
@@ -486,6 +488,7 @@ def run(
         code = 130
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
+        http.close()
         for actor in actors.values():
             try:
                 ray.get(actor.stop.remote(), timeout=30)

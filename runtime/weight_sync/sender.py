@@ -18,12 +18,12 @@ is known to be formed, so the other trainer ranks do not wait in an all-gather m
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import asyncio
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -39,12 +39,24 @@ from kubedistill.runtime.weight_sync.group import (
 from kubedistill.runtime.weight_sync.manifest import bucket_layout
 from kubedistill.runtime.weight_sync.transfer import TransferStats, send, torch_dtype
 from kubedistill.runtime.wire.dtypes import dtype_name
-from kubedistill.runtime.wire.protocol import Manifest, TensorMeta, WeightsBeginRequest, WeightsGroupRequest
+from kubedistill.runtime.wire.http import REQUEST_ERRORS, TRANSPORT_ERRORS, BlockingClient, ServerError, call, fetch
+from kubedistill.runtime.wire.protocol import (
+    Manifest,
+    TensorMeta,
+    VersionResponse,
+    WeightsBeginRequest,
+    WeightsGroupRequest,
+    WeightsGroupResponse,
+)
 
 if TYPE_CHECKING:
-    import httpx
-
     from kubedistill.runtime.metrics import RoleMetrics
+
+T = TypeVar("T")
+
+RETRY_STATUSES = (502, 503, 504)
+"""Answers to POST /weights/group that mean "not yet" (a server still loading its engine, or a
+proxy in front of one starting): the join is sent again until weightSync.timeoutSeconds."""
 
 
 class WeightSyncError(RuntimeError):
@@ -125,11 +137,10 @@ class WeightSender:
         self.wire_dtype: str | None = None
         """The dtype floating weights travel in: what every rollout engine keeps them in (None:
         as the trainer holds them). Learnt from GET /weights/group before each sync."""
-        import httpx
-
-        # One client for every control request: each new httpx client sets up a TLS context, a
-        # cost on the scale of a small model's whole sync (docs/servers.md).
-        self._http = httpx.Client(timeout=self.timeout)
+        # The runtime's HTTP stack on a loop of its own: the sender blocks on the trainer thread,
+        # while the driver's loop, on another thread, must go on serving generations. One client
+        # for the sender's life, so its connections are reused from sync to sync.
+        self._http = BlockingClient(timeout=self.timeout, name="weight-sender-http")
         store = open_store(addr)  # listening before any server is told to join
         self._tell_servers_to_join()
         self.group = WeightSyncGroup(addr, store=store)
@@ -147,34 +158,30 @@ class WeightSender:
     def _tell_servers_to_join(self) -> None:
         """POST /weights/group to every rollout server, retrying while it is unreachable or
         still loading its engine (until weightSync.timeoutSeconds)."""
-        import httpx
-
         world = self._addr.world_size
         deadline = time.monotonic() + self.timeout
 
-        def tell(index: int, url: str) -> None:
-            rank = weight_sync_rank(self.spec, index)
-            body = WeightsGroupRequest(epoch=self.epoch, rank=rank, world_size=world).model_dump(mode="json")
+        async def tell(index: int, url: str) -> None:
+            body = WeightsGroupRequest(epoch=self.epoch, rank=weight_sync_rank(self.spec, index), world_size=world)
             last = ""
             while True:
                 try:
-                    r = self._http.post(f"{url.rstrip('/')}/weights/group", json=body, timeout=30)
-                    if r.status_code in (200, 202):
-                        return
-                    if r.status_code not in (502, 503, 504):
-                        raise WeightSyncError(f"{url}/weights/group answered {r.status_code}: {_error_text(r)}")
-                    last = f"{r.status_code} {_error_text(r)}"
-                except httpx.TransportError as e:
+                    await fetch(self._http.session, "POST", _at(url, "/weights/group"), body, ok=(200, 202), timeout=30)
+                    return
+                except ServerError as e:
+                    if e.status not in RETRY_STATUSES:
+                        raise WeightSyncError(f"{url}/weights/group answered {e.status}: {e.message}") from e
+                    last = f"{e.status} {e.message}"
+                except TRANSPORT_ERRORS as e:
                     last = repr(e)
                 if time.monotonic() > deadline:
                     raise WeightSyncError(
                         f"{url}/weights/group: no answer within weightSync.timeoutSeconds "
                         f"({self.timeout:.0f} s); last: {last}"
                     )
-                time.sleep(0.5)
+                await asyncio.sleep(0.5)
 
-        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.members))) as pool:
-            list(pool.map(tell, range(len(self.members)), self.members))
+        self._http.run(_each(tell(i, url) for i, url in enumerate(self.members)))
 
     def close(self) -> None:
         """Release the group and its store (the servers leave it when told to join the next)."""
@@ -186,19 +193,18 @@ class WeightSender:
         server is not in it (a replaced rollout pod starts outside any group): then every server
         switches, and the sync goes on without a trainer restart. One GET /weights/group per
         server."""
-        import httpx
 
-        def member(url: str) -> tuple[bool, str | None]:
+        async def member(url: str) -> tuple[bool, str | None]:
             """(in this group and ready, the dtype its engine keeps weights in)."""
             try:
-                r = self._http.get(f"{url.rstrip('/')}/weights/group", timeout=30)
-            except httpx.TransportError:
-                return False, None
-            doc = r.json() if r.status_code == 200 else {}
-            return doc.get("epoch") == self.epoch and doc.get("state") == "ready", doc.get("dtype")
+                doc = await call(
+                    self._http.session, "GET", _at(url, "/weights/group"), WeightsGroupResponse, timeout=30
+                )
+            except REQUEST_ERRORS:
+                return False, None  # not in the group as far as this sync can tell: re-form it
+            return doc.epoch == self.epoch and doc.state == "ready", doc.dtype
 
-        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.members))) as pool:
-            answers = list(pool.map(member, self.members))
+        answers = self._http.run(_each(member(url) for url in self.members))
         self.wire_dtype = wire_dtype(dtype for _, dtype in answers)
         if self.members == self._formed and all(ok for ok, _ in answers):
             return
@@ -218,9 +224,10 @@ class WeightSender:
         transport's limit, for benchmarks and link checks); returns seconds."""
         self.ensure_group()
         for url in self.members:
-            r = self._http.post(f"{url.rstrip('/')}/weights/probe", json={"bytes": nbytes, "group_epoch": self.epoch})
-            if r.status_code != 200:
-                raise WeightSyncError(f"{url}/weights/probe: {r.status_code} {_error_text(r)}")
+            try:
+                self._http.fetch("POST", _at(url, "/weights/probe"), {"bytes": nbytes, "group_epoch": self.epoch})
+            except ServerError as e:
+                raise WeightSyncError(f"{url}/weights/probe: {e.status} {e.message}") from e
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         t0 = time.perf_counter()
         self.group.broadcast(buf).wait()
@@ -245,23 +252,28 @@ class WeightSender:
             metas = [tensor_meta(n, t) for n, t in named]
             draw = named.__iter__
         manifest = layout([as_wire_dtype(m, self.wire_dtype) for m in metas], budget)
-        body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch).model_dump(mode="json")
+        body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch)
 
-        def begin(url: str) -> str | None:
+        async def begin(url: str) -> str | None:
             """None: the server will load; a message: it refused the manifest (409) but still
             takes part in the broadcast, discarding it, so the group stays in step."""
-            r = self._http.post(f"{url.rstrip('/')}/weights/begin", json=body)
-            if r.status_code == 200:
-                return None
-            if r.status_code == 409:
-                return f"{url}: {_error_text(r)}"
-            raise WeightSyncError(
-                f"{url}/weights/begin answered {r.status_code} ({_error_text(r)}); the server is not "
-                "in the weight-sync collective, so the group cannot continue"
-            )
+            try:
+                await fetch(self._http.session, "POST", _at(url, "/weights/begin"), body)
+            except ServerError as e:
+                if e.status == 409:
+                    return f"{url}: {e.message}"
+                raise WeightSyncError(
+                    f"{url}/weights/begin answered {e.status} ({e.message}); the server is not "
+                    "in the weight-sync collective, so the group cannot continue"
+                ) from e
+            except TRANSPORT_ERRORS as e:
+                raise WeightSyncError(
+                    f"{url}/weights/begin did not reach the server ({e!r}); the group cannot continue"
+                ) from e
+            return None
 
-        with cf.ThreadPoolExecutor(max_workers=max(1, len(self.members))) as pool:
-            refusals = [r for r in pool.map(begin, self.members) if r is not None]
+        answers = self._http.run(_each(begin(url) for url in self.members))
+        refusals = [r for r in answers if r is not None]
         stats = send(self.group, manifest, _on_device(manifest, draw(), self.group.device))
         failed = self.group.all_reduce_sum(0)
         stats.seconds = time.perf_counter() - t0
@@ -283,15 +295,24 @@ class WeightSender:
         load call returns, a moment later: wait for that as well, so generation requested after
         sync() returns is tagged with the new version. One GET /version per server."""
         deadline = time.monotonic() + self.timeout
-        for url in self.members:
+
+        async def served(url: str) -> None:
             while True:
-                r = self._http.get(f"{url.rstrip('/')}/version")
-                served = r.json().get("version") if r.status_code == 200 else None
-                if isinstance(served, int) and served >= version:
-                    break
+                try:
+                    now: int | None = (
+                        await call(self._http.session, "GET", _at(url, "/version"), VersionResponse)
+                    ).version
+                except ServerError:
+                    now = None
+                except TRANSPORT_ERRORS as e:
+                    raise WeightSyncError(f"{url} loaded weight version {version}, then did not answer: {e!r}") from e
+                if now is not None and now >= version:
+                    return
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(f"{url} loaded weight version {version} but still serves {served}")
-                time.sleep(0.005)
+                    raise WeightSyncError(f"{url} loaded weight version {version} but still serves {now}")
+                await asyncio.sleep(0.005)
+
+        self._http.run(_each(served(url) for url in self.members))
 
 
 FLOATING = ("float32", "float16", "bfloat16")
@@ -327,8 +348,17 @@ def _on_device(
         yield t.to(device=device, dtype=torch_dtype(meta.dtype))
 
 
-def _error_text(r: httpx.Response) -> str:
+def _at(url: str, path: str) -> str:
+    return url.rstrip("/") + path
+
+
+async def _each(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """One request per server, concurrently: their results in order. The first failure cancels
+    the others (a join still retrying, say) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        return str(r.json().get("error", r.text))
-    except ValueError:
-        return r.text.strip()
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,5 +1,5 @@
 """Wire shapes of the rollout and teacher HTTP APIs (docs/design.md#wire-protocols), shared by the
-servers (runtime/servers/) and the driver's clients (runtime/driver/clients.py). docs/servers.md is the
+servers (runtime/servers/) and their clients (runtime/wire/http.py). docs/servers.md is the
 reference for what each field means."""
 
 from __future__ import annotations

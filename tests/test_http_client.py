@@ -1,0 +1,166 @@
+"""The runtime's one HTTP client stack (runtime/wire/http.py): what counts as a transport error
+(the request may be sent again) and what as a server's answer (ServerError), through the async
+helpers the driver uses and the BlockingClient the weight sender and `kubedistill run` use.
+
+The servers are raw asyncio sockets, so each failure is exactly the one named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, BlockingClient, ServerError, call, fetch, new_session
+from kubedistill.runtime.wire.protocol import VersionResponse, WeightsGroupRequest
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """(request line + headers, body)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length) if length else b""
+
+
+def answer(status: int, body: bytes, content_type: str = "application/json") -> Handler:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    return handle
+
+
+async def cut_mid_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Headers promise 100 bytes; 10 come, then the connection closes."""
+    await read_request(reader)
+    writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"version"')
+    await writer.drain()
+    writer.close()
+
+
+async def close_without_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_request(reader)
+    writer.close()
+
+
+async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_request(reader)
+    await reader.read()  # until the client gives up and closes
+
+
+def refused_url() -> str:
+    with socket.socket() as s:  # a port nothing listens on once this socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def failure(url: str, timeout: float = 5.0) -> Exception:
+    async with new_session() as session:
+        with pytest.raises(Exception) as e:
+            await call(session, "GET", url + "/version", VersionResponse, timeout=timeout)
+    return e.value
+
+
+async def test_refused_connection_is_a_transport_error() -> None:
+    assert isinstance(await failure(refused_url()), TRANSPORT_ERRORS)
+
+
+@pytest.mark.parametrize("handler", [cut_mid_body, close_without_answer], ids=["mid-body", "before-answer"])
+async def test_dropped_connection_is_a_transport_error(handler: Handler) -> None:
+    async with serving(handler) as url:
+        assert isinstance(await failure(url), TRANSPORT_ERRORS)
+
+
+async def test_timeout_is_a_transport_error() -> None:
+    async with serving(never_answer) as url:
+        e = await failure(url, timeout=0.3)
+    assert isinstance(e, TimeoutError) and isinstance(e, TRANSPORT_ERRORS)
+
+
+@pytest.mark.parametrize(
+    "status,body,message",
+    [
+        (409, b'{"error": "request_id \'r1\' is already in flight"}', "request_id 'r1' is already in flight"),
+        (422, b'{"detail": "bad"}', '{"detail": "bad"}'),
+        (503, b"engine still loading\n", "engine still loading"),
+        (500, b"", ""),
+    ],
+)
+async def test_error_status_is_a_server_error_naming_server_and_status(status: int, body: bytes, message: str) -> None:
+    async with serving(answer(status, body)) as url:
+        e = await failure(url)
+    assert isinstance(e, ServerError) and not isinstance(e, TRANSPORT_ERRORS)
+    assert (e.url, e.status, e.message) == (url + "/version", status, message)
+    assert str(e) == f"{url}/version: {status} {message}"
+
+
+async def test_expected_statuses_and_pydantic_bodies() -> None:
+    seen: list[bytes] = []
+
+    async def echo_version(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, body = await read_request(reader)
+        seen.append(head.split(b"\r\n")[0])
+        seen.append(body)
+        out = b'{"version": 7}'
+        writer.write(b"HTTP/1.1 202 Accepted\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(out), out))
+        await writer.drain()
+        writer.close()
+
+    async with serving(echo_version) as url, new_session() as session:
+        body = WeightsGroupRequest(epoch="e1")
+        with pytest.raises(ServerError, match="202"):  # not an answer the caller takes
+            await call(session, "POST", url + "/weights/group", VersionResponse, body)
+        got = await call(session, "POST", url + "/weights/group", VersionResponse, body, ok=(200, 202))
+        assert got == VersionResponse(version=7)
+        assert await fetch(session, "POST", url + "/x", {"bytes": 3}, ok=(202,)) == b'{"version": 7}'
+    assert seen[0] == b"POST /weights/group HTTP/1.1"
+    assert json.loads(seen[1]) == {"epoch": "e1"}  # None fields are left out
+    assert json.loads(seen[5]) == {"bytes": 3}
+
+
+async def test_blocking_client_classifies_the_same() -> None:
+    """The weight sender's and the launcher's client: the same stack on a private loop, called
+    from a thread that blocks (here: a worker thread, while this loop serves)."""
+    client = BlockingClient(timeout=5.0)
+    try:
+        with pytest.raises(TRANSPORT_ERRORS):
+            await asyncio.to_thread(client.call, "GET", refused_url() + "/version", VersionResponse)
+        async with serving(never_answer) as url:
+            with pytest.raises(TimeoutError):
+                await asyncio.to_thread(client.call, "GET", url + "/version", VersionResponse, timeout=0.3)
+        async with serving(answer(503, b'{"error": "the weight-sync group is not formed"}')) as url:
+            with pytest.raises(ServerError, match="503 the weight-sync group is not formed") as e:
+                await asyncio.to_thread(client.call, "GET", url + "/version", VersionResponse)
+            assert e.value.status == 503 and not isinstance(e.value, TRANSPORT_ERRORS)
+        async with serving(answer(200, b'{"version": 3}')) as url:
+            got = await asyncio.to_thread(client.call, "GET", url + "/version", VersionResponse)
+            assert got.version == 3
+    finally:
+        await asyncio.to_thread(client.close)
+    client.close()  # closing twice is harmless
