@@ -15,6 +15,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -24,6 +25,8 @@ from kubedistill.api.job import GROUP, PLURAL, VERSION
 from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import GangScheduler
 from kubedistill.operator.kube import (
+    CHILDREN,
+    POD,
     UNWATCHED,
     Kube,
     KubeConfig,
@@ -56,7 +59,8 @@ if TYPE_CHECKING:
 
 ANNOTATION_PREFIX = "kubedistill.io"
 FINALIZER = "kubedistill.io/finalizer"
-CHILD_KINDS = {"services": "Service", "configmaps": "ConfigMap", "networkpolicies": "NetworkPolicy"}
+OTHER_CHILDREN = tuple(r for r in CHILDREN if r is not POD)
+"""The watched children indexed as ChildViews (pods have their own index of PodViews)."""
 
 Key = tuple[str, str]
 """(namespace, job name)."""
@@ -82,6 +86,44 @@ class OperatorOptions:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
 
+@dataclass
+class JobState:
+    """What the operator remembers about one job between its reconcile passes, beyond what the
+    job and the indices show. It lives exactly as long as the job's daemon (Reconciler.run)."""
+
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by watch events about the job or its children: the loop plans again at once."""
+    progress: Progress | None = None
+    """Trainer pod 0's last GET /status, by the background poll."""
+    polling: asyncio.Task[None] | None = None
+    last_error: str | None = None
+    """The last reconcile error reported as an Event: one Event per distinct error, not per retry."""
+    written: dict[str, Any] | None = None
+    """The status this loop last wrote: the job's live body shows it only once the watch event
+    arrives, and deciding from an older status would repeat transitions and events."""
+    recent: dict[tuple[str, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    """Children this loop created or patched, by (kind, name), until a watch event about them
+    arrives (then the indices are authoritative): counted as present so a pass woken by an early
+    event does not create them again. Under load the watch lags seconds behind the creates, so
+    this cannot be a short time window: each re-create is a 409, more load and more lag."""
+    refused: dict[RefusalKey, Refusal] = field(default_factory=dict)
+    """Children the API server refused to create: the plan holds them back until their backoff
+    ends and shows the job Blocked meanwhile."""
+    made: dict[ChildRef, str] = field(default_factory=dict)
+    """Children of kinds the operator does not watch (PodGroups: their CRDs may be absent, and
+    watching them would need list/watch RBAC on every cluster): present once created or found
+    existing (409), with the digest of the content this loop last wrote (see Observed.digests);
+    "" for one found existing, whose content is unknown, so the next pass patches it once (it may
+    predate a scale). An operator restart creates them again (a 409 each)."""
+    disrupted: dict[str, PodView] = field(default_factory=dict)
+    """The last view of each pod the cluster took away (DisruptionTarget...), by pod name: the
+    condition is visible only while the pod terminates, the decision may come after."""
+
+    def close(self) -> None:
+        if self.polling is not None:
+            self.polling.cancel()
+
+
 class Reconciler:
     """State shared by the handlers of one operator instance."""
 
@@ -90,32 +132,14 @@ class Reconciler:
         self.metrics = options.metrics
         self._kube: Kube | None = None
         self._http: aiohttp.ClientSession | None = None
-        self._wakeups: dict[Key, asyncio.Event] = {}
-        self._progress: dict[Key, Progress] = {}
-        self._polling: dict[Key, asyncio.Task[None]] = {}
-        self._last_error: dict[Key, str] = {}
-        # The status each job's loop last wrote: the job's live body shows it only once the watch
-        # event arrives, and deciding from an older status would repeat transitions and events.
-        self._written: dict[Key, dict[str, Any]] = {}
-        # Children this loop created, until a watch event about them arrives (then the indices
-        # are authoritative): counted as present so a pass woken by an early event does not create
-        # them again. Under load the watch lags seconds behind the creates, so this cannot be a
-        # short time window: each re-create is a 409, more load and more lag.
-        self._recent: dict[Key, dict[tuple[str, str], tuple[float, dict[str, Any]]]] = {}
-        # Children the API server refused to create, per job: the plan holds them back until
-        # their backoff ends and shows the job Blocked meanwhile.
-        self._refused: dict[Key, dict[RefusalKey, Refusal]] = {}
-        # Children of kinds the operator does not watch (PodGroups: their CRDs may be absent, and
-        # watching them would need list/watch RBAC on every cluster): present once created or
-        # found existing (409), with the digest of the content this loop last wrote (see
-        # Observed.digests); "" for one found existing, whose content is unknown, so the next pass
-        # patches it once (it may predate a scale). An operator restart creates them again (a 409
-        # each).
-        self._made: dict[Key, dict[ChildRef, str]] = {}
-        # The last view of each pod the cluster took away (DisruptionTarget...), by job and pod
-        # name: the condition is visible only while the pod terminates, the decision may come after.
-        self._disrupted: dict[Key, dict[str, PodView]] = {}
+        self._jobs: dict[Key, JobState] = {}
+        """The jobs whose daemon runs: added when it starts, removed when it stops (run())."""
         self._apis: dict[GangScheduler, tuple[float, bool]] = {}
+
+    @property
+    def jobs(self) -> Mapping[Key, JobState]:
+        """The state of every job whose daemon runs (read-only)."""
+        return MappingProxyType(self._jobs)
 
     # -- plumbing -------------------------------------------------------------------------
     def kube(self) -> Kube:
@@ -125,47 +149,47 @@ class Reconciler:
         return self._kube
 
     async def close(self) -> None:
-        for task in self._polling.values():
-            task.cancel()
+        for state in self._jobs.values():
+            state.close()
         if self._kube is not None:
             await self._kube.close()
         if self._http is not None:
             await self._http.close()
 
     def poke(self, namespace: str | None, job: str | None) -> None:
-        if namespace and job:
-            ev = self._wakeups.get((namespace, job))
-            if ev is not None:
-                ev.set()
+        state = self._jobs.get((namespace, job)) if namespace and job else None
+        if state is not None:
+            state.wakeup.set()
 
     def pod_event(self, namespace: str | None, job: str | None, body: Mapping[str, Any]) -> None:
         """A watch event about a pod: remember it if the cluster is taking it away, then as any child."""
         view = PodView.of(body)
-        if namespace and job and view.disruption:
-            self._disrupted.setdefault((namespace, job), {})[view.name] = view
+        # Of a job whose daemon is not running (yet), nothing is kept: once it starts, the pods
+        # index shows the disruption while the pod terminates.
+        state = self._jobs.get((namespace, job)) if namespace and job else None
+        if state is not None and view.disruption:
+            state.disrupted[view.name] = view
         self.child_event(namespace, job, "Pod", view.name)
 
     def child_event(self, namespace: str | None, job: str | None, kind: str, name: str) -> None:
         """A watch event about a child: the indices now know it (kopf indexes before it calls
         event handlers), so it stops counting as recently created; and its job re-plans."""
-        if namespace and job:
-            recent = self._recent.get((namespace, job))
-            if recent:
-                recent.pop((kind, name), None)
-            self.poke(namespace, job)
+        state = self._jobs.get((namespace, job)) if namespace and job else None
+        if state is not None:
+            state.recent.pop((kind, name), None)
+            state.wakeup.set()
 
     # -- trainer progress ----------------------------------------------------------------
-    def _poll_progress(self, key: Key, pod: PodView | None) -> None:
+    def _poll_progress(self, state: JobState, pod: PodView | None) -> None:
         """Poll trainer pod 0's GET /status in the background; a change wakes the job."""
         if pod is None or pod.phase is not PodPhase.running or not pod.pod_ip or not pod.http_port:
             return
-        running = self._polling.get(key)
-        if running is not None and not running.done():
+        if state.polling is not None and not state.polling.done():
             return
         url = f"http://{pod.pod_ip}:{pod.http_port}/status"
-        self._polling[key] = asyncio.get_running_loop().create_task(self._poll(key, url, pod.attempt))
+        state.polling = asyncio.get_running_loop().create_task(self._poll(state, url, pod.attempt))
 
-    async def _poll(self, key: Key, url: str, attempt: int | None) -> None:
+    async def _poll(self, state: JobState, url: str, attempt: int | None) -> None:
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession()
         doc = await fetch_json(self._http, url, self.options.status_timeout)
@@ -175,9 +199,9 @@ class Reconciler:
             progress = Progress.of(doc, attempt)
         except (TypeError, ValueError):
             return
-        if self._progress.get(key) != progress:
-            self._progress[key] = progress
-            self.poke(*key)
+        if state.progress != progress:
+            state.progress = progress
+            state.wakeup.set()
 
     async def _missing_apis(self, spec: Mapping[str, Any]) -> set[GangScheduler]:
         """The job's gang scheduler, if its API is not served (discovery, cached)."""
@@ -197,21 +221,25 @@ class Reconciler:
 
     # -- one pass ------------------------------------------------------------------------
     async def reconcile(
-        self, body: kopf.Body, pods: Iterable[PodView], others: Iterable[ChildView], logger: kopf.Logger
+        self,
+        body: kopf.Body,
+        state: JobState,
+        pods: Iterable[PodView],
+        others: Iterable[ChildView],
+        logger: kopf.Logger,
     ) -> float | None:
         """Run one pass; the seconds until the next one (None: the job was deleted)."""
         name, namespace = body.meta["name"], body.meta["namespace"]
-        key = (namespace, name)
         views = list(others)
-        made = self._made.get(key, {})
+        made = state.made
         observed = Observed(
             pods={p.name: p for p in pods},
             others={v.ref for v in views} | set(made),
             digests={v.ref: v.digest for v in views if v.digest is not None}
             | {ref: digest for ref, digest in made.items() if ref.kind in KEPT_CURRENT},
-            disrupted=dict(self._disrupted.get(key, {})),
+            disrupted=dict(state.disrupted),
         )
-        recent = self._recent.setdefault(key, {})
+        recent = state.recent
         now_mono = time.monotonic()
         for (kind, child), (when, obj) in list(recent.items()):
             if now_mono - when > RECENT_SECONDS:
@@ -228,21 +256,21 @@ class Reconciler:
             namespace=namespace,
             generation=int(body.meta.get("generation") or 0),
             spec=dict(body.spec),
-            status=self._written.get(key) or dict(body.status),
+            status=state.written or dict(body.status),
         )
         started = time.perf_counter()
         try:
             now = datetime.now(UTC)
             missing = await self._missing_apis(job.spec)
-            p = plan(job, observed, now, self._progress.get(key), self._refused.get(key), missing)
-            newly_refused, made_unwatched = await self._apply(body, job, p, now)
-            self._last_error.pop(key, None)
+            p = plan(job, observed, now, state.progress, state.refused, missing)
+            newly_refused, made_unwatched = await self._apply(body, state, job, p, now)
+            state.last_error = None
         except (TimeoutError, KubeError) as exc:
-            self._error(body, key, str(exc), logger)
+            self._error(body, state, str(exc), logger)
             return self.options.resync_seconds
         except Exception as exc:  # a bug must not stop the loop or the other jobs
             logger.exception("reconcile of %s/%s failed", namespace, name)
-            self._error(body, key, f"{type(exc).__name__}: {exc}", logger)
+            self._error(body, state, f"{type(exc).__name__}: {exc}", logger)
             return self.options.resync_seconds
         finally:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
@@ -258,7 +286,7 @@ class Reconciler:
             ),
             None,
         )
-        self._poll_progress(key, rank0)
+        self._poll_progress(state, rank0)
         delay = self.options.resync_seconds
         if p.wake_after is not None:
             delay = min(delay, max(p.wake_after, 0.05))
@@ -268,30 +296,30 @@ class Reconciler:
             delay = 0.05  # no watch event will say it exists: the pods waiting for it go now
         return delay
 
-    def _error(self, body: kopf.Body, key: Key, message: str, logger: kopf.Logger) -> None:
+    def _error(self, body: kopf.Body, state: JobState, message: str, logger: kopf.Logger) -> None:
         self.metrics.reconcile_errors.inc()
         logger.warning("reconcile error: %s", message)
-        if self._last_error.get(key) != message:  # one event per distinct error, not per retry
-            self._last_error[key] = message
+        if state.last_error != message:
+            state.last_error = message
             kopf.event(body, type="Warning", reason="ReconcileError", message=message[:1000])
 
-    async def _apply(self, body: kopf.Body, job: JobView, p: Plan, now: datetime) -> tuple[bool, bool]:
+    async def _apply(self, body: kopf.Body, state: JobState, job: JobView, p: Plan, now: datetime) -> tuple[bool, bool]:
         """Carry out the plan; (the API server refused a child it had not refused before, a child
         of an unwatched kind was created or found)."""
         kube = self.kube()
         newly_refused = made_unwatched = False
         if p.update:
             # Before the creates: a new rollout pod reads the updated config when it starts.
-            recent = self._recent.setdefault((job.namespace, job.name), {})
+            recent = state.recent
             owned = [{KEPT_CURRENT[o["kind"]]: o[KEPT_CURRENT[o["kind"]]]} for o in p.update]
             patched = await asyncio.gather(*(kube.patch(o, change) for o, change in zip(p.update, owned)))
             for obj, found in zip(p.update, patched):
                 ref = ChildRef(obj["kind"], obj["metadata"]["name"])
                 if not found:  # deleted meanwhile: the next pass creates it
-                    self._made.get((job.namespace, job.name), {}).pop(ref, None)
+                    state.made.pop(ref, None)
                     continue
                 if ref.kind in UNWATCHED:
-                    self._made.setdefault((job.namespace, job.name), {})[ref] = content_digest(ref.kind, obj)
+                    state.made[ref] = content_digest(ref.kind, obj)
                 else:
                     recent[(ref.kind, ref.name)] = (time.monotonic(), obj)
         if p.create:
@@ -300,8 +328,7 @@ class Reconciler:
                 # kopf.adopt copies the job's labels; ours must win on the children.
                 obj["metadata"]["labels"].update(_own_labels(obj))
             created = await asyncio.gather(*(kube.create(o) for o in p.create), return_exceptions=True)
-            recent = self._recent.setdefault((job.namespace, job.name), {})
-            refused = self._refused.setdefault((job.namespace, job.name), {})
+            recent, refused = state.recent, state.refused
             failure: BaseException | None = None
             for obj, made in zip(p.create, created):
                 child = (obj["kind"], obj["metadata"]["name"])
@@ -316,7 +343,7 @@ class Reconciler:
                 refused.pop(child, None)
                 if obj["kind"] in UNWATCHED:
                     digest = content_digest(obj["kind"], obj) if made and obj["kind"] in KEPT_CURRENT else ""
-                    self._made.setdefault((job.namespace, job.name), {})[ChildRef(*child)] = digest
+                    state.made[ChildRef(*child)] = digest
                     made_unwatched = True
                 else:
                     recent[child] = (time.monotonic(), obj)
@@ -325,9 +352,8 @@ class Reconciler:
             if failure is not None:
                 raise failure
         if p.delete:
-            recent = self._recent.get((job.namespace, job.name), {})
             for c in p.delete:
-                recent.pop((c.kind, c.name), None)
+                state.recent.pop((c.kind, c.name), None)
             gone = await asyncio.gather(*(kube.delete(c.kind, job.namespace, c.name) for c in p.delete))
             for ref, deleted in zip(p.delete, gone):
                 if deleted:
@@ -335,20 +361,13 @@ class Reconciler:
         new = status_patch(p.status)
         if new != status_patch(current_status(job.status)):
             await kube.patch_status(job.namespace, job.name, new)
-            self._written[(job.namespace, job.name)] = new
+            state.written = new
         for ev in p.events:
             kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
         if p.delete_job:
             await kube.delete("DistillationJob", job.namespace, job.name)
-        self._forget_old_disruptions((job.namespace, job.name), gang_attempt(p.status))
+        _forget_old_disruptions(state, gang_attempt(p.status))
         return newly_refused, made_unwatched
-
-    def _forget_old_disruptions(self, key: Key, attempt: int) -> None:
-        """Disruptions of earlier gang attempts were decided on already."""
-        seen = self._disrupted.get(key)
-        if seen:
-            for name in [n for n, v in seen.items() if v.attempt is not None and v.attempt < attempt]:
-                del seen[name]
 
     def _refusal(self, last: Refusal | None, exc: KubeError, now: datetime) -> Refusal:
         attempts = (last.attempts if last else 0) + 1
@@ -372,32 +391,33 @@ class Reconciler:
         """The job's reconcile loop, until kopf stops it or the job is deleted; the indices hold
         every job's children by (namespace, job), others_indices one index per non-Pod kind."""
         key = (body.meta["namespace"], body.meta["name"])
-        wake = self._wakeups.setdefault(key, asyncio.Event())
+        # kopf runs one daemon per job at a time: a state left here would be a stopped one's.
+        state = self._jobs[key] = JobState()
         stop = asyncio.ensure_future(stopped.wait())
         try:
             while not stopped:
-                wake.clear()
+                state.wakeup.clear()
                 others = [view for index in others_indices for view in index.get(key, ())]
-                delay = await self.reconcile(body, list(pods_index.get(key, ())), others, logger)
+                delay = await self.reconcile(body, state, list(pods_index.get(key, ())), others, logger)
                 if delay is None or stopped:
                     break
-                woken = asyncio.ensure_future(wake.wait())
+                woken = asyncio.ensure_future(state.wakeup.wait())
                 await asyncio.wait({woken, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
                 woken.cancel()
         finally:
             stop.cancel()
-            self._wakeups.pop(key, None)
-            self._progress.pop(key, None)
-            self._written.pop(key, None)
-            self._recent.pop(key, None)
-            self._refused.pop(key, None)
-            self._made.pop(key, None)
-            self._disrupted.pop(key, None)
-            task = self._polling.pop(key, None)
-            if task is not None:
-                task.cancel()
+            # The one place a job's state goes, whichever way the loop ended.
+            if self._jobs.get(key) is state:
+                del self._jobs[key]
+            state.close()
             if body.meta.get("deletionTimestamp"):
                 self.metrics.job_phase(key[0], key[1], None)
+
+
+def _forget_old_disruptions(state: JobState, attempt: int) -> None:
+    """Disruptions of earlier gang attempts were decided on already."""
+    for name in [n for n, v in state.disrupted.items() if v.attempt is not None and v.attempt < attempt]:
+        del state.disrupted[name]
 
 
 def _own_labels(obj: Mapping[str, Any]) -> dict[str, str]:
@@ -454,7 +474,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     # Indices: the children of each job, kept current by label-selected watches. The per-event
     # handlers are `async def`: kopf runs plain functions in a thread pool, a thread hop per
     # watch event for what is a dict lookup.
-    @kopf.index("pods", labels=selector, registry=registry, id="job_pods")
+    @kopf.index(POD.group_version, POD.plural, labels=selector, registry=registry, id="job_pods")
     async def job_pods(*, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, PodView]:
         if namespace is None:  # pods are namespaced: kopf always passes one
             return {}
@@ -470,9 +490,10 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
 
         return index
 
-    for plural, kind in CHILD_KINDS.items():
-        group_version = "networking.k8s.io/v1" if kind == "NetworkPolicy" else "v1"
-        kopf.index(group_version, plural, labels=selector, registry=registry, id=f"job_{plural}")(_child_index(kind))
+    for r in OTHER_CHILDREN:
+        kopf.index(r.group_version, r.plural, labels=selector, registry=registry, id=f"job_{r.plural}")(
+            _child_index(r.kind)
+        )
 
     # Any change to a child or the job wakes the job's loop.
     def _child_event(kind: str) -> WatchingFn:
@@ -481,14 +502,13 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
 
         return poke
 
-    @kopf.on.event("pods", labels=selector, registry=registry, id="poke_pods")
+    @kopf.on.event(POD.group_version, POD.plural, labels=selector, registry=registry, id="poke_pods")
     async def _pod_event(*, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
         reconciler.pod_event(namespace, labels.get(LABEL_JOB), body)
 
-    for plural, kind in CHILD_KINDS.items():
-        group_version = "networking.k8s.io/v1" if plural == "networkpolicies" else "v1"
-        kopf.on.event(group_version, plural, labels=selector, registry=registry, id=f"poke_{plural}")(
-            _child_event(kind)
+    for r in OTHER_CHILDREN:
+        kopf.on.event(r.group_version, r.plural, labels=selector, registry=registry, id=f"poke_{r.plural}")(
+            _child_event(r.kind)
         )
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
@@ -499,7 +519,7 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
     async def job(*, body: kopf.Body, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
         # kopf passes every index as a keyword named by its handler id.
         pods: kopf.Index[Key, PodView] = kwargs["job_pods"]
-        others: list[kopf.Index[Key, ChildView]] = [kwargs[f"job_{plural}"] for plural in CHILD_KINDS]
+        others: list[kopf.Index[Key, ChildView]] = [kwargs[f"job_{r.plural}"] for r in OTHER_CHILDREN]
         await reconciler.run(body, stopped, pods, others, logger)
 
     return registry

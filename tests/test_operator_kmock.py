@@ -452,3 +452,52 @@ async def test_a_refused_pod_blocks_the_job_until_the_cause_is_removed(kmock: An
 
 async def _count_ge(items: list[str], n: int) -> bool:
     return len(items) >= n
+
+
+async def test_a_job_deleted_while_in_error_leaves_no_state_behind(kmock: Any, cluster: Cluster) -> None:
+    """The API server fails (500) every ConfigMap create of one job: its loop is in error, and
+    remembers the error (one Event per distinct error). Deleting the job drops all it kept."""
+
+    def failing(request: Any) -> Any:
+        if request.method is method.POST and request.url.path.endswith("/configmaps"):
+            if request.data["metadata"]["name"] == "xi-config":
+                return 500, "etcdserver: request timed out"
+        return None
+
+    kmock.refuse = failing
+    async with running_operator(str(kmock.url), resync_seconds=0.2) as reconciler:
+        await cluster.create_job(job_manifest("xi"))
+        await cluster.create_job(job_manifest("pi"))
+
+        async def in_error() -> Any:
+            state = reconciler.jobs.get((NS, "xi"))
+            return state is not None and state.last_error and "etcdserver" in state.last_error
+
+        await eventually(in_error, what="xi's loop in error")
+        assert any("etcdserver" in e["message"] for e in await events(kmock, "ReconcileError"))
+        await all_children(cluster, "pi")
+        await cluster.delete_job("xi")
+
+        async def dropped() -> Any:
+            return await cluster.job("xi") is None and set(reconciler.jobs) == {(NS, "pi")}
+
+        await eventually(dropped, what="xi's state dropped, pi's kept")
+
+
+async def test_deleted_jobs_leave_no_state_after_create_delete_cycles(kmock: Any, cluster: Cluster) -> None:
+    async with running_operator(str(kmock.url), resync_seconds=0.2) as reconciler:
+        await cluster.create_job(job_manifest("stay"))
+        for cycle in range(3):
+            names = [f"c{cycle}-{i}" for i in range(3)]
+            for name in names:
+                await cluster.create_job(job_manifest(name))
+            for name in names:
+                await all_children(cluster, name)
+            assert {(NS, n) for n in names} <= set(reconciler.jobs)
+            for name in names:
+                await cluster.delete_job(name)
+
+            async def only_stay() -> Any:
+                return set(reconciler.jobs) == {(NS, "stay")}
+
+            await eventually(only_stay, what=f"cycle {cycle}: only the remaining job's state")
