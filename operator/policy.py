@@ -3,7 +3,8 @@
 Pure and level-triggered: the same inputs give the same plan, whatever happened before, so the
 operator can run it after every watch event, on a timer, and after a restart.
 
-Failure policy (docs/operator.md):
+Failure policy (docs/operator.md; the trainer gang's decision is kubedistill.api.failures, which
+`kubedistill run` shares):
   * a failed trainer pod restarts the whole gang (every trainer pod deleted, then recreated with
     the next attempt label) while status.restarts < spec.backoffLimit; then the job is Failed;
     so does a trainer pod that vanished (deleted by hand) once the gang had started;
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from kubedistill.api.failures import GangFailure, GangOutcome, decide_gang_failure
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.roleconfig import Role
@@ -379,36 +381,25 @@ def _run(
         (q for q in current if q.role is Role.trainer and q.phase is PodPhase.failed), key=lambda q: q.replica
     )
     lost = _lost_trainers(job, spec, observed, st.phase)
-    if failed or lost:
-        # The job's own failure (non-zero exit, OOM, a pod deleted by hand) counts against
-        # backoffLimit; the cluster taking a pod away (preemption, eviction, drain) does not.
-        causes = [(q.name, q.disruption, _failed_why(q)) for q in failed]
-        causes += [(name, _disruption_of(name, observed, attempt), "is gone") for name in lost]
-        own = [c for c in causes if not c[1]]
-        if own:
-            name, _, how = own[0]
-            why = f"trainer pod {name} {how}"
-            if st.restarts >= spec.backoff_limit:
-                msg = f"{why}; backoffLimit {spec.backoff_limit} reached after {st.restarts} gang restarts"
-                _finish(p, observed, Phase.failed, "BackoffLimitExceeded", msg, now)
-                return
-            st.restarts += 1
-            p.events.append(
-                Event(
-                    "Warning", "GangRestart", f"{why}; restarting the trainer gang ({st.restarts}/{spec.backoff_limit})"
-                )
-            )
-        else:
-            name, reason, _ = causes[0]
-            st.disruptions += 1
-            ckpt = f" ({st.last_checkpoint})" if st.last_checkpoint else ""
-            msg = (
-                f"trainer pod {name} was {_taken_how(reason)} by the cluster ({reason}); restarting the trainer "
-                f"gang from the last checkpoint{ckpt}; not counted against backoffLimit (disruption "
-                f"{st.disruptions}, restarts {st.restarts}/{spec.backoff_limit})"
-            )
-            set_condition(st, ConditionType.disrupted, True, reason, msg, now)
-            p.events.append(Event("Warning", "GangDisrupted", msg))
+    # The job's own failure (non-zero exit, OOM, a pod deleted by hand) counts against
+    # backoffLimit; the cluster taking a pod away (preemption, eviction, drain) does not.
+    causes = [GangFailure("trainer pod", q.name, _failed_why(q), q.disruption) for q in failed]
+    causes += [GangFailure("trainer pod", n, "is gone", _disruption_of(n, observed, attempt)) for n in lost]
+    decision = decide_gang_failure(
+        causes,
+        restarts=st.restarts,
+        disruptions=st.disruptions,
+        backoff_limit=spec.backoff_limit,
+        last_checkpoint=st.last_checkpoint,
+    )
+    if decision is not None:
+        if decision.outcome is GangOutcome.failed:
+            _finish(p, observed, Phase.failed, decision.reason, decision.message, now)
+            return
+        st.restarts, st.disruptions = decision.restarts, decision.disruptions
+        if decision.outcome is GangOutcome.disrupted:
+            set_condition(st, ConditionType.disrupted, True, decision.cause.disruption, decision.message, now)
+        p.events.append(Event("Warning", decision.reason, decision.message))
         attempt = gang_attempt(st)
         stale = gang
     _delete_pods(p, stale)
@@ -580,15 +571,6 @@ def _disruption_of(name: str, observed: Observed, attempt: int) -> str:
         return pod.disruption
     seen = observed.disrupted.get(name)
     return seen.disruption if seen is not None and seen.attempt == attempt else ""
-
-
-def _taken_how(reason: str) -> str:
-    text = reason.lower()
-    if "preempt" in text:
-        return "preempted"
-    if "evict" in text:
-        return "evicted"
-    return "taken away"
 
 
 def _pod_group_ready(job: JobView, spec: DistillationJobSpec, observed: Observed) -> bool:

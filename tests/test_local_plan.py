@@ -10,11 +10,18 @@ import yaml
 
 from k8s_offline import read_manifest
 from kubedistill.api import DistillationJob
+from kubedistill.api.failures import GangDecision, GangOutcome, decide_gang_failure
 from kubedistill.runtime.entrypoints.local import (
     RAY_WORKER_PORTS,
+    ActorLost,
+    Exit,
     absolute_paths,
+    actor_lost,
     ephemeral_ports,
+    exit_text,
     free_port,
+    gang_failures,
+    gang_record,
     local_processes,
     run,
 )
@@ -152,3 +159,72 @@ def test_gpu_sharing_rules() -> None:
     tp2 = [GpuDemand(name="rollout-0", role=Role.rollout, gpus=2), GpuDemand(name="t", role=Role.trainer, gpus=1)]
     with pytest.raises(ValueError, match="only single-GPU roles can share one, but rollout-0 asks for 2"):
         share_gpus(tp2, available=1, nccl=True)
+
+
+# --- the trainer gang's failure policy, fed with process exits -------------------------------------
+
+GANG = ["trainer-0", "trainer-1"]
+
+
+def _decide(exits: dict[str, Exit], restarts: int = 0, disruptions: int = 0, limit: int = 2) -> GangDecision | None:
+    return decide_gang_failure(
+        gang_failures(GANG, exits), restarts=restarts, disruptions=disruptions, backoff_limit=limit
+    )
+
+
+def test_a_process_exit_is_the_jobs_own_failure_whatever_the_signal() -> None:
+    import signal
+
+    for code in (3, -signal.SIGKILL, -signal.SIGTERM):
+        d = _decide({"trainer-0": None, "trainer-1": code}, restarts=1)
+        assert d is not None and d.outcome is GangOutcome.restart and d.restarts == 2 and d.disruptions == 0
+        assert d.cause.name == "trainer-1" and d.message.startswith(f"trainer process trainer-1 exited with {code}")
+    d = _decide({"trainer-0": -signal.SIGKILL, "trainer-1": None})
+    assert d is not None and d.message == (
+        "trainer process trainer-0 exited with -9 (SIGKILL); restarting the trainer gang (1/2)"
+    )
+    record = gang_record(d, -9, 7, 12.5)
+    assert record == {"process": "trainer-0", "exitCode": -9, "historyLines": 7, "seconds": 12.5, "message": d.message}
+
+
+def test_a_lost_ray_actor_is_a_disruption_not_counted() -> None:
+    lost = ActorLost("RayActorDied", "The actor is dead because its node has died.")
+    d = _decide({"trainer-0": None, "trainer-1": lost}, restarts=2, limit=2)
+    assert d is not None and d.outcome is GangOutcome.disrupted and (d.restarts, d.disruptions) == (2, 1)
+    assert d.message.startswith("trainer process trainer-1 was taken away by the cluster (RayActorDied)")
+    assert gang_record(d, lost, 3, 1.0) == {
+        "process": "trainer-1",
+        "reason": "RayActorDied",
+        "detail": lost.detail,
+        "historyLines": 3,
+        "seconds": 1.0,
+        "message": d.message,
+    }
+
+
+def test_the_backoff_limit_ends_the_run() -> None:
+    d = _decide({"trainer-0": 1, "trainer-1": ActorLost("RayActorDied", "gone")}, restarts=2, limit=2)
+    assert d is not None and d.outcome is GangOutcome.failed
+    assert d.message == "trainer process trainer-0 exited with 1; backoffLimit 2 reached after 2 gang restarts"
+
+
+def test_running_ranks_and_a_finished_gang_are_no_failure() -> None:
+    assert gang_failures(GANG, {"trainer-0": None, "trainer-1": None}) == []
+    assert gang_failures(GANG, {"trainer-0": None, "trainer-1": 0}) == []  # rank 0 closed the gang
+    assert gang_failures(GANG, {"trainer-0": 0, "trainer-1": 3}) == []  # rank 0 succeeded: the job did
+
+
+def test_actor_lost_reads_rays_error() -> None:
+    exceptions = pytest.importorskip("ray.exceptions")
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
+
+    why = "The actor is dead because its node has died. Node Id: abc"
+    context = ActorDiedErrorContext(class_name="RoleProcess", actor_id=b"\x01" * 16, pid=1, error_message=why)
+    assert actor_lost(exceptions.ActorDiedError(context)) == ActorLost("RayActorDied", why)
+    drained = NodeDeathInfo(reason=NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED)
+    context = ActorDiedErrorContext(
+        class_name="RoleProcess", actor_id=b"\x01" * 16, error_message=why, node_death_info=drained
+    )
+    assert actor_lost(exceptions.ActorDiedError(context)).reason == "NodePreempted"
+    assert actor_lost(exceptions.ActorDiedError()).detail == "The actor died unexpectedly before finishing this task."
+    assert exit_text(ActorLost("RayActorDied", why)) == f"lost its Ray actor (RayActorDied: {why})"

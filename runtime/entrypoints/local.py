@@ -5,10 +5,11 @@ the addresses differ (loopback and free ports instead of pod DNS names). Ray pla
 machine with a local `ray.init()`, or an existing cluster with `--address`); each role process
 runs as a child of a small Ray actor so Ray accounts for its CPUs/GPUs and kills it with the
 actor. The launcher waits for trainer rank 0, shows progress from its `/status`, and stops every
-process when the trainer ends, when a server process fails, or on Ctrl-C. A failing trainer
-process restarts the whole trainer gang (up to spec.backoffLimit times), like the operator does:
-the servers keep running, the new gang resumes from the last checkpoint and re-forms the
-weight-sync group with them.
+process when the trainer ends, when a server process fails, or on Ctrl-C. A stopped trainer
+process restarts the whole trainer gang, decided by the operator's own failure policy
+(kubedistill.api.failures): a process's own exit counts against spec.backoffLimit, losing the Ray
+actor that hosts it (its worker or node went away) is a disruption and does not. The servers keep
+running; the new gang resumes from the last checkpoint and re-forms the weight-sync group with them.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from io import FileIO
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from kubedistill.api.failures import GangDecision, GangFailure, GangOutcome, decide_gang_failure
 from kubedistill.api.job import DistillationJob
 from kubedistill.api.progress import HISTORY_ENV, TrainerProgress
 from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
@@ -283,6 +285,91 @@ def _process_actor_class() -> Any:
     return RoleProcess
 
 
+@dataclass(frozen=True)
+class ActorLost:
+    """The Ray actor hosting a process died: its worker process or its node went away, and the
+    process with it (PDEATHSIG). What the cluster would call a disruption: nothing the process did."""
+
+    reason: str
+    """CamelCase, as a disruption reason: NodePreempted (Ray drained the node to preempt it) or RayActorDied."""
+    detail: str
+    """Ray's own word on why."""
+
+
+Exit = int | None | ActorLost
+"""A process as one poll sees it: running (None), exited with this code, or lost with its actor."""
+
+
+def actor_lost(err: BaseException) -> ActorLost:
+    """An ActorLost from the RayActorError a call on a dead actor raised."""
+    # Ray's message: a fixed first line, tab-indented fields (ids, pid, ip), then why it died.
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("\t")]
+    detail = lines[-1] if lines else type(err).__name__
+    return ActorLost("NodePreempted" if getattr(err, "preempted", False) else "RayActorDied", detail[:500])
+
+
+def exit_text(code: Exit) -> str:
+    """How a process ended, for messages: "exited with -9 (SIGKILL)", "lost its Ray actor (...)"."""
+    if isinstance(code, ActorLost):
+        return f"lost its Ray actor ({code.reason}: {code.detail})"
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"exited with {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exited with {code}"
+
+
+def gang_failures(gang: Sequence[str], exits: Mapping[str, Exit]) -> list[GangFailure]:
+    """The stopped members of the trainer gang (`gang`: process names in rank order), as the
+    failure policy's causes.
+
+    Any exit of the process itself, whatever the code or signal (a crash, the OOM killer's
+    SIGKILL, a SIGTERM or `kill -9` by hand), is the job's own failure: the launcher cannot tell
+    who sent a signal, and the operator likewise counts a pod deleted by hand. Only the Ray actor
+    hosting the process dying is the cluster taking it away. Ranks >= 1 exit 0 when rank 0 closes
+    the gang, and rank 0's exit 0 is the job's success, after which nothing counts as a failure."""
+    if exits.get(gang[0]) == 0:
+        return []
+    out = []
+    for name in gang:
+        code = exits.get(name)
+        if isinstance(code, ActorLost):
+            out.append(GangFailure("trainer process", name, "is gone", code.reason))
+        elif code not in (None, 0):
+            out.append(GangFailure("trainer process", name, exit_text(code)))
+    return out
+
+
+def gang_record(decision: GangDecision, code: Exit, history_lines: int, seconds: float) -> dict[str, Any]:
+    """The report's entry for a gang restart (outcome["restarts"]) or a disruption (outcome["disruptions"])."""
+    record: dict[str, Any] = {"process": decision.cause.name}
+    if decision.outcome is GangOutcome.disrupted:
+        record["reason"] = decision.cause.disruption
+        record["detail"] = code.detail if isinstance(code, ActorLost) else exit_text(code)
+    else:
+        record["exitCode"] = code if not isinstance(code, ActorLost) else None
+    record.update(historyLines=history_lines, seconds=seconds, message=decision.message)
+    return record
+
+
+def _poll_exits(actors: Mapping[str, Any]) -> dict[str, Exit]:
+    import ray
+
+    refs = {name: a.poll.remote() for name, a in actors.items()}
+    exits: dict[str, Exit] = {}
+    for name, ref in refs.items():
+        try:
+            exits[name] = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:
+            exits[name] = None  # unreachable for now, not dead (a network blip): the next poll tells
+        except ray.exceptions.RayActorError as e:
+            exits[name] = actor_lost(e)
+    return exits
+
+
 def _poll_progress(http: BlockingClient, url: str) -> TrainerProgress | None:
     """Trainer rank 0's GET /status; None while it does not answer (starting, restarting, gone)
     or answers with an error or a document it cannot read."""
@@ -408,9 +495,12 @@ def run(
         trainer0 = next(p.name for p in processes if p.identity.role is Role.trainer and p.identity.replica == 0)
         gang = [p for p in processes if p.identity.role is Role.trainer]
         restarts: list[dict[str, Any]] = []
+        disruptions: list[dict[str, Any]] = []
         outcome["restarts"] = restarts
+        outcome["disruptions"] = disruptions
         last_print = 0.0
         polled: TrainerProgress | None = None
+        checkpoint: str | None = None  # the newest the trainer reported, across gang restarts
         while True:
             for p in scaler.poll():
                 actor = RoleProcess.options(num_cpus=p.cpus, num_gpus=p.gpus, name=None).remote()
@@ -424,27 +514,42 @@ def run(
                     scaler.unplaced(p)  # and the replicas after it, which are not started
                     break
                 actors[p.name] = actor
-            exits = {name: ray.get(a.poll.remote()) for name, a in actors.items()}
-            failed_rank = next((p.name for p in gang if exits[p.name] not in (None, 0)), None)
-            if failed_rank is not None and len(restarts) < job.spec.backoff_limit:
-                restarts.append(
-                    {
-                        "process": failed_rank,
-                        "exitCode": exits[failed_rank],
-                        "historyLines": len(read_history(history_path)),
-                        "seconds": round(time.time() - started, 1),
-                    }
-                )
+            exits = _poll_exits(actors)
+            decision = decide_gang_failure(
+                gang_failures([p.name for p in gang], exits),
+                restarts=len(restarts),
+                disruptions=len(disruptions),
+                backoff_limit=job.spec.backoff_limit,
+                last_checkpoint=checkpoint,
+            )
+            if decision is not None:
+                name = decision.cause.name
+                if decision.outcome is GangOutcome.failed:  # the last lines of every failed process follow
+                    log(f"kubedistill run: {decision.reason}: {decision.message}")
+                    outcome["result"] = decision.message
+                    rank0 = exits[trainer0]
+                    code = rank0 if isinstance(rank0, int) and rank0 != 0 else 1
+                    break
                 log(
-                    f"kubedistill run: {failed_rank} exited with {exits[failed_rank]}; restarting the trainer gang "
-                    f"({len(restarts)}/{job.spec.backoff_limit}) from the last checkpoint\n"
-                    f"--- last lines of {failed_rank} ---\n{_tail(run_dir / 'logs' / f'{failed_rank}.log', 8)}"
+                    f"kubedistill run: {decision.reason}: {decision.message}\n"
+                    f"--- last lines of {name} ---\n{_tail(run_dir / 'logs' / f'{name}.log', 8)}"
                 )
-                _restart_gang(actors, gang, run_dir)
+                record = gang_record(
+                    decision, exits[name], len(read_history(history_path)), round(time.time() - started, 1)
+                )
+                (disruptions if decision.outcome is GangOutcome.disrupted else restarts).append(record)
+                try:
+                    _restart_gang(actors, gang, run_dir, exits, RoleProcess)
+                except PlacementError as e:
+                    log(f"kubedistill run: {e}")
+                    outcome["result"] = str(e)
+                    code = 1
+                    break
                 polled = None
                 continue
             fresh = _poll_progress(http, config.endpoints.trainer)
             polled = fresh or polled
+            checkpoint = (fresh.last_checkpoint if fresh is not None else None) or checkpoint
             for name in scaler.due(fresh):
                 try:
                     ray.get(actors.pop(name).stop.remote(), timeout=30)
@@ -457,9 +562,10 @@ def run(
             elif now - last_print >= 10:
                 log(line)
                 last_print = now
-            if exits[trainer0] is not None:
-                code = exits[trainer0]
-                outcome["result"] = "succeeded" if code == 0 else f"trainer exited with {code}"
+            # Any other end of a trainer rank went through the failure policy above.
+            if exits[trainer0] == 0:
+                code = 0
+                outcome["result"] = "succeeded"
                 break
             # Trainer ranks >= 1 end (exit 0) when rank 0 closes the gang, a moment before it exits.
             followers = {p.name for p in gang if p.name != trainer0}
@@ -469,15 +575,16 @@ def run(
                 if c is not None and not (n in followers and c == 0) and n not in scaler.retiring and n in actors
             ]
             if failed:
-                outcome["result"] = f"{failed[0]} exited with {exits[failed[0]]}"
+                outcome["result"] = f"{failed[0]} {exit_text(exits[failed[0]])}"
                 code = 1
                 break
             time.sleep(1.0)
         if interactive:
             print()
         if code != 0:
+            last = _poll_exits(actors)
             for name in [trainer0] + [n for n in actors if n != trainer0]:
-                if ray.get(actors[name].poll.remote()) not in (None, 0, -signal.SIGTERM):
+                if last[name] not in (None, 0, -signal.SIGTERM):
                     log(f"--- last lines of {name} ---\n{_tail(run_dir / 'logs' / f'{name}.log')}")
         outcome["status"] = polled.to_json() if polled is not None else {}
     except KeyboardInterrupt:
@@ -508,8 +615,14 @@ def run(
         if TrainerProgress.from_json(last).step >= TrainerProgress.from_json(final).step:
             final = {**final, **{k: v for k, v in last.items() if k != "time"}}
             outcome["status"] = final
+    gangs = outcome.get("restarts", []), outcome.get("disruptions", [])
     log(
         f"kubedistill run: {outcome['result']} after {outcome['seconds']} s; "
+        + (
+            f"gang restarts {len(gangs[0])}/{job.spec.backoff_limit}, disruptions {len(gangs[1])}; "
+            if any(gangs)
+            else ""
+        )
         + _progress_line(
             TrainerProgress.from_json(final) if final else None, job.spec.trainer.total_steps, outcome["seconds"]
         )
@@ -519,14 +632,40 @@ def run(
     return code
 
 
-def _restart_gang(actors: dict[str, Any], gang: list[ProcessPlan], run_dir: Path) -> None:
+class PlacementError(RuntimeError):
+    """Ray could not place a trainer process again (its node is gone and no other has room)."""
+
+
+def _restart_gang(
+    actors: dict[str, Any], gang: list[ProcessPlan], run_dir: Path, exits: Mapping[str, Exit], role_process: Any
+) -> None:
     """Stop every trainer process (a rank may still wait in a collective of the dead gang),
-    then start them all again with the same config; their logs continue in the same files."""
+    then start them all again with the same config; their logs continue in the same files. A
+    rank whose actor died (or dies while stopping) gets a new actor, which Ray places where
+    there is room."""
     import ray
 
-    ray.get([actors[p.name].stop.remote() for p in gang])
+    stopping = {p.name: actors[p.name].stop.remote() for p in gang if not isinstance(exits.get(p.name), ActorLost)}
+    lost = {p.name for p in gang if p.name not in stopping}
+    for name, ref in stopping.items():
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            lost.add(name)
     for p in gang:
-        ray.get(actors[p.name].start.remote(p.argv, p.env, str(run_dir / "logs" / f"{p.name}.log")))
+        if p.name in lost:
+            actors[p.name] = role_process.options(num_cpus=p.cpus, num_gpus=p.gpus, name=None).remote()
+        try:
+            ray.get(
+                actors[p.name].start.remote(p.argv, p.env, str(run_dir / "logs" / f"{p.name}.log")),
+                timeout=PLACE_SECONDS,
+            )
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+            if p.name in lost:  # not placed: it must not hold its CPUs/GPUs, nor the shutdown up
+                ray.kill(actors.pop(p.name))
+            raise PlacementError(
+                f"could not start {p.name} again for the restarted trainer gang within {PLACE_SECONDS:.0f} s: {e!r}"
+            ) from e
 
 
 def _run_command(args: argparse.Namespace) -> int:
