@@ -78,6 +78,16 @@ def binary(assets: Path, name: str, cache: Path) -> Path | None:
     return out
 
 
+def stop_process(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; returns once it has exited."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -272,14 +282,8 @@ class ControlPlane:
     def stop(self) -> None:
         for name in (SCHEDULER, CONTROLLERS, "kube-apiserver", "etcd"):
             proc = self.processes.pop(name, None)
-            if proc is None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if proc is not None:
+                stop_process(proc, grace=20)
 
     def _spawn(self, name: str, *args: str) -> None:
         logs = self.home / "logs"

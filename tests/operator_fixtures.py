@@ -273,6 +273,13 @@ async def trainer_status(doc: dict[str, Any]) -> AsyncIterator[int]:
 
     app = aiohttp.web.Application()
     app.router.add_get("/status", status)
+    async with serving(app) as port:
+        yield port
+
+
+@contextlib.asynccontextmanager
+async def serving(app: aiohttp.web.Application) -> AsyncIterator[int]:
+    """`app` on a free loopback port, in this event loop; the port."""
     runner = aiohttp.web.AppRunner(app)
     await runner.setup()
     site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from control_plane import ControlPlane
+from control_plane import ControlPlane, stop_process
 from k8s_offline import tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,12 +74,7 @@ def operator_process(
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace=15)
 
 
 def wait_for(check: Any, timeout: float, what: str, interval: float = 0.2) -> Any:

@@ -16,6 +16,7 @@ import yaml
 
 from kubedistill.operator.handlers import connection_info
 from kubedistill.operator.kube import Kube, KubeConfig, KubeError, client_configuration
+from operator_fixtures import serving
 
 
 def write_kubeconfig(path: Path, user: dict[str, Any], server: str = "http://127.0.0.1:1", **cluster: Any) -> Path:
@@ -81,23 +82,17 @@ async def test_a_401_loads_the_credentials_again_once() -> None:
 
     app = aiohttp.web.Application()
     app.router.add_patch("/apis/kubedistill.io/v1alpha1/namespaces/ml/distillationjobs/j/status", status)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    server = f"http://127.0.0.1:{port}"
     loads: list[str] = []
 
-    def config(token: str, then: str) -> KubeConfig:
+    def config(server: str, token: str, then: str) -> KubeConfig:
         def reload() -> KubeConfig:
             loads.append(then)
-            return config(then, then)
+            return config(server, then, then)
 
         return KubeConfig(server=server, headers=lambda: {"Authorization": f"Bearer {token}"}, reload=reload)
 
-    try:
-        kube = Kube(config("old", "new"))
+    async with serving(app) as port:
+        kube = Kube(config(f"http://127.0.0.1:{port}", "old", "new"))
         await kube.patch_status("ml", "j", {"phase": "Running"})
         assert seen == ["Bearer old", "Bearer new"] and loads == ["new"]
 
@@ -107,8 +102,6 @@ async def test_a_401_loads_the_credentials_again_once() -> None:
             await kube.patch_status("ml", "j", {"phase": "Running"})
         assert refused.value.status == 401 and seen == ["Bearer new", "Bearer new"]
         await kube.close()
-    finally:
-        await runner.cleanup()
 
 
 def test_kopf_logs_in_with_the_same_token_without_its_newline(kubeconfig_env: Path, tmp_path: Path) -> None:
