@@ -27,7 +27,7 @@ from e2e_jobs import write_prompts
 from kubedistill.api.spec import DistillationJobSpec, PartialRolloutStrategy
 from kubedistill.runtime.driver.clients import ServerError
 from kubedistill.runtime.driver.loop import Driver
-from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.batch import BatchParts, TrainBatch
 from kubedistill.runtime.wire.protocol import (
     AbortResponse,
     GenerateRequest,
@@ -385,7 +385,8 @@ class Checkpoint:
 
 class FakeTrainer:
     """TrainerLike: records every step's batches and every checkpoint; a step takes
-    `step_seconds` (the trainer's compute, during which generation goes on)."""
+    `step_seconds` (the trainer's compute, during which generation goes on). Batches are kept in
+    their list form, for tests to read."""
 
     def __init__(self, step_seconds: float = 0.0):
         self.step_seconds = step_seconds
@@ -402,12 +403,12 @@ class FakeTrainer:
         for gate in self._holds.values():
             gate.set()
 
-    def train(self, batches: Sequence[TrainBatch]) -> list[FakeStepStats]:
+    def train(self, batches: Sequence[BatchParts]) -> list[FakeStepStats]:
         gate = self._holds.get(len(self.steps) + 1)
         if gate is not None and not gate.wait(timeout=30):
             raise TimeoutError(f"train step {len(self.steps) + 1} was held and never released")
         time.sleep(self.step_seconds)
-        self.steps.append(list(batches))
+        self.steps.append([b.to_lists() for b in batches])
         return [FakeStepStats() for _ in batches]
 
     def weight_metas(self) -> list[TensorMeta]:

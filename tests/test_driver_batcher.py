@@ -40,7 +40,7 @@ def test_step_is_split_into_whole_group_minibatches() -> None:
     step = assemble(groups, REQ, trainer_version=4)
     assert [[s.group_id for s in mb] for mb in step.minibatches] == [[10, 10, 11, 11], [12, 12, 13, 13]]
     assert step.staleness() == [1, 1, 0, 0, 0, 0, 0, 0]
-    batches = step.train_batches(REQ)
+    batches = [b.to_lists() for b in step.train_batches(REQ)]
     assert [len(b.token_ids) for b in batches] == [4, 4]
     b = batches[0]
     assert b.token_ids[:2] == [[1, 2, 3, 5], [1, 2, 3, 5, 2]]
@@ -75,12 +75,12 @@ def test_distillation_only_batches_carry_no_rewards_and_small_vocab_topk_is_fine
     req = BatchRequirements(group_size=2, mini_batch_size=2, contract=FORWARD, top_k=4, rewards=False)
     g = scored_group(1, top_k=2)  # rows of 2 < topK 4: a vocabulary smaller than k
     g.samples[0].reward = None
-    b = to_train_batch(g.samples, req)
+    b = to_train_batch(g.samples, req).to_lists()
     assert b.rewards is None and b.group_ids is None and "teacher_topk_ids" in b.signals
     rl_only = BatchRequirements(group_size=2, mini_batch_size=2, contract=None, rewards=True)
     g2 = scored_group(2)
     g2.samples[0].signals.clear()
-    b2 = to_train_batch(g2.samples, rl_only)
+    b2 = to_train_batch(g2.samples, rl_only).to_lists()
     assert b2.signals == {} and b2.rewards == [0.0, 1.0]
 
 
@@ -101,3 +101,21 @@ def test_requirements_from_the_example_specs() -> None:
     )
     multi = BatchRequirements.from_spec(load_job(root / "examples/multi-teacher-6gpu.yaml").spec)
     assert (multi.group_size, multi.step_samples, multi.contract.top_k, multi.rewards) == (4, 16, None, True)
+
+
+def test_arrays_are_made_once_as_a_group_enters_the_buffer_and_dropped_when_it_changes() -> None:
+    from kubedistill.runtime.driver.batcher import prepare
+
+    g = scored_group(1)
+    prepare(g, REQ)
+    s = g.samples[1]
+    made = s.arrays
+    assert made is not None and made.signals["teacher_topk_ids"].tolist() == [[5, 6], [5, 6]]
+    b = to_train_batch(g.samples, REQ)
+    assert b.parts[1] is made  # a step only concatenates what the buffer already holds
+    s.clear_scores()
+    assert s.arrays is None  # rescored or restarted samples are packed again
+    unfinished = scored_group(2)
+    unfinished.samples[0].finish_reason = None
+    prepare(unfinished, REQ)  # left for to_train_batch to refuse with the whole story
+    assert unfinished.samples[0].arrays is None and unfinished.samples[1].arrays is not None

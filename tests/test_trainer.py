@@ -47,7 +47,7 @@ def test_log_probs_match_a_plain_hf_forward(trainer: Trainer, tiny_models: dict[
     batch = make_batch()
     idx = [i for row in rows for i in row]  # the order collate emits tokens in
     resp = [batch.response_len(i) for i in range(len(batch))]
-    mb = collate(batch, rows, [torch.ones(r) for r in resp], None, trainer.pad_id, top_k=TEACHER_TOP_K)
+    mb = collate(batch.to_tensors(), rows, torch.ones(sum(resp)), None, trainer.pad_id, top_k=TEACHER_TOP_K)
     assert (mb.position_ids is not None) == any(len(r) > 1 for r in rows)
     with torch.no_grad():
         got, got_topk = trainer.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids, mb.position_ids)
@@ -253,7 +253,7 @@ def test_short_top_k_rows_are_masked() -> None:
         signals={"teacher_topk_ids": [[[5, 6], [7]]], "teacher_topk_logprobs": [[[-0.1, -2.0], [-0.01]]]},
     )
     batch.validate()
-    mb = collate(batch, [[0]], [torch.ones(2)], None, 0, top_k=TEACHER_TOP_K)
+    mb = collate(batch.to_tensors(), [[0]], torch.ones(2), None, 0, top_k=TEACHER_TOP_K)
     assert mb.topk_ids.tolist() == [[5, 6], [7, 0]]
     assert mb.topk_valid.tolist() == [[True, True], [True, False]]
     assert mb.gather_index.tolist() == [1, 2] and mb.targets.tolist() == [6, 7]
@@ -277,7 +277,7 @@ def test_step_sums_add_by_name_and_reduce_over_ranks() -> None:
     batch = make_batch()
     resp = [batch.response_len(i) for i in range(len(batch))]
     rows = [[0], [1]]
-    mb = collate(batch, rows, [torch.full((r,), 0.5) for r in resp], None, 0)
+    mb = collate(batch.to_tensors(), rows, torch.full((sum(resp),), 0.5), None, 0)
     n = mb.targets.numel()
     losses = {"total": torch.full((n,), 2.0), "distill": torch.ones(n), "pg": torch.zeros(n)}
     logprobs = torch.full((n,), -1.0)
@@ -286,7 +286,7 @@ def test_step_sums_add_by_name_and_reduce_over_ranks() -> None:
     assert sums.loss_total == pytest.approx(2.0 * 0.5 / 2 * n) and sums.loss_pg == 0.0
     assert sums.response_tokens == sums.kl_tokens == n
     assert sums.tokens == len(batch.token_ids[0]) + len(batch.token_ids[1])
-    filler = collate(batch, rows, [torch.ones(r) for r in resp], None, 0, filler=True)
+    filler = collate(batch.to_tensors(), rows, torch.ones(sum(resp)), None, 0, filler=True)
     sums.add(filler, losses, logprobs, world=2, filler=True)  # zero weights, no tokens
     assert sums.loss_total == pytest.approx(0.5 * n) and sums.response_tokens == n
 
@@ -344,7 +344,7 @@ def test_proximal_pass_anchors_later_mini_batches_to_the_step_start(
         batch = make_batch()
         # Behaviour log-probs = the trainer's own at the start, at lag 0 (as a rollout engine
         # serving the same weights would report them).
-        t._recompute_proximal([batch])
+        t._recompute_proximal([batch.to_tensors()])
         start = t._proximal.pop()
         batch.rollout_logprobs = [start[i].tolist() for i in range(len(batch))]
         batch.trainer_version = 0

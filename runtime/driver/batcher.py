@@ -5,7 +5,8 @@ task rewards are on, token arrays of unequal length) is refused with a message n
 as its TrainBatch is built.
 
 Output: `StepSamples`, `requireBatches` mini-batches of `miniBatchSize` samples each, in group
-order; `to_train_batch` turns samples into the trainer's TrainBatch (runtime/wire/batch.py).
+order; `to_train_batch` turns samples into the trainer's BatchParts (runtime/wire/batch.py): each
+sample's arrays, made once as its group entered the buffer (`prepare`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+
 from kubedistill.api.losses import CONTRACTS, SIGNAL_NAMES, TOKEN_SIGNALS, LossContract, active_contract
 from kubedistill.api.spec import DistillationJobSpec, LossMode
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
-from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.batch import BatchParts, SampleArrays, pack_sample
 
 T = TypeVar("T")
 
@@ -82,8 +85,8 @@ class StepSamples:
     def samples(self) -> list[Sample]:
         return [s for mb in self.minibatches for s in mb]
 
-    def train_batches(self, req: BatchRequirements) -> list[TrainBatch]:
-        """One TrainBatch per mini-batch."""
+    def train_batches(self, req: BatchRequirements) -> list[BatchParts]:
+        """One batch per mini-batch."""
         return [to_train_batch(mb, req, self.trainer_version) for mb in self.minibatches]
 
     def staleness(self) -> list[int]:
@@ -111,32 +114,33 @@ def check_sample(s: Sample, req: BatchRequirements) -> None:
                 got = None if values is None else len(values)
                 raise ValueError(f"{where}: {SIGNAL_NAMES[name]} for {got} of {t} response tokens")
         if c.top_k is not None:
-            _check_top_k(where, c.top_k.label, s.signal(c.top_k.ids), s.signal(c.top_k.logprobs), t, req.top_k)
+            ids, logprobs = s.signal(c.top_k.ids), s.signal(c.top_k.logprobs)
+            if ids is None or logprobs is None or len(ids) != t or len(logprobs) != t:
+                raise ValueError(
+                    f"{where}: {c.top_k.label} ids or teacher log-probs missing or not one row per response token"
+                )
     if req.rewards and s.reward is None:
         raise ValueError(f"{where} has no task reward (useTaskRewards is on)")
 
 
-def _check_top_k(
-    where: str,
-    what: str,
-    ids: Sequence[Sequence[int]] | None,
-    logprobs: Sequence[Sequence[float]] | None,
-    tokens: int,
-    k: int,
+def _check_top_k_rows(
+    where: str, what: str, ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], k: int
 ) -> None:
-    if ids is None or logprobs is None or len(ids) != tokens or len(logprobs) != tokens:
-        raise ValueError(f"{where}: {what} ids or teacher log-probs missing or not one row per response token")
-    for i, (a, b) in enumerate(zip(ids, logprobs)):
-        # A vocabulary smaller than topK gives shorter rows; TrainBatch masks the rest.
-        if not 1 <= len(a) <= k or len(a) != len(b):
-            raise ValueError(
-                f"{where}: {what} row {i} has {len(a)} ids and {len(b)} log-probs (need 1..topK={k}, equal)"
-            )
+    """Every top-k row has 1..k ids and as many log-probs: a check per row, so it runs once per
+    sample, as its arrays are made (sample_arrays), not at every step."""
+    tokens = len(ids)
+    # A vocabulary smaller than topK gives shorter rows; the trainer masks the rest.
+    a = np.fromiter(map(len, ids), np.int64, tokens)
+    b = np.fromiter(map(len, logprobs), np.int64, tokens)
+    bad = np.flatnonzero((a < 1) | (a > k) | (a != b))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{where}: {what} row {i} has {a[i]} ids and {b[i]} log-probs (need 1..topK={k}, equal)")
 
 
 def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_version: int) -> StepSamples:
     """One step's mini-batches from whole groups (as SampleBuffer.take returns them); each sample
-    is checked as its TrainBatch is built (to_train_batch)."""
+    is checked as its batch is built (to_train_batch)."""
     for g in groups:
         if len(g) != req.group_size:
             raise ValueError(
@@ -149,23 +153,54 @@ def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_vers
     return StepSamples(trainer_version, [flat[i : i + mb] for i in range(0, len(flat), mb)])
 
 
-def to_train_batch(samples: Sequence[Sample], req: BatchRequirements, trainer_version: int | None = None) -> TrainBatch:
+def sample_arrays(s: Sample, req: BatchRequirements) -> SampleArrays:
+    """The arrays of what the trainer reads of `s` (ids, behaviour log-probs, the contract's
+    signals), made once and kept on the sample until its token data changes; its top-k rows are
+    checked as they are made. Call after check_sample."""
+    c = req.contract
+    names = [n.value for n in c.signals] if c is not None else []
+    a = s.arrays
+    if a is None or a.response_len != len(s.response_ids) or list(a.signals) != names:
+        signals = {n: _checked(s.signals.get(n), s, n) for n in names}
+        if c is not None and c.top_k is not None:
+            where = f"sample {s.sample_id} (data_source {s.data_source!r})"
+            pair = c.top_k
+            _check_top_k_rows(where, pair.label, signals[pair.ids.value], signals[pair.logprobs.value], req.top_k)
+        a = s.arrays = pack_sample(
+            s.prompt_ids,
+            len(s.prompt_ids),
+            s.logprobs,
+            signals,
+            response_ids=s.response_ids,
+            weight_version=s.min_version,
+        )
+    return a
+
+
+def prepare(group: SampleGroup, req: BatchRequirements) -> None:
+    """Make the arrays of a group's samples as it enters the buffer, so a train step only
+    concatenates them. A sample the loss cannot use is left alone: to_train_batch refuses it
+    with the whole story."""
+    for s in group.samples:
+        try:
+            check_sample(s, req)
+            sample_arrays(s, req)
+        except ValueError:
+            continue
+
+
+def to_train_batch(samples: Sequence[Sample], req: BatchRequirements, trainer_version: int | None = None) -> BatchParts:
     """The trainer's batch of these samples: prompt + response ids, behaviour log-probs, the
     signals of the loss contract and the rewards the loss needs, and each sample's oldest weight
     version. The one check of the samples (check_sample); the batch is consistent by construction."""
     for s in samples:
         check_sample(s, req)
-    signals = req.contract.signals if req.contract is not None else ()
-    return TrainBatch(
-        token_ids=[list(s.prompt_ids) + list(s.response_ids) for s in samples],
-        prompt_lens=[len(s.prompt_ids) for s in samples],
-        rollout_logprobs=[list(s.logprobs) for s in samples],
-        signals={
-            name.value: [list(_checked(s.signal(name), s, SIGNAL_NAMES[name])) for s in samples] for name in signals
-        },
+    arrays = [sample_arrays(s, req) for s in samples]
+    return BatchParts(
+        arrays,
         rewards=[float(_checked(s.reward, s, "task reward")) for s in samples] if req.rewards else None,
         group_ids=[s.group_id for s in samples] if req.rewards else None,
-        weight_versions=[_checked(s.min_version, s, "tokens") for s in samples],
+        weight_versions=[_checked(a.weight_version, s, "tokens") for a, s in zip(arrays, samples)],
         trainer_version=trainer_version,
     )
 

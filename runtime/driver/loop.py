@@ -39,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
-from kubedistill.runtime.driver.batcher import BatchRequirements, assemble
+from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, prepare
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
@@ -50,7 +50,7 @@ from kubedistill.runtime.driver.routing import AllEndpointsDown, EndpointPool, T
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
-from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.batch import BatchParts
 from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, new_session
 from kubedistill.runtime.wire.protocol import TensorMeta
 
@@ -93,7 +93,7 @@ class StepStatsLike(Protocol):
 class TrainerLike(Protocol):
     """runtime/trainer's Trainer, as rank 0's driver calls it (tensors are torch's)."""
 
-    def train(self, batches: Sequence[TrainBatch]) -> Sequence[StepStatsLike]: ...
+    def train(self, batches: Sequence[BatchParts]) -> Sequence[StepStatsLike]: ...
     def weight_metas(self) -> list[TensorMeta]: ...
     def named_full_weights(self) -> Iterator[tuple[str, Any]]: ...
     def save_checkpoint(self, step: int, weight_version: int, driver_state: bytes) -> Path: ...
@@ -498,6 +498,7 @@ class Driver:
 
     async def _generate_group(self, group: SampleGroup) -> None:
         await asyncio.gather(*(self._generate_sample(group, s) for s in group.samples))
+        prepare(group, self.req)
         await self.buffer.put(group)
 
     async def _generate_sample(self, group: SampleGroup, s: Sample) -> None:

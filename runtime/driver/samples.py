@@ -18,6 +18,7 @@ from kubedistill.api.losses import Signal
 
 if TYPE_CHECKING:
     from kubedistill.runtime.driver.data import PromptItem
+    from kubedistill.runtime.wire.batch import SampleArrays
 
 FINISHED = ("stop", "length")
 TEACHER_SIGNALS = tuple(s for s in Signal if s is not Signal.rollout_topk_ids)
@@ -104,6 +105,12 @@ class Sample:
     contract's signal names (kubedistill.api.losses.Signal): the rollout's top-k ids when the
     contract asks for them, and the teacher's scores."""
 
+    def __post_init__(self) -> None:
+        # The token data as arrays for the trainer (batcher.sample_arrays), made once as the sample
+        # enters the buffer; not a field, so not in to_dict or checkpoints. Every method that
+        # changes the token data drops it.
+        self.arrays: SampleArrays | None = None
+
     @property
     def sample_id(self) -> str:
         return f"{self.group_id}-{self.index}"
@@ -184,6 +191,7 @@ class Sample:
         rollout_topk = self.signal(Signal.rollout_topk_ids)
         if topk is None and rollout_topk is not None and ids:
             raise ValueError(f"sample {self.sample_id}: a continuation came back without the top-k ids its prefix has")
+        self.arrays = None
         self.response_ids.extend(ids)
         self.logprobs.extend(float(x) for x in lps)
         self.versions.extend(int(v) for v in vers)
@@ -217,6 +225,7 @@ class Sample:
                     f"rollout's top-k rows ({len(gathered)} rows for {len(widths)})"
                 )
         self.teacher = teacher
+        self.arrays = None
         self.signals[Signal.teacher_logprobs.value] = [float(x) for x in lps]
         self.signals[Signal.teacher_topk_ids.value] = [list(map(int, row)) for row in ids]
         self.signals[Signal.teacher_topk_logprobs.value] = [list(map(float, row)) for row in tlps]
@@ -227,6 +236,7 @@ class Sample:
     def restart(self) -> None:
         """Forget the tokens generated so far (resume without partial rollouts: start over)."""
         self.response_ids, self.logprobs, self.versions = [], [], []
+        self.arrays = None
         self.signals.pop(Signal.rollout_topk_ids.value, None)
         self.finish_reason = None
         self.clear_scores()
@@ -234,6 +244,7 @@ class Sample:
     def clear_scores(self) -> None:
         self.reward = None
         self.teacher = None
+        self.arrays = None
         for name in TEACHER_SIGNALS:
             self.signals.pop(name.value, None)
 

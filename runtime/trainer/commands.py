@@ -3,7 +3,8 @@
 Rank 0 (the only rank running the driver) broadcasts a :class:`Command` and its payload before each
 collective call it makes; the other ranks wait in :meth:`CommandChannel.follow`, which looks the
 command up in their handler table and runs it, until rank 0 sends ``close``. Commands travel as
-pickled objects over the gloo control group (:class:`~kubedistill.runtime.trainer.distributed.Ranks`).
+pickled objects over the gloo control group (:class:`~kubedistill.runtime.trainer.distributed.Ranks`);
+a batch's payload is only its small header, and its tensors follow with ``Ranks.broadcast_tensors``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ they cannot run the GPU path.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,7 +50,8 @@ def compute_dtype(mixed_precision: DType, device: Device) -> torch.dtype:
 
 class Ranks:
     """This process's place among the trainer ranks, and the collectives of the command channel
-    (objects, stats, barriers; all on the gloo control group, and no-ops on a single rank).
+    (objects, a batch's CPU tensors, stats, barriers; all on the gloo control group, and no-ops on
+    a single rank).
 
     Joins the default process group if one is initialised (torchrun, the role's entry point);
     otherwise creates a single-rank one (in-process HashStore), so 1 and N ranks share a code path.
@@ -75,6 +76,23 @@ class Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._ctrl)
         return box[0]
+
+    def broadcast_tensors(self, tensors: Iterable[torch.Tensor], wait: bool = True) -> Callable[[], None]:
+        """Rank 0's CPU `tensors` into every rank's tensors of the same shapes and dtypes, in place.
+        Each is queued as soon as the iterable yields it, so rank 0 can make the next while gloo
+        sends the last on its own thread (the iterable is drained on one rank too). Returns what
+        waits for them all: with `wait=False` rank 0 may read its tensors meanwhile (not change
+        them), since every later collective of the group queues behind the sends anyway."""
+        works = [dist.broadcast(t, src=0, group=self._ctrl, async_op=True) if self.world > 1 else None for t in tensors]
+
+        def done() -> None:
+            for w in works:
+                if w is not None:
+                    w.wait()
+
+        if wait:
+            done()
+        return done
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum a CPU tensor over the ranks, in place."""

@@ -2,7 +2,8 @@
 
 One ``Trainer`` per trainer rank. Rank 0 (the only rank running the driver) *leads*: each call
 it makes (``step``, ``named_full_weights``, ``save_checkpoint``, ``resume``, ``export_hf``,
-``close``) first broadcasts a command (and, for ``step``, the pickled ``TrainBatch``); the other
+``close``) first broadcasts a command (and, for ``step``, the batch: a small pickled header, then
+its flat tensors with ``torch.distributed.broadcast``, see ``TensorBatch``); the other
 ranks sit in :meth:`Trainer.follow` and run the same call, so every collective happens on every
 rank in the same order. Usage::
 
@@ -24,13 +25,15 @@ The ``Trainer`` holds the model, the optimiser and the step; its components, in 
 * commands.py: the rank-0-leads protocol (rank 0 broadcasts a command, followers dispatch it
   through a table);
 * model.py: the HF model wrapped to return log-probs, the packing check, full weights;
-* microbatch.py: the batch split over ranks and micro-batches, and a micro-batch's tensors;
+* microbatch.py: the batch split over ranks and micro-batches, and a micro-batch's tensors sliced
+  from the batch's flat ones;
 * losses.py and schedule.py: the loss per token, the learning-rate schedule;
 * stats.py: the step's sums over micro-batches and ranks, StepStats, the metrics;
 * state.py: checkpoint, resume, HF export, RNG state.
 
-Batch split: every rank receives the whole batch, computes the same plan (microbatch.py) and
-processes its share in token-bounded micro-batches (``trainer.microBatchTokens``); ranks with
+Batch split: rank 0 plans the split (microbatch.py), lays the batch out as flat tensors in the
+order of that plan and broadcasts them with the plan; every rank then slices its share, in
+token-bounded micro-batches (``trainer.microBatchTokens``), from its copy; ranks with
 fewer micro-batches run zero-weight fillers so FSDP's collectives stay matched. Per-token loss
 weights are computed over the whole batch and multiplied by the world size (FSDP averages
 gradients over ranks), so the gradient equals the 1-rank gradient of the same global batch.
@@ -51,7 +54,7 @@ pass is skipped.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,12 +65,12 @@ from kubedistill.api.spec import AdvantageBaseline, AlgorithmSpec, DistillationJ
 from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handler
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
-from kubedistill.runtime.trainer.microbatch import MicroBatch, collate, micro_batches, shard_samples
+from kubedistill.runtime.trainer.microbatch import MicroBatch, collate, plan_order, plan_step
 from kubedistill.runtime.trainer.model import full_weights, load_student, pad_token_id, use_packing, weight_metas
 from kubedistill.runtime.trainer.schedule import lr_factor
 from kubedistill.runtime.trainer.state import Resumed, TrainerState
 from kubedistill.runtime.trainer.stats import StepStats, StepSums, record_step
-from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.batch import BatchBuffers, BatchParts, Plan, TensorBatch, TrainBatch
 from kubedistill.runtime.wire.protocol import TensorMeta
 
 if TYPE_CHECKING:
@@ -108,6 +111,10 @@ class Trainer:
         # The proximal log-probs of the current step's mini-batches still to train, per sample of
         # this rank's share (recompute_proximal fills it, _step consumes one entry per call).
         self._proximal: list[dict[int, torch.Tensor]] = []
+        # Where batches are laid out and received, reused from step to step: a step's batch lives
+        # in slot "step" until the next step, a proximal pass's mini-batches in slots of their own.
+        self.buffers = BatchBuffers()
+        self._sending: list[Callable[[], None]] = []
         self.state = TrainerState(spec, self.ranks, self.model, self.optimizer, self.scheduler, self.model_path)
 
     @property
@@ -130,8 +137,10 @@ class Trainer:
 
     def _follower_handlers(self) -> Mapping[Command, Handler]:
         return {
-            Command.step: self._step,
-            Command.recompute_proximal: self._recompute_proximal,
+            Command.step: lambda header: self._step(self._receive(header)),
+            Command.recompute_proximal: lambda headers: self._recompute_proximal(
+                [self._receive(h, ("proximal", i)) for i, h in enumerate(headers)]
+            ),
             Command.named_full_weights: lambda _: _exhaust(full_weights(self.model)),
             Command.save_checkpoint: lambda _: self.state.join_save(),
             Command.resume: lambda _: self._join_resume(),
@@ -146,17 +155,50 @@ class Trainer:
 
     # ---- train step ----------------------------------------------------------------------------
 
-    def train(self, batches: Sequence[TrainBatch]) -> list[StepStats]:
+    def train(self, batches: Sequence[BatchParts | TrainBatch]) -> list[StepStats]:
         """One optimiser step per mini-batch of a driver step, after the proximal pass when the
         spec asks for it (rank 0; the followers join)."""
-        for b in batches:
-            self._validate(b)
-        if needs_proximal_pass(self.spec.algorithm, len(batches)):
-            self.commands.broadcast(Command.recompute_proximal, list(batches))
-            self._recompute_proximal(batches)
-        return [self._lead_step(b) for b in batches]
+        checked = [self._validate(b) for b in batches]
+        if needs_proximal_pass(self.spec.algorithm, len(checked)):
+            layouts = [self._layout(b) for b in checked]
+            self.commands.broadcast(Command.recompute_proximal, [header for header, _ in layouts])
+            self._recompute_proximal(
+                [self._send(b, *layout, slot=("proximal", i)) for i, (b, layout) in enumerate(zip(checked, layouts))]
+            )
+            self._sent()
+        return [self._lead_step(b) for b in checked]
 
-    def _recompute_proximal(self, batches: Sequence[TrainBatch]) -> None:
+    def _layout(self, batch: BatchParts) -> tuple[dict[str, Any], list[int]]:
+        """The header of `batch` laid out in the order of its plan (every rank's micro-batches one
+        after the other, each a contiguous range), and that order."""
+        order, plan = plan_order(self._plan(batch.lengths))
+        return batch.header(order, plan), order
+
+    def _plan(self, lengths: list[int]) -> Plan:
+        return plan_step(lengths, self.world, self.spec.trainer.micro_batch_tokens, self.pack)
+
+    def _send(self, batch: BatchParts, header: dict[str, Any], order: list[int], slot: object = "step") -> TensorBatch:
+        """Rank 0: lay `batch` out in `slot`'s buffers and broadcast its tensors to the followers,
+        which announced `header` already; each piece is sent while the next is copied."""
+        self._sent()  # the slot's buffers may still be sending the previous batch
+        carved = self.buffers.take(header, slot)
+        full, filled = batch.layout(header, order, into=carved.tensors)
+        # Rank 0 computes on its copy while the followers still receive theirs.
+        self._sending.append(self.ranks.broadcast_tensors(carved.sent(filled), wait=False))
+        return TensorBatch.from_wire(header, full)
+
+    def _sent(self) -> None:
+        """Wait for the batches rank 0 is still sending."""
+        while self._sending:
+            self._sending.pop(0)()
+
+    def _receive(self, header: Mapping[str, Any], slot: object = "step") -> TensorBatch:
+        """A follower's copy of the batch rank 0 announced with `header`, in `slot`'s buffers."""
+        carved = self.buffers.take(header, slot)
+        self.ranks.broadcast_tensors(carved.received())
+        return TensorBatch.from_wire(header, carved.tensors)
+
+    def _recompute_proximal(self, batches: Sequence[TensorBatch]) -> None:
         self._proximal = []
         self.model.eval()
         with torch.no_grad():
@@ -173,56 +215,57 @@ class Trainer:
 
     def _micro_batches(
         self,
-        batch: TrainBatch,
-        per_sample_w: list[torch.Tensor] | None = None,
+        batch: TensorBatch,
+        token_weights: torch.Tensor | None = None,
         advantages: torch.Tensor | None = None,
     ) -> Iterator[tuple[list[list[int]], MicroBatch, bool]]:
         """This rank's micro-batches of `batch` as (rows, tensors on the device, filler): every
         rank yields the same number, fillers (zero weights) keeping FSDP's collectives matched."""
-        lengths = [len(t) for t in batch.token_ids]
-        if per_sample_w is None:
-            per_sample_w = [torch.zeros(batch.response_len(i)) for i in range(len(batch))]
+        if token_weights is None:
+            token_weights = torch.zeros(sum(batch.response_lens))
         top_k = self.contract.top_k if self.contract is not None else None
-        shards = shard_samples(lengths, self.world)
-        plans = [micro_batches(s, lengths, self.spec.trainer.micro_batch_tokens, pack=self.pack) for s in shards]
+        plans = batch.plan if batch.plan is not None else self._plan(batch.lengths)
         n_micro = max(len(p) for p in plans)
         mine = plans[self.rank]
         for j in range(n_micro):
             filler = j >= len(mine)
             rows = mine[j] if not filler else (mine[-1] if mine else [[0]])
-            mb = collate(batch, rows, per_sample_w, advantages, self.pad_id, filler=filler, top_k=top_k)
+            mb = collate(batch, rows, token_weights, advantages, self.pad_id, filler=filler, top_k=top_k)
             self.model.set_requires_gradient_sync(j == n_micro - 1)
             yield rows, mb.to(self.device), filler
 
-    def step(self, batch: TrainBatch) -> StepStats:
+    def step(self, batch: BatchParts | TrainBatch) -> StepStats:
         """One optimiser step on `batch` (rank 0; the followers join). Returns global stats."""
-        self._validate(batch)
-        return self._lead_step(batch)
+        return self._lead_step(self._validate(batch))
 
-    def _validate(self, batch: TrainBatch) -> None:
+    def _validate(self, batch: BatchParts | TrainBatch) -> BatchParts:
         """Refuse an inconsistent batch, or one lacking what the loss contract reads, before the
-        followers get it: the one check of a batch on the trainer."""
-        batch.validate(self.contract, rewards=self.spec.algorithm.distillation.use_task_rewards)
+        followers get it: the one check of a batch on the trainer. Returns its arrays."""
+        rewards = self.spec.algorithm.distillation.use_task_rewards
+        batch.validate(self.contract, rewards=rewards)
+        return batch.to_parts() if isinstance(batch, TrainBatch) else batch
 
-    def _lead_step(self, batch: TrainBatch) -> StepStats:
-        self.commands.broadcast(Command.step, batch)
-        return self._step(batch)
+    def _lead_step(self, batch: BatchParts) -> StepStats:
+        header, order = self._layout(batch)
+        self.commands.broadcast(Command.step, header)
+        stats = self._step(self._send(batch, header, order))
+        self._sent()
+        return stats
 
-    def _step(self, batch: TrainBatch) -> StepStats:
+    def _step(self, batch: TensorBatch) -> StepStats:
         start = time.perf_counter()
         spec = self.spec
         algo = spec.algorithm
         n = len(batch)
-        resp_lens = [batch.response_len(i) for i in range(n)]
+        resp_lens = batch.response_lens
         weights = L.token_weights(resp_lens, algo.loss_aggregation.value) * self.world
-        per_sample_w = list(torch.split(weights, resp_lens))
         advantages = _task_advantages(batch) if algo.distillation.use_task_rewards else None
         baseline = _distillation_baseline(batch, algo, self.contract)
 
         proximal = self._proximal.pop(0) if self._proximal else None
         sums = StepSums()
         self.model.train()
-        for rows, mb, filler in self._micro_batches(batch, per_sample_w, advantages):
+        for rows, mb, filler in self._micro_batches(batch, weights, advantages):
             logprobs, topk_lp = self.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids, mb.position_ids)
             old = None
             if proximal is not None and not filler:
@@ -316,10 +359,10 @@ class Trainer:
         return self.state.export(Path(out_dir))
 
 
-def _task_advantages(batch: TrainBatch) -> torch.Tensor:
+def _task_advantages(batch: TensorBatch) -> torch.Tensor:
     """GRPO advantage of each sample within its prompt group (useTaskRewards)."""
     if batch.rewards is None or batch.group_ids is None:
-        raise ValueError("TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
+        raise ValueError("TensorBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
     return L.grpo_advantages(torch.tensor(batch.rewards, dtype=torch.float32), batch.group_ids)
 
 
@@ -332,7 +375,7 @@ def needs_proximal_pass(algo: AlgorithmSpec, mini_batches: int) -> bool:
     return pg and algo.off_policy.proximal is ProximalPolicy.recompute and mini_batches > 1
 
 
-def _distillation_baseline(batch: TrainBatch, algo: AlgorithmSpec, contract: LossContract | None) -> float:
+def _distillation_baseline(batch: TensorBatch, algo: AlgorithmSpec, contract: LossContract | None) -> float:
     """The constant subtracted from every per-token distillation advantage of this batch (0 unless
     a policy-gradient loss whose contract has a batch-mean baseline asks for it)."""
     d = algo.distillation
@@ -341,8 +384,7 @@ def _distillation_baseline(batch: TrainBatch, algo: AlgorithmSpec, contract: Los
     teacher_logprobs = batch.signal(Signal.teacher_logprobs)
     if d.advantage_baseline is not AdvantageBaseline.batch_mean or teacher_logprobs is None:
         return 0.0
-    mu = torch.tensor([x for row in batch.rollout_logprobs for x in row], dtype=torch.float64)
-    teacher = torch.tensor([x for row in teacher_logprobs for x in row], dtype=torch.float64)
+    mu, teacher = batch.rollout_logprobs.double(), teacher_logprobs.double()
     return L.batch_baseline(d.loss_mode, mu, teacher, d.loss_max_clamp)
 
 

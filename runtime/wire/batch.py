@@ -21,18 +21,29 @@ and calls ``Trainer.step(batch)``. Per sample i:
 * ``trainer_version``: the trainer's weight version when the step was assembled, so the trainer
   can report its log-probs against the rollout's per version lag (0: the same weights).
 
-Plain Python lists keep it picklable and cheap to build; the trainer turns them into tensors.
-Rank 0 broadcasts the whole batch (pickled) to the other trainer ranks, which then take their
-share of the samples (see :mod:`kubedistill.runtime.trainer`).
+``TrainBatch`` is the list form: easy to write by hand (tests, small callers), checked field by
+field (``validate``). What the driver hands the trainer is :class:`BatchParts`: each sample's
+arrays (:class:`SampleArrays`, made once by :func:`pack_sample` as the sample entered the buffer)
+with the per-sample lists. Rank 0 lays them out in the order of the step's plan (each micro-batch
+one contiguous range) as :class:`TensorBatch`: a few flat tensors (ids int64, log-probs float32,
+top-k rows [N, K] with per-row widths when some are short) plus per-sample lengths. A small
+pickled header announces the shapes; the tensors follow as a few ``torch.distributed.broadcast``
+calls of their bytes (:class:`BatchBuffers` keeps the memory from step to step), and every rank
+slices its micro-batches from them without a Python loop over tokens (see
+:mod:`kubedistill.runtime.trainer`). No float travels as a pickled Python object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sized
+import math
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubedistill.api.losses import SIGNAL_NAMES, LossContract, Signal, TopKSignals
+import numpy as np
+import torch
+
+from kubedistill.api.losses import SIGNAL_NAMES, TOKEN_SIGNALS, LossContract, Signal, TopKSignals
 
 
 @dataclass
@@ -70,6 +81,23 @@ class TrainBatch:
 
     def response_len(self, i: int) -> int:
         return len(self.token_ids[i]) - self.prompt_lens[i]
+
+    def to_parts(self) -> BatchParts:
+        """This batch as the driver hands it to the trainer (the values as float32 / int64)."""
+        parts = [
+            pack_sample(
+                self.token_ids[i],
+                self.prompt_lens[i],
+                self.rollout_logprobs[i],
+                {name: values[i] for name, values in self.signals.items()},
+            )
+            for i in range(len(self))
+        ]
+        return BatchParts(parts, self.rewards, self.group_ids, self.weight_versions, self.trainer_version)
+
+    def to_tensors(self) -> TensorBatch:
+        """This batch as flat tensors, samples in their order."""
+        return self.to_parts().to_tensors()
 
     def validate(self, contract: LossContract | None = None, *, rewards: bool = False) -> None:
         """Raise ValueError naming the first inconsistent field (one line, no traceback noise),
@@ -127,3 +155,386 @@ class TrainBatch:
                             f"TrainBatch.signals[{pair.ids.value!r}][{i}][{t}]: needs >= 1 id and as many "
                             f"log-probs ({len(ids)} vs {len(lps)})"
                         )
+
+
+ID_SIGNALS: frozenset[str] = frozenset({Signal.teacher_topk_ids.value, Signal.rollout_topk_ids.value})
+"""Top-k rows of token ids (int64: what torch.gather indexes with); the other row signals are log-probs."""
+
+
+@dataclass
+class SampleArrays:
+    """One sample's token data as arrays, made once from its lists (pack_sample)."""
+
+    token_ids: np.ndarray  # int64 [L] prompt + response
+    prompt_len: int
+    rollout_logprobs: np.ndarray  # float32 [R]
+    signals: dict[str, np.ndarray]  # float32 [R], or [R, K] rows (int64 ids / float32 log-probs)
+    widths: dict[str, np.ndarray]  # row signals with rows shorter than K: int64 [R] entries per row
+    weight_version: int | None = None  # the oldest weight version of its tokens, if known
+
+    @property
+    def response_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+def pack_sample(
+    token_ids: Sequence[int],
+    prompt_len: int,
+    rollout_logprobs: Sequence[float],
+    signals: Mapping[str, Sequence[Any]],
+    response_ids: Sequence[int] | None = None,
+    weight_version: int | None = None,
+) -> SampleArrays:
+    """Arrays of one sample's lists (`response_ids`, when given, follows `token_ids` as the
+    response). Rows of a row signal shorter than the widest are zero-padded and their widths kept."""
+    ids = np.fromiter(token_ids, np.int64, len(token_ids))
+    if response_ids is not None:
+        ids = np.concatenate([ids, np.fromiter(response_ids, np.int64, len(response_ids))])
+    arrays: dict[str, np.ndarray] = {}
+    widths: dict[str, np.ndarray] = {}
+    for name, values in signals.items():
+        dtype = np.int64 if name in ID_SIGNALS else np.float32
+        if name in {s.value for s in TOKEN_SIGNALS}:
+            arrays[name] = np.fromiter(values, dtype, len(values))
+            continue
+        w = np.fromiter(map(len, values), np.int64, len(values))
+        k = int(w.max()) if len(w) else 0
+        if len(w) and int(w.min()) == k:
+            arrays[name] = np.array(values, dtype=dtype).reshape(len(values), k)
+        else:
+            rows: np.ndarray = np.zeros((len(values), k), dtype=dtype)
+            for t, row in enumerate(values):
+                rows[t, : len(row)] = row
+            arrays[name], widths[name] = rows, w
+    mu = np.fromiter(rollout_logprobs, np.float32, len(rollout_logprobs))
+    return SampleArrays(ids, prompt_len, mu, arrays, widths, weight_version)
+
+
+Row = list[int]
+"""Sample indices laid end to end in one row of a micro-batch (one index when not packing)."""
+
+Plan = list[list[list[Row]]]
+"""Per rank, its micro-batches, each a list of rows (see runtime/trainer/microbatch.py)."""
+
+
+@dataclass
+class BatchParts:
+    """One step's samples as arrays, not yet laid end to end: what the driver hands the trainer
+    (batcher.to_train_batch). Rank 0 lays them out in the order of the step's plan, so that every
+    micro-batch is one contiguous range of the flat tensors (`header`, `tensors`)."""
+
+    parts: list[SampleArrays]
+    rewards: list[float] | None = None
+    group_ids: list[int] | None = None
+    weight_versions: list[int] = field(default_factory=list)
+    trainer_version: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p.token_ids) for p in self.parts]
+
+    def header(self, order: Sequence[int] | None = None, plan: Plan | None = None) -> dict[str, Any]:
+        """Everything of the batch laid out in `order` but the tensors' contents: the per-sample
+        lists, the plan, and each tensor's shape and dtype in the order `tensors` yields them (so
+        a receiver can allocate them). Computed from the parts' shapes: nothing is copied."""
+        order = list(range(len(self))) if order is None else list(order)
+        parts = [self.parts[i] for i in order]
+        tokens = sum(len(p.rollout_logprobs) for p in parts)
+        shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
+            ((sum(len(p.token_ids) for p in parts),), torch.int64),
+            ((tokens,), torch.float32),
+        ]
+        names = list(parts[0].signals) if parts else []
+        widths = []
+        for name in names:
+            first = parts[0].signals[name]
+            dtype = torch.int64 if first.dtype == np.int64 else torch.float32
+            if first.ndim == 1:
+                shapes.append(((tokens,), dtype))
+                continue
+            k = max(p.signals[name].shape[1] for p in parts)
+            shapes.append(((tokens, k), dtype))
+            if any(name in p.widths or p.signals[name].shape[1] != k for p in parts):
+                widths.append(name)
+        shapes += [((tokens,), torch.int64)] * len(widths)
+        return {
+            "prompt_lens": [p.prompt_len for p in parts],
+            "lengths": [len(p.token_ids) for p in parts],
+            "rewards": None if self.rewards is None else [self.rewards[i] for i in order],
+            "group_ids": None if self.group_ids is None else [self.group_ids[i] for i in order],
+            "weight_versions": [self.weight_versions[i] for i in order] if self.weight_versions else [],
+            "trainer_version": self.trainer_version,
+            "signals": names,
+            "widths": widths,
+            "plan": plan,
+            "tensors": shapes,
+        }
+
+    def layout(
+        self,
+        header: Mapping[str, Any],
+        order: Sequence[int] | None = None,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor], Iterator[torch.Tensor]]:
+        """The flat tensors `header` describes, samples in `order` (written `into` the given
+        tensors, e.g. BatchBuffers', else new ones), filled as the iterator is drained: it yields
+        each tensor as soon as it is filled, so rank 0 can broadcast it while copying the next."""
+        order = list(range(len(self))) if order is None else list(order)
+        parts = [self.parts[i] for i in order]
+        names, widths = header["signals"], header["widths"]
+        sources: list[list[np.ndarray]] = [[p.token_ids for p in parts], [p.rollout_logprobs for p in parts]]
+        sources += [[p.signals[name] for p in parts] for name in names]
+        sources += [
+            [p.widths.get(name, np.full(p.response_len, p.signals[name].shape[1])) for p in parts] for name in widths
+        ]
+        full = list(into) if into is not None else TensorBatch.empty_tensors(header)
+        for j, name in enumerate(names):
+            if name in widths:
+                full[2 + j].zero_()  # the padding of short rows
+        return full, (_fill(out, arrays) for out, arrays in zip(full, sources))
+
+    def to_tensors(self, order: Sequence[int] | None = None, plan: Plan | None = None) -> TensorBatch:
+        header = self.header(order, plan)
+        full, pieces = self.layout(header, order)
+        for _ in pieces:
+            pass
+        return TensorBatch.from_wire(header, full)
+
+    def to_lists(self) -> TrainBatch:
+        """The list form (tests, debugging), the values as float32 / int64 hold them."""
+        return self.to_tensors().to_lists()
+
+    def validate(self, contract: LossContract | None = None, *, rewards: bool = False) -> None:
+        """Raise ValueError naming the first inconsistent field, or the first signal `contract`
+        needs that the batch lacks. Per sample, not per token: the per-token checks ran once, as
+        each sample's arrays were made (batcher.sample_arrays)."""
+        n = len(self.parts)
+        if n == 0:
+            raise ValueError("TrainBatch: the batch has no samples")
+        if contract is not None:
+            for needed in contract.signals:
+                if any(needed.value not in p.signals for p in self.parts):
+                    raise ValueError(
+                        f"TrainBatch.signals[{needed.value!r}]: lossMode {contract.mode.value} needs "
+                        f"{SIGNAL_NAMES[needed]}"
+                    )
+        if rewards and (self.rewards is None or self.group_ids is None):
+            raise ValueError(
+                "TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true"
+            )
+        if (self.rewards is None) != (self.group_ids is None):
+            raise ValueError("TrainBatch.rewards and group_ids must be given together")
+        per_sample = {"rewards": self.rewards, "group_ids": self.group_ids, "weight_versions": self.weight_versions}
+        for name, values in per_sample.items():
+            if values and len(values) != n:
+                raise ValueError(f"TrainBatch.{name}: has {len(values)} entries, expected one per sample ({n})")
+        pair = contract.top_k if contract is not None else None
+        names = list(self.parts[0].signals)
+        unknown = set(names) - {s.value for s in Signal}
+        if unknown:
+            raise ValueError(f"TrainBatch.signals: unknown signals {sorted(unknown)}")
+        for i, p in enumerate(self.parts):
+            if not 1 <= p.prompt_len < len(p.token_ids):
+                raise ValueError(
+                    f"TrainBatch.prompt_lens[{i}]: {p.prompt_len} must be >= 1 and < the sample's "
+                    f"{len(p.token_ids)} tokens"
+                )
+            if list(p.signals) != names:
+                raise ValueError(f"TrainBatch.signals: sample {i} has {sorted(p.signals)}, sample 0 {sorted(names)}")
+            r = len(p.token_ids) - p.prompt_len
+            for name, a in {"rollout_logprobs": p.rollout_logprobs, **p.signals}.items():
+                if len(a) != r:
+                    raise ValueError(f"TrainBatch.{name}[{i}]: has {len(a)} entries, expected {r} response tokens")
+            if pair is not None:
+                ids, lps = p.signals[pair.ids.value], p.signals[pair.logprobs.value]
+                wi, wl = p.widths.get(pair.ids.value), p.widths.get(pair.logprobs.value)
+                if (
+                    ids.shape != lps.shape
+                    or (wi is None) != (wl is None)
+                    or (wi is not None and wl is not None and not np.array_equal(wi, wl))
+                ):
+                    raise ValueError(
+                        f"TrainBatch.signals[{pair.ids.value!r}][{i}]: needs as many log-probs as ids in every row"
+                    )
+
+
+SPAN_BYTES = 8 << 20
+"""A broadcast carries consecutive tensors of a batch, cut once it holds at least this many bytes:
+rank 0 copies the next span while gloo sends this one, and gloo's cost per call (~0.5 ms on the
+shared 2-core machine, where 2 MB calls made a batch 1.7x slower to send) stays small."""
+
+
+@dataclass
+class Carved:
+    """A batch's tensors carved one after the other from one byte arena, so consecutive tensors
+    travel as one broadcast of their bytes."""
+
+    tensors: list[torch.Tensor]
+    arena: torch.Tensor  # uint8
+    bounds: list[tuple[int, int]]  # each tensor's byte range in the arena
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Tensor index ranges [lo, hi) sent as one broadcast each (sender and receivers cut alike)."""
+        out, lo = [], 0
+        for i, (_, b) in enumerate(self.bounds):
+            if b - self.bounds[lo][0] >= SPAN_BYTES or i == len(self.bounds) - 1:
+                out.append((lo, i + 1))
+                lo = i + 1
+        return out
+
+    def span_bytes(self, lo: int, hi: int) -> torch.Tensor:
+        return self.arena[self.bounds[lo][0] : self.bounds[hi - 1][1]]
+
+    def received(self) -> Iterator[torch.Tensor]:
+        """A receiver's side: the byte spans to broadcast into."""
+        return (self.span_bytes(lo, hi) for lo, hi in self.spans())
+
+    def sent(self, filled: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Rank 0's side: each byte span as soon as `filled` (BatchParts.layout) has filled its
+        tensors."""
+        for lo, hi in self.spans():
+            for _ in range(hi - lo):
+                next(filled)
+            yield self.span_bytes(lo, hi)
+
+
+class BatchBuffers:
+    """Memory for the flat tensors of batches, kept from step to step, one arena per `slot` (a
+    batch in use at the same time as others needs a slot of its own). Fresh memory for every step
+    costs page faults on first touch, on this machine about as long as broadcasting the bytes."""
+
+    HEADROOM = 1.25
+    """An arena grows to this much more than the batch that outgrew it (lengths vary by step)."""
+
+    def __init__(self) -> None:
+        self._arenas: dict[object, torch.Tensor] = {}
+
+    def take(self, header: Mapping[str, Any], slot: object = "step") -> Carved:
+        """Uninitialised tensors of the header's shapes and dtypes, carved from `slot`'s arena:
+        valid until the next call for the same slot."""
+        specs = header["tensors"]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + -(-n // 64) * 64)  # aligned for any dtype's view
+        arena = self._arenas.get(slot)
+        if arena is None or arena.numel() < starts[-1]:
+            arena = self._arenas[slot] = torch.empty(int(starts[-1] * self.HEADROOM), dtype=torch.uint8)
+        bounds = [(a, a + n) for a, n in zip(starts, sizes)]
+        tensors = [arena[a:b].view(dtype).view(shape) for (a, b), (shape, dtype) in zip(bounds, specs)]
+        return Carved(tensors, arena, bounds)
+
+
+def _fill(out: torch.Tensor, arrays: Sequence[np.ndarray]) -> torch.Tensor:
+    """Copy `arrays` end to end into `out` (rows narrower than out's zero-padded)."""
+    dst = out.numpy()
+    at = 0
+    for a in arrays:
+        if a.ndim == 2 and a.shape[1] != dst.shape[1]:
+            dst[at : at + len(a), : a.shape[1]] = a
+        else:
+            dst[at : at + len(a)] = a
+        at += len(a)
+    return out
+
+
+@dataclass
+class TensorBatch:
+    """A batch laid out as flat tensors: what every rank holds after the broadcast and slices its
+    micro-batches from. Samples lie end to end; `lengths`/`prompt_lens` (small Python lists) give
+    the offsets.
+
+    * ``token_ids``: int64 [T], T = sum(lengths), each sample's prompt + response ids;
+    * ``rollout_logprobs``: float32 [N], N = sum of response lengths, response tokens end to end;
+    * ``signals[name]``: float32 [N] (``teacher_logprobs``) or [N, K] top-k rows (ids int64,
+      log-probs float32), rows shorter than K zero-padded with their entry counts in
+      ``widths[name]`` (int64 [N]; absent when every row has K entries);
+    * ``rewards``, ``group_ids``, ``weight_versions``, ``trainer_version``: as in TrainBatch;
+    * ``plan``: per rank, its micro-batches' rows, when rank 0 laid the samples out in that order
+      (each micro-batch then a contiguous range); None: the trainer plans the split itself.
+    """
+
+    token_ids: torch.Tensor
+    prompt_lens: list[int]
+    lengths: list[int]
+    rollout_logprobs: torch.Tensor
+    signals: dict[str, torch.Tensor] = field(default_factory=dict)
+    widths: dict[str, torch.Tensor] = field(default_factory=dict)
+    rewards: list[float] | None = None
+    group_ids: list[int] | None = None
+    weight_versions: list[int] = field(default_factory=list)
+    trainer_version: int | None = None
+    plan: Plan | None = None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [n - p for n, p in zip(self.lengths, self.prompt_lens)]
+
+    def response_len(self, i: int) -> int:
+        return self.lengths[i] - self.prompt_lens[i]
+
+    def lag(self, i: int) -> int | None:
+        """How many weight versions sample i's oldest token lags the trainer (None: unknown)."""
+        if self.trainer_version is None or not self.weight_versions:
+            return None
+        return self.trainer_version - self.weight_versions[i]
+
+    def signal(self, name: Signal) -> torch.Tensor | None:
+        return self.signals.get(name.value)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """In the order of the header's shapes (BatchParts.header)."""
+        return [self.token_ids, self.rollout_logprobs, *self.signals.values(), *self.widths.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @staticmethod
+    def empty_tensors(header: Mapping[str, Any]) -> list[torch.Tensor]:
+        """Uninitialised tensors for a receiver to broadcast into."""
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in header["tensors"]]
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> TensorBatch:
+        names, widths = header["signals"], header["widths"]
+        return cls(
+            token_ids=tensors[0],
+            prompt_lens=list(header["prompt_lens"]),
+            lengths=list(header["lengths"]),
+            rollout_logprobs=tensors[1],
+            signals=dict(zip(names, tensors[2 : 2 + len(names)])),
+            widths=dict(zip(widths, tensors[2 + len(names) :])),
+            rewards=header["rewards"],
+            group_ids=header["group_ids"],
+            weight_versions=list(header["weight_versions"]),
+            trainer_version=header["trainer_version"],
+            plan=header["plan"],
+        )
+
+    def to_lists(self) -> TrainBatch:
+        """The list form (tests, debugging): the inverse of TrainBatch.to_tensors up to float32."""
+        resp = self.response_lens
+        signals: dict[str, list[list[Any]]] = {}
+        for name, values in self.signals.items():
+            rows = values.tolist()
+            if name in self.widths:
+                rows = [row[:w] for row, w in zip(rows, self.widths[name].tolist())]
+            it = iter(rows)
+            signals[name] = [[next(it) for _ in range(r)] for r in resp]
+        return TrainBatch(
+            token_ids=[t.tolist() for t in torch.split(self.token_ids, self.lengths)],
+            prompt_lens=list(self.prompt_lens),
+            rollout_logprobs=[t.tolist() for t in torch.split(self.rollout_logprobs, resp)],
+            signals=signals,
+            rewards=None if self.rewards is None else list(self.rewards),
+            group_ids=None if self.group_ids is None else list(self.group_ids),
+            weight_versions=list(self.weight_versions),
+            trainer_version=self.trainer_version,
+        )
