@@ -41,9 +41,9 @@ from kubedistill.operator.policy import (
     GANG_APIS,
     JobView,
     Plan,
-    Progress,
     Refusal,
     RefusalKey,
+    TrainerReport,
     create_backoff,
     current_status,
     gang_attempt,
@@ -93,7 +93,7 @@ class JobState:
 
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by watch events about the job or its children: the loop plans again at once."""
-    progress: Progress | None = None
+    report: TrainerReport | None = None
     """Trainer pod 0's last GET /status, by the background poll."""
     polling: asyncio.Task[None] | None = None
     last_error: str | None = None
@@ -179,8 +179,8 @@ class Reconciler:
             state.recent.pop((kind, name), None)
             state.wakeup.set()
 
-    # -- trainer progress ----------------------------------------------------------------
-    def _poll_progress(self, state: JobState, pod: PodView | None) -> None:
+    # -- the trainer's report -----------------------------------------------------------------
+    def _poll_report(self, state: JobState, pod: PodView | None) -> None:
         """Poll trainer pod 0's GET /status in the background; a change wakes the job."""
         if pod is None or pod.phase is not PodPhase.running or not pod.pod_ip or not pod.http_port:
             return
@@ -196,11 +196,11 @@ class Reconciler:
         if doc is None:
             return  # not up yet, or restarting: not an error
         try:
-            progress = Progress.of(doc, attempt)
+            report = TrainerReport.of(doc, attempt)
         except (TypeError, ValueError):
             return
-        if state.progress != progress:
-            state.progress = progress
+        if state.report != report:
+            state.report = report
             state.wakeup.set()
 
     async def _missing_apis(self, spec: Mapping[str, Any]) -> set[GangScheduler]:
@@ -262,7 +262,7 @@ class Reconciler:
         try:
             now = datetime.now(UTC)
             missing = await self._missing_apis(job.spec)
-            p = plan(job, observed, now, state.progress, state.refused, missing)
+            p = plan(job, observed, now, state.report, state.refused, missing)
             newly_refused, made_unwatched = await self._apply(body, state, job, p, now)
             state.last_error = None
         except (TimeoutError, KubeError) as exc:
@@ -286,7 +286,7 @@ class Reconciler:
             ),
             None,
         )
-        self._poll_progress(state, rank0)
+        self._poll_report(state, rank0)
         delay = self.options.resync_seconds
         if p.wake_after is not None:
             delay = min(delay, max(p.wake_after, 0.05))

@@ -114,7 +114,7 @@ class Event:
 
 
 @dataclass(frozen=True)
-class Progress:
+class TrainerReport:
     """The part of trainer pod 0's GET /status (TrainerProgress) that goes into the job's status:
     a change of it is worth a reconcile, a new samples/s figure is not."""
 
@@ -129,7 +129,7 @@ class Progress:
     nothing about the servers the current trainer holds."""
 
     @classmethod
-    def of(cls, doc: Mapping[str, Any], attempt: int | None = None) -> Progress:
+    def of(cls, doc: Mapping[str, Any], attempt: int | None = None) -> TrainerReport:
         """Raises ValueError (pydantic's ValidationError) on a malformed document."""
         reported = TrainerProgress.from_json(doc)
         servers = reported.rollout_servers
@@ -250,7 +250,7 @@ def plan(
     job: JobView,
     observed: Observed,
     now: datetime,
-    progress: Progress | None = None,
+    report: TrainerReport | None = None,
     refusals: Mapping[RefusalKey, Refusal] | None = None,
     missing_apis: Collection[GangScheduler] = (),
 ) -> Plan:
@@ -270,10 +270,10 @@ def plan(
         _conditions(p, None, observed, now)
         _phase_event(p, previous)
         return p
-    if progress is not None:
-        status.step = progress.step
-        status.weight_version = progress.weight_version
-        status.last_checkpoint = progress.last_checkpoint or status.last_checkpoint
+    if report is not None:
+        status.step = report.step
+        status.weight_version = report.weight_version
+        status.last_checkpoint = report.last_checkpoint or status.last_checkpoint
 
     if previous not in TERMINAL:
         _sync_static(p, job, spec, observed)
@@ -288,7 +288,7 @@ def plan(
         status.start_time = None  # the deadline counts from the next resume, as for a batch Job
         status.rollout_drain_start_time = None
     else:
-        _run(p, job, spec, observed, now, progress)
+        _run(p, job, spec, observed, now, report)
         if status.phase in TERMINAL:
             p.wake_after = None
             status.rollout_drain_start_time = None
@@ -351,7 +351,7 @@ def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime
 
 
 def _run(
-    p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, now: datetime, progress: Progress | None
+    p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, now: datetime, report: TrainerReport | None
 ) -> None:
     st = p.status
     started = parse_time(st.start_time)
@@ -416,7 +416,7 @@ def _run(
                 p.events.append(Event("Normal", "RolloutScaled", msg))
             else:
                 p.events.append(Event("Warning", "ServerReplaced", f"{q.group} pod {q.name} failed{why}; replacing it"))
-    _drain_surplus(p, job, spec, live, attempt, progress, now)
+    _drain_surplus(p, job, spec, live, attempt, report, now)
 
     # Pods to (re)create: missing ones; a restarted gang starts only once the old one is gone.
     gang_gone = not stale and not any(
@@ -515,7 +515,7 @@ def _drain_surplus(
     spec: DistillationJobSpec,
     live: list[PodView],
     attempt: int,
-    progress: Progress | None,
+    report: TrainerReport | None,
     now: datetime,
 ) -> None:
     """Delete each rollout pod beyond spec.rollout.replicas once the trainer no longer holds it:
@@ -540,7 +540,7 @@ def _drain_surplus(
         None,
     )
     running = trainer is not None and trainer.phase is PodPhase.running
-    held = progress.rollout_servers if progress is not None and progress.attempt == attempt else None
+    held = report.rollout_servers if report is not None and report.attempt == attempt else None
     waiting = False
     for q in surplus:
         url = _base_url(render.server_url(job.name, job.namespace, render.PodSlot(Role.rollout, q.replica)))

@@ -20,7 +20,7 @@ class Out:
         self.topk_ids = None
 
 
-def staleness_rule(**kw) -> StalenessPolicy:
+def staleness_policy(**kw) -> StalenessPolicy:
     base = dict(
         mode="fullyAsync",
         group_size=2,
@@ -45,7 +45,7 @@ def generate(g: SampleGroup, version: int) -> SampleGroup:
 
 
 async def test_generation_pauses_at_the_bound_and_resumes_after_a_sync() -> None:
-    p = staleness_rule()  # required 4, bound 4 x 1.5 = 6 samples, lag ceil(6/4) - 1 = 1, in flight <= 6
+    p = staleness_policy()  # required 4, bound 4 x 1.5 = 6 samples, lag ceil(6/4) - 1 = 1, in flight <= 6
     assert (p.required, p.max_required, p.max_lag, p.in_flight_cap) == (4, 6, 1, 6)
     buf = SampleBuffer(p)
     for gid in range(3):
@@ -78,7 +78,7 @@ def finish(s, version: int = 0) -> None:
 async def test_in_flight_cap_counts_generating_samples_in_fully_async_only(mode: str) -> None:
     """fullyAsync: a group's finished samples waiting for a long sibling free their places in the
     cap, so generation stays continuous; oneStepOff keeps whole groups (lock-step batches)."""
-    p = staleness_rule(mode=mode, group_size=4, mini_batch_size=8, staleness_threshold=3.0, oversample=1.0)
+    p = staleness_policy(mode=mode, group_size=4, mini_batch_size=8, staleness_threshold=3.0, oversample=1.0)
     assert p.in_flight_cap == 8 and p.max_required >= 16
     buf = SampleBuffer(p)
     a, b = group(0, 4), group(1, 4)
@@ -104,7 +104,7 @@ async def test_in_flight_cap_counts_generating_samples_in_fully_async_only(mode:
 
 
 async def test_take_waits_for_a_full_step_and_close_wakes_it() -> None:
-    buf = SampleBuffer(staleness_rule())
+    buf = SampleBuffer(staleness_policy())
     buf.try_reserve(group(0))
     await buf.put(generate(buf.in_flight_groups()[0], 0))
     waiter = asyncio.create_task(buf.take())
@@ -117,7 +117,7 @@ async def test_take_waits_for_a_full_step_and_close_wakes_it() -> None:
 
 async def test_too_stale_groups_are_dropped_and_counted() -> None:
     metrics = RoleMetrics("j", "trainer", 0)
-    buf = SampleBuffer(staleness_rule(), metrics=metrics)  # max lag 1
+    buf = SampleBuffer(staleness_policy(), metrics=metrics)  # max lag 1
     for gid in range(3):
         buf.try_reserve(group(gid))
     g0, g1, g2 = buf.in_flight_groups()
@@ -145,7 +145,7 @@ async def test_too_stale_groups_are_dropped_and_counted() -> None:
 
 async def test_take_prefers_the_oldest_version_and_records_staleness() -> None:
     metrics = RoleMetrics("j", "trainer", 0)
-    buf = SampleBuffer(staleness_rule(staleness_threshold=1.0), metrics=metrics)  # bound 8, lag 1
+    buf = SampleBuffer(staleness_policy(staleness_threshold=1.0), metrics=metrics)  # bound 8, lag 1
     buf.try_reserve(group(10))
     await buf.synced(1)
     for gid in (11, 12):
@@ -162,7 +162,7 @@ async def test_take_prefers_the_oldest_version_and_records_staleness() -> None:
 
 
 async def test_state_round_trip_keeps_ready_and_in_flight_samples() -> None:
-    buf = SampleBuffer(staleness_rule())
+    buf = SampleBuffer(staleness_policy())
     for gid in range(3):
         buf.try_reserve(group(gid))
     g0, g1, _ = buf.in_flight_groups()
@@ -171,7 +171,7 @@ async def test_state_round_trip_keeps_ready_and_in_flight_samples() -> None:
     g1.samples[0].extend(Out([4, 4], 0, "abort"))  # half-generated when the checkpoint is taken
     data = buf.to_bytes()
 
-    restored = SampleBuffer(staleness_rule())
+    restored = SampleBuffer(staleness_policy())
     restored.load_bytes(data)
     assert restored.state_dict() == buf.state_dict()
     assert restored.buffered == 2 and restored.in_flight == 4 and restored.stale_count == 6
@@ -183,7 +183,7 @@ async def test_state_round_trip_keeps_ready_and_in_flight_samples() -> None:
 
 
 async def test_put_refuses_unfinished_or_unknown_groups() -> None:
-    buf = SampleBuffer(staleness_rule())
+    buf = SampleBuffer(staleness_policy())
     with pytest.raises(ValueError, match="not in flight"):
         await buf.put(group(5))
     g = group(6)
@@ -198,7 +198,7 @@ async def test_simulated_fully_async_run_respects_the_lag_bound(threshold: float
     """A generator that completes groups in submission order and a trainer that syncs every
     `trigger` steps: no sample is trained beyond max_lag versions, none is dropped, and the
     count of samples under old weights never exceeds the bound."""
-    p = staleness_rule(staleness_threshold=threshold, trigger_parameter_sync_step=trigger)
+    p = staleness_policy(staleness_threshold=threshold, trigger_parameter_sync_step=trigger)
     buf = SampleBuffer(p)
     lags: list[int] = []
     rng = random.Random(0)

@@ -16,10 +16,10 @@ import pytest
 from driver_fakes import Checkpoint, FakeRolloutServer, job_spec, rig
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.operator.policy import Progress
+from kubedistill.operator.policy import TrainerReport
 from kubedistill.runtime.driver.buffer import SampleBuffer
+from kubedistill.runtime.driver.history import HistoryWriter, read_history
 from kubedistill.runtime.driver.loop import request_seed
-from kubedistill.runtime.driver.progress import HistoryWriter, read_history
 from kubedistill.runtime.driver.samples import Sample
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.wire.protocol import GenerateRequest
@@ -65,7 +65,7 @@ async def test_a_checkpoint_resumes_unfinished_samples_and_skips_no_prompt(tmp_p
     first = rig(spec(6, before), rollouts=_servers())
     first.trainer.step_seconds = 0.01
     await first.run()
-    rule = first.driver.staleness_rule
+    rule = first.driver.staleness_policy
     saved = next((c for c in first.trainer.checkpoints if _unfinished_state(c, rule, partial)), None)
     assert saved is not None, "no checkpoint caught a group half generated"
     state = pickle.loads(saved.driver_state)
@@ -144,10 +144,10 @@ def test_status_json_and_history(tmp_path) -> None:
     # Both readers: `kubedistill run` (the whole document) and the operator (what the job's status holds).
     assert TrainerProgress.from_json(doc) == st
     assert TrainerProgress.from_json({**doc, "time": 1.0, "lossTotal": 0.5}) == st  # a history line
-    assert Progress.of(doc) == Progress(step=3, weight_version=2, last_checkpoint="/ckpt/step-3")
-    assert Progress.of({"step": 7}) == Progress(step=7, weight_version=0, last_checkpoint=None)
+    assert TrainerReport.of(doc) == TrainerReport(step=3, weight_version=2, last_checkpoint="/ckpt/step-3")
+    assert TrainerReport.of({"step": 7}) == TrainerReport(step=7, weight_version=0, last_checkpoint=None)
     with pytest.raises(ValueError):
-        Progress.of({"step": "many"})
+        TrainerReport.of({"step": "many"})
     h = HistoryWriter(tmp_path / "h.jsonl")
     assert read_history(tmp_path / "h.jsonl") == []
     h.write({"step": 1})

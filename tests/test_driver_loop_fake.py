@@ -66,8 +66,8 @@ async def test_trained_samples_lag_at_most_the_modes_bound(tmp_path, mode, async
     r.trainer.step_seconds = 0.02
     await r.run()
 
-    trigger = r.driver.staleness_rule.trigger_parameter_sync_step
-    assert r.driver.staleness_rule.max_lag == bound
+    trigger = r.driver.staleness_policy.trigger_parameter_sync_step
+    assert r.driver.staleness_policy.max_lag == bound
     assert len(r.trainer.steps) == steps
     # The trainer's version is the number of syncs so far, and every server loaded every one.
     syncs = (steps - 1) // trigger
@@ -133,7 +133,7 @@ async def test_a_dead_server_is_taken_out_of_rotation_and_the_run_completes(tmp_
     assert len(r.trainer.steps) == 6
     assert pool.out_of_rotation() == [dead.base_url]
     # Once out, it got no request: only those already on their way when it was taken out failed.
-    assert MAX_TRANSPORT_FAILURES <= dead.failed < MAX_TRANSPORT_FAILURES + r.driver.staleness_rule.in_flight_cap
+    assert MAX_TRANSPORT_FAILURES <= dead.failed < MAX_TRANSPORT_FAILURES + r.driver.staleness_policy.in_flight_cap
     assert dead.health_checks > 1  # probed (the first check was the driver's start)
     groups = trained_groups(r)
     assert len(groups) == len(set(groups)) == 12

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from e2e_jobs import job_yaml, run_env
-from kubedistill.runtime.driver.progress import read_history
+from kubedistill.runtime.driver.history import read_history
 
 STEPS = 300
 MINI_BATCH = 4

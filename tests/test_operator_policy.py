@@ -16,8 +16,8 @@ from kubedistill.operator.policy import (
     ROLLOUT_DRAIN_SECONDS,
     JobView,
     Plan,
-    Progress,
     Refusal,
+    TrainerReport,
     create_backoff,
     is_refusal,
     plan,
@@ -233,14 +233,14 @@ def test_backoff_limit_exhausted_fails_the_job() -> None:
 def test_trainer_rank0_success_completes_the_job_and_deletes_servers() -> None:
     job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}, ttlSecondsAfterFinished=60)
     world = _with(_with(_world(job), "j-trainer-0", phase=PodPhase.succeeded), "j-trainer-1", phase=PodPhase.succeeded)
-    p = plan(job, world, T0, Progress(step=100, weight_version=100, last_checkpoint="/ckpt/step-100"))
+    p = plan(job, world, T0, TrainerReport(step=100, weight_version=100, last_checkpoint="/ckpt/step-100"))
     assert p.status.phase is Phase.succeeded
     assert _deleted_pods(p) == {"j-rollout-0", "j-rollout-1", "j-teacher-math-0"}
     assert (p.status.step, p.status.weight_version, p.status.last_checkpoint) == (100, 100, "/ckpt/step-100")
     assert [(e.type, e.reason) for e in p.events] == [("Normal", "TrainerSucceeded")]
     assert p.wake_after == 60
     # A final /status the operator never saw: success means every step was trained.
-    late = plan(job, world, T0, Progress(step=96, weight_version=96, last_checkpoint="/ckpt/step-90"))
+    late = plan(job, world, T0, TrainerReport(step=96, weight_version=96, last_checkpoint="/ckpt/step-90"))
     assert late.status.step == _spec(job).trainer.total_steps
     # TTL: later, the job itself goes.
     done = _next(job, p)
@@ -398,7 +398,7 @@ def _scaled_down(status: dict[str, Any] | None = None) -> tuple[JobView, Observe
 
 def test_a_scale_down_keeps_the_surplus_pod_until_the_drain_deadline() -> None:
     job, world = _scaled_down()
-    held = Progress(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0), _url(1)), attempt=0)
+    held = TrainerReport(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0), _url(1)), attempt=0)
     p = plan(job, world, T0, held)
     assert p.delete == [] and p.create == [] and p.status.phase is Phase.running
     assert [(e.type, e.reason) for e in p.events] == [("Normal", "RolloutScaled")]
@@ -433,17 +433,17 @@ def test_a_scale_down_keeps_the_surplus_pod_until_the_drain_deadline() -> None:
 
 def test_the_trainers_report_lets_a_surplus_pod_go_only_for_the_current_attempt() -> None:
     job, world = _scaled_down()
-    released = Progress(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0),), attempt=0)
+    released = TrainerReport(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0),), attempt=0)
     assert _deleted_pods(plan(job, world, T0, released)) == {"j-rollout-1"}
     # The same report from an earlier gang attempt, or no report at all: wait.
     for progress in (replace(released, attempt=None), None, replace(released, rollout_servers=None)):
         assert plan(job, world, T0, progress).delete == [], progress
     # A URL as the trainer may write it (trailing slash) is the same server.
     held = replace(released, rollout_servers=(_url(0) + "/", _url(1) + "/"))
-    assert plan(job, world, T0, Progress.of({**_status_doc(held)}, attempt=0)).delete == []
+    assert plan(job, world, T0, TrainerReport.of({**_status_doc(held)}, attempt=0)).delete == []
 
 
-def _status_doc(progress: Progress) -> dict[str, Any]:
+def _status_doc(progress: TrainerReport) -> dict[str, Any]:
     return {
         "step": progress.step,
         "weightVersion": progress.weight_version,
@@ -454,7 +454,7 @@ def _status_doc(progress: Progress) -> dict[str, Any]:
 def test_a_surplus_pod_goes_at_once_when_the_trainer_is_not_running() -> None:
     job, world = _scaled_down()
     world = _with(world, "j-trainer-0", phase=PodPhase.pending, ready=False)
-    held = Progress(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0), _url(1)), attempt=0)
+    held = TrainerReport(step=4, weight_version=4, last_checkpoint=None, rollout_servers=(_url(0), _url(1)), attempt=0)
     p = plan(job, world, T0, held)
     assert _deleted_pods(p) == {"j-rollout-1"} and p.status.restarts == 0
     assert any("the trainer is not running" in e.message for e in p.events)

@@ -3,7 +3,7 @@
 The trainer's driver writes it (kubedistill.runtime.driver), the operator reads it to fill the
 job's status (kubedistill.operator.policy) and `kubedistill run` to show progress
 (kubedistill.runtime.entrypoints.local). The per-step history lines the trainer appends to the
-file named by HISTORY_ENV hold the same fields plus per-step extras (runtime/driver/progress.py).
+file named by HISTORY_ENV hold the same fields plus per-step extras (runtime/driver/history.py).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ class BufferClosed(RuntimeError):
 
 
 class SampleBuffer:
-    def __init__(self, staleness_rule: StalenessPolicy, metrics: RoleMetrics | None = None, version: int = 0):
-        self.staleness_rule = staleness_rule
+    def __init__(self, staleness_policy: StalenessPolicy, metrics: RoleMetrics | None = None, version: int = 0):
+        self.staleness_policy = staleness_policy
         self.metrics = metrics
         """None in tests that read the counters directly."""
         self.version = version
@@ -68,7 +68,7 @@ class SampleBuffer:
     @property
     def capped(self) -> int:
         """What the in-flight cap counts: generating samples (fullyAsync) or every in-flight one."""
-        return self.generating if self.staleness_rule.cap_counts_generating else self.in_flight
+        return self.generating if self.staleness_policy.cap_counts_generating else self.in_flight
 
     def in_flight_groups(self) -> list[SampleGroup]:
         return list(self._in_flight.values())
@@ -82,7 +82,7 @@ class SampleBuffer:
         self._check_open()
         if group.group_id in self._in_flight:
             raise ValueError(f"group {group.group_id} is already in flight")
-        if not self.staleness_rule.may_submit(self.stale_count, self.capped, len(group)):
+        if not self.staleness_policy.may_submit(self.stale_count, self.capped, len(group)):
             return False
         self._in_flight[group.group_id] = group
         self.stale_count += len(group)
@@ -92,14 +92,14 @@ class SampleBuffer:
         """Wait until the staleness rule lets `group` start, then register it as in flight."""
         async with self._cond:
             await self._cond.wait_for(
-                lambda: self._closed or self.staleness_rule.may_submit(self.stale_count, self.capped, len(group))
+                lambda: self._closed or self.staleness_policy.may_submit(self.stale_count, self.capped, len(group))
             )
             self.try_reserve(group)
 
     async def sample_finished(self) -> None:
         """A sample of an in-flight group finished generating: under fullyAsync's cap that frees a
         place for new work before its group is complete."""
-        if self.staleness_rule.cap_counts_generating:
+        if self.staleness_policy.cap_counts_generating:
             async with self._cond:
                 self._cond.notify_all()
 
@@ -128,13 +128,13 @@ class SampleBuffer:
 
     # ---- trainer side ----------------------------------------------------------------------
     async def take(self, samples: int | None = None) -> list[SampleGroup]:
-        """Wait for and remove the next step's groups (`staleness_rule.required` samples by default).
+        """Wait for and remove the next step's groups (`staleness_policy.required` samples by default).
 
         Oldest weight version first (then arrival order), so the stalest usable samples are
         trained on before they expire. Raises BufferClosed if the buffer closes first."""
-        want = self.staleness_rule.required if samples is None else samples
-        if want % self.staleness_rule.group_size:
-            raise ValueError(f"take({want}): must be a multiple of the group size {self.staleness_rule.group_size}")
+        want = self.staleness_policy.required if samples is None else samples
+        if want % self.staleness_policy.group_size:
+            raise ValueError(f"take({want}): must be a multiple of the group size {self.staleness_policy.group_size}")
         async with self._cond:
             while True:
                 self._drop_stale()
@@ -224,7 +224,7 @@ class SampleBuffer:
             raise ValueError(f"group {group_id} is not in flight (reserve it first)") from None
 
     def _too_stale(self, group: SampleGroup) -> bool:
-        return self.staleness_rule.is_too_stale(self.version, _oldest(group, self.version))
+        return self.staleness_policy.is_too_stale(self.version, _oldest(group, self.version))
 
     def _drop_stale(self) -> int:
         keep = [g for g in self._ready if not self._too_stale(g)]

@@ -43,8 +43,8 @@ from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, prep
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
+from kubedistill.runtime.driver.history import HistoryWriter
 from kubedistill.runtime.driver.membership import RolloutMembership
-from kubedistill.runtime.driver.progress import HistoryWriter
 from kubedistill.runtime.driver.rewards import RewardRegistry
 from kubedistill.runtime.driver.routing import AllEndpointsDown, EndpointPool, TeacherRouter
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
@@ -146,9 +146,9 @@ class Driver:
         self.status = status or TrainerProgress(total_steps=spec.trainer.total_steps)
         """What GET /status serves."""
         self.clock = clock
-        self.staleness_rule = StalenessPolicy.from_spec(spec)
-        self.buffer = SampleBuffer(self.staleness_rule, metrics)
-        self.req = BatchRequirements.from_spec(spec)
+        self.staleness_policy = StalenessPolicy.from_spec(spec)
+        self.buffer = SampleBuffer(self.staleness_policy, metrics)
+        self.requirements = BatchRequirements.from_spec(spec)
         self.src = PromptSource.from_spec(spec, tokenizer)
         self.rewards = RewardRegistry.for_spec(spec)
         self.pool = EndpointPool("rollout", rollout_urls)
@@ -208,7 +208,7 @@ class Driver:
         self.step, self.version = step, weight_version
         self.status.step, self.status.weight_version = step, weight_version
         for g in self.buffer.in_flight_groups():
-            if not self.staleness_rule.partial_rollout:
+            if not self.staleness_policy.partial_rollout:
                 for s in g.samples:
                     if not s.finished:
                         s.restart()
@@ -334,24 +334,24 @@ class Driver:
     async def _train_one(self) -> None:
         t0 = self.clock()
         try:
-            groups = await self.buffer.take(self.req.step_samples)
+            groups = await self.buffer.take(self.requirements.step_samples)
         except BufferClosed:
             raise self._error or RuntimeError("the sample buffer closed before totalSteps") from None
         waited = self.clock() - t0
         self._wait_seconds += waited
         self._observe("wait", waited)
         trainer_version = self.version
-        step_samples = assemble(groups, self.req, trainer_version)
-        batches = step_samples.train_batches(self.req)
+        step_samples = assemble(groups, self.requirements, trainer_version)
+        batches = step_samples.train_batches(self.requirements)
         stats = await self._on_trainer(lambda: self.trainer.train(batches))
         self.step += 1
         self.status.step = self.step
         self._consumed += len(step_samples.samples)
         staleness = step_samples.staleness()
-        rewards = [s.reward for s in step_samples.samples if s.reward is not None]
+        rewards = [sample.reward for sample in step_samples.samples if sample.reward is not None]
         synced, served, sync_seconds = False, None, 0.0
         if (
-            self.step % self.staleness_rule.trigger_parameter_sync_step == 0
+            self.step % self.staleness_policy.trigger_parameter_sync_step == 0
             and self.step < self.spec.trainer.total_steps
         ):
             t_sync = self.clock()
@@ -366,7 +366,7 @@ class Driver:
         st.step = self.step
         st.samples_per_second = self._consumed / elapsed
         st.reward_mean = sum(rewards) / len(rewards) if rewards else None
-        kls = [s.kl for s in stats if s.kl is not None]
+        kls = [mb.kl for mb in stats if mb.kl is not None]
         st.kl_student_teacher = sum(kls) / len(kls) if kls else None
         st.staleness_mean = sum(staleness) / len(staleness) if staleness else 0.0
         st.trainer_idle_ratio = self._wait_seconds / elapsed
@@ -384,24 +384,26 @@ class Driver:
                 "trainerVersion": trainer_version,
                 "synced": synced,
                 "rolloutVersions": served,
-                "lossTotal": sum(s.loss_total for s in stats) / len(stats),
-                "lossDistill": sum(s.loss_distill for s in stats) / len(stats),
-                "lossPg": sum(s.loss_pg for s in stats) / len(stats),
+                "lossTotal": sum(mb.loss_total for mb in stats) / len(stats),
+                "lossDistill": sum(mb.loss_distill for mb in stats) / len(stats),
+                "lossPg": sum(mb.loss_pg for mb in stats) / len(stats),
                 "gradNorm": last.grad_norm,
                 "lr": last.lr,
                 "stalenessMax": max(staleness) if staleness else 0,
                 "groups": [g.group_id for g in groups],
-                "resumedSamples": sum(s.resumed for s in step_samples.samples),
+                "resumedSamples": sum(sample.resumed for sample in step_samples.samples),
                 # [first, last] weight version of the tokens of each trained sample that was resumed
                 # across a sync (partialRollout: resume), and the run's samples_total counters.
-                "resumedVersionRanges": [[s.min_version, s.max_version] for s in step_samples.samples if s.resumed],
+                "resumedVersionRanges": [
+                    [sample.min_version, sample.max_version] for sample in step_samples.samples if sample.resumed
+                ],
                 "samplesTotal": dict(self.buffer.counters),
                 "waitSeconds": round(waited, 4),
-                "trainSeconds": round(sum(s.seconds for s in stats), 4),
+                "trainSeconds": round(sum(mb.seconds for mb in stats), 4),
                 "syncSeconds": round(sync_seconds, 4),
                 "droppedStale": self.buffer.counters["dropped_stale"],
                 "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
-                "offPolicy": _mean_per_key([s.off_policy for s in stats]),
+                "offPolicy": _mean_per_key([mb.off_policy for mb in stats]),
                 "rolloutRequests": dict(self.requests_by_server),
             }
         )
@@ -457,7 +459,7 @@ class Driver:
             await asyncio.sleep(self.rollout_poll_seconds)  # never drain the last server taking requests
         self.pool.drain(url)
         in_flight = self.pool.outstanding(url)
-        if in_flight and self.staleness_rule.partial_rollout:
+        if in_flight and self.staleness_policy.partial_rollout:
             try:
                 await self._rollout[url].abort()
             except Exception as e:  # it may be gone already: its requests fail over as transport errors
@@ -498,7 +500,7 @@ class Driver:
 
     async def _generate_group(self, group: SampleGroup) -> None:
         await asyncio.gather(*(self._generate_sample(group, s) for s in group.samples))
-        prepare(group, self.req)
+        prepare(group, self.requirements)
         await self.buffer.put(group)
 
     async def _generate_sample(self, group: SampleGroup, s: Sample) -> None:
@@ -507,7 +509,7 @@ class Driver:
         sp = self.spec.rollout.sampling
         t0 = self.clock()
         while not s.finished:
-            if s.needs_resume and not self.staleness_rule.partial_rollout:
+            if s.needs_resume and not self.staleness_policy.partial_rollout:
                 s.restart()
             c = s.continuation()
             req = GenerateRequest(
@@ -519,7 +521,7 @@ class Driver:
                     temperature=sp.temperature,
                     top_p=sp.top_p,
                     seed=request_seed(sp.seed, s),
-                    top_k_ids=self.req.rollout_top_k,
+                    top_k_ids=self.requirements.rollout_top_k,
                 ),
             )
             url = self.pool.acquire()
@@ -537,7 +539,7 @@ class Driver:
             s.extend(out)
         await self.buffer.sample_finished()
         self._observe("gen", self.clock() - t0)
-        if self.req.teacher_scores and not s.scored:
+        if self.requirements.teacher_scores and not s.scored:
             await self._score(group, s)
         if s.reward is None:
             text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
@@ -553,7 +555,7 @@ class Driver:
             prompt_len=prompt_len,
             top_k=self.spec.algorithm.distillation.top_k,
             images=group.images,
-            gather_ids=self.req.gather_ids(s),
+            gather_ids=self.requirements.gather_ids(s),
         )
         while True:
             name, url = self.router.acquire(s.route_value)

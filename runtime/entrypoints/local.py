@@ -36,7 +36,7 @@ from kubedistill.api.job import DistillationJob
 from kubedistill.api.progress import HISTORY_ENV, TrainerProgress
 from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime.driver.progress import read_history
+from kubedistill.runtime.driver.history import read_history
 from kubedistill.runtime.entrypoints.gpu_share import GpuDemand, share_gpus
 from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient
 

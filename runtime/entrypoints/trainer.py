@@ -100,7 +100,7 @@ def rollout_source(config_path: Path) -> Callable[[], list[str]]:
 async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetrics, config_path: Path) -> int:
     """Rank 0: the status server, the trainer, resume, the weight-sync group, then the driver."""
     from kubedistill.api.progress import TrainerProgress
-    from kubedistill.runtime.driver.progress import HistoryWriter
+    from kubedistill.runtime.driver.history import HistoryWriter
     from kubedistill.runtime.entrypoints.status_server import StatusServer
 
     spec = config.spec
