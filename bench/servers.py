@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # server_fixtures.Server: a role server as a process
 
 ENGINE_CPU = 1
 CLIENT_CPU = 0
@@ -230,61 +230,17 @@ def reference_hf(
 # --- the servers, over HTTP -------------------------------------------------------------------
 
 
-class ServerProcess:
-    def __init__(self, role: str, config: Path, port: int, log: Path, pin: bool):
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "kubedistill.cli", "role", role, "--config", str(config)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port)]
-        self.log = log
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=open(log, "wb"),
-            stderr=subprocess.STDOUT,
-            env=engine_env(),
-            start_new_session=True,  # own process group: stop() reaches vLLM's engine process
-            preexec_fn=(lambda: os.sched_setaffinity(0, {ENGINE_CPU})) if pin else None,
-        )
-
-    async def wait_healthy(self, timeout: float = 900.0) -> None:
-        import aiohttp
-
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as s:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.url} exited:\n{self.log.read_text(errors='replace')[-3000:]}")
-                try:
-                    async with s.get(self.url + "/health") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.5)
-        raise TimeoutError(f"{self.url} not healthy after {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 async def serve_rates(
     role: str, cfg_path: Path, port: int, prompts: list[list[int]], seqs: list[list[int]], a: argparse.Namespace
 ) -> list[float]:
     from kubedistill.runtime.driver.clients import RolloutClient, TeacherClient
     from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
+    from server_fixtures import Server
 
-    server = ServerProcess(role, cfg_path, port, cfg_path.with_suffix(f".{role}.log"), a.pin)
+    log = cfg_path.with_suffix(f".{role}.log")
+    server = Server(role, cfg_path, port, log_path=log, cpus={ENGINE_CPU} if a.pin else None)
     try:
-        await server.wait_healthy()
+        await asyncio.to_thread(server.wait_healthy, 900.0)
         rates = []
         if role == "rollout":
             sampling = Sampling(max_tokens=a.tokens, temperature=1.0, ignore_eos=True)

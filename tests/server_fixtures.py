@@ -80,7 +80,16 @@ def job_config(
 
 
 class Server:
-    def __init__(self, role: str, config_path: Path, port: int, replica: int = 0, log_path: Path | None = None):
+    def __init__(
+        self,
+        role: str,
+        config_path: Path,
+        port: int,
+        replica: int = 0,
+        log_path: Path | None = None,
+        cpus: set[int] | None = None,
+    ):
+        """`cpus`: pin the server (and the engine processes it starts) to these cores (benchmarks)."""
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path or config_path.with_suffix(f".{role}{replica}.log")
         env = dict(
@@ -110,6 +119,7 @@ class Server:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # its own process group: stop() reaches vLLM's children too
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
 
     def wait_healthy(self, timeout: float = 600.0) -> None:
