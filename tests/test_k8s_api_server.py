@@ -311,6 +311,7 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "grpo-with-one-sample.yaml": CEL,
     "hf-engine-on-cuda.yaml": CEL,
     "k1-without-policy-gradient.yaml": CEL,
+    "lora-all-linear-with-other-modules.yaml": CEL,
     "mini-batch-not-multiple-of-n.yaml": CEL,
     "missing-student.yaml": Server("schema", ("spec.student: Required value",)),
     # The server's own object-name check refuses it too, beside the CEL rule.
@@ -389,6 +390,43 @@ def test_broken_manifest_is_refused_by_its_layer(api: ControlPlane, namespaces: 
     for e in entries:
         by_cel = layer.by == "cel" and any(says(e, f, m) for f, m in expected)
         assert by_cel or any(phrase in e for phrase in layer.says), f"unexpected complaint: {e}"
+
+
+# spec.trainer.lora variants the offline twins judge in tests/test_api_lora.py: the real server's
+# RE2 (targetModules' name pattern), its defaulting and its schema must agree with them.
+LORA_VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "defaults": ({}, ()),
+    "attention-as-adapter": (
+        {"rank": 16, "alpha": 32, "targetModules": ["q_proj", "v_proj"], "serveAs": "adapter", "export": "adapter"},
+        (),
+    ),
+    "dropout": ({"rank": 512, "dropout": 0.1, "targetModules": ["W_pack", "_x9"]}, ()),
+    "all-linear-with-a-name": ({"targetModules": ["q_proj", "all-linear"]}, ("all-linear must be the only entry",)),
+    "dotted-path": ({"targetModules": ["layers.0.q_proj"]}, ("each entry must be all-linear",)),
+    "trailing-newline": ({"targetModules": ["q_proj\n"]}, ("each entry must be all-linear",)),
+    "duplicate": ({"targetModules": ["q_proj", "q_proj"]}, ("must not name a module twice",)),
+    "rank-over-vllms": ({"rank": 513}, ("spec.trainer.lora.rank in body should be less than or equal to 512",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_VARIANTS))
+def test_lora_variant_is_judged_alike_by_the_server_and_validate(
+    api: ControlPlane, namespaces: dict[str, str], tmp_path: Path, name: str
+) -> None:
+    lora, refusals = LORA_VARIANTS[name]
+    doc = _base("examples/one-gpu.yaml")
+    doc["spec"]["trainer"]["lora"] = lora
+    ok, message = _dry_run_create(api, namespaces["dry-run"], doc)
+    assert ok == (refusals == ()), message
+    assert _validate_accepts(doc, tmp_path) == ok
+    for phrase in refusals:
+        assert phrase in message, (phrase, message)
+    if ok:
+        # The server's defaulting yields the spec the model gives the manifest as written.
+        r = api.kubectl("create", "--dry-run=server", "-n", namespaces["dry-run"], "-f", "-", "-o", "json",
+                        stdin=json.dumps(doc))  # fmt: skip
+        stored = DistillationJob.model_validate(json.loads(r.stdout))
+        assert stored.spec == DistillationJob.model_validate(doc).spec
 
 
 # -- 3. integer bounds --------------------------------------------------------------------------------

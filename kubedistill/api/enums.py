@@ -73,6 +73,16 @@ class LrSchedule(str, Enum):
     linear = "linear"
 
 
+class LoraServeAs(str, Enum):
+    merged = "merged"
+    adapter = "adapter"
+
+
+class LoraExport(str, Enum):
+    merged = "merged"
+    adapter = "adapter"
+
+
 class PartialRolloutStrategy(str, Enum):
     resume = "resume"
     inflight = "inflight"
@@ -104,3 +114,20 @@ class GangScheduler(str, Enum):
 
 KUEUE_MAX_TEACHERS = 6
 """Kueue admits a plain pod group of at most 8 pod shapes: trainer, rollout and one per teacher."""
+
+
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM accepts (vllm.config.lora.MaxLoRARanks). A rollout engine serving
+adapters (spec.trainer.lora.serveAs adapter) starts with the smallest one at or above the rank."""
+LORA_MAX_RANK = VLLM_MAX_LORA_RANKS[-1]
+"""spec.trainer.lora.rank's bound: the largest rank vLLM serves as an adapter."""
+ALL_LINEAR = "all-linear"
+"""spec.trainer.lora.targetModules' shorthand (PEFT's): every linear layer but the output head."""
+MODULE_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+"""A module's leaf name (q_proj, gate_proj, ...): the last component of its dotted name, which is
+what a PEFT adapter_config.json lists and vLLM matches."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The max_lora_rank a vLLM engine serving adapters of this rank starts with."""
+    return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)

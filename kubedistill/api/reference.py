@@ -25,6 +25,31 @@ larger than {kubeyaml.MAX_BYTES} bytes (the API server's request limit), nested 
 are expanded, each in one line.
 """
 
+# Prose after an object's table, where a field needs an example more than a sentence.
+NOTES: dict[str, str] = {
+    "spec.trainer.lora": """
+A LoRA student: rank-16 adapters on the attention projections, served by vLLM as adapters and
+exported as a PEFT adapter folder. Omit `lora` for full fine-tuning; `lora: {}` takes the
+defaults: rank-8 adapters on every linear layer (`all-linear`), merged into the rollout servers'
+weights and into the exported model.
+
+```yaml
+spec:
+  trainer:
+    lora:
+      rank: 16
+      alpha: 32
+      targetModules: [q_proj, k_proj, v_proj, o_proj]
+      serveAs: adapter
+      export: adapter
+```
+
+`targetModules` holds `all-linear` alone or leaf module names, each once; `serveAs: adapter`
+needs the vllm rollout engine ([cross-field rules](#cross-field-rules)). `dropout` above 0 is
+allowed, but the trainer's log-probs then differ from the rollout engine's, which never drops.
+""",
+}
+
 
 def _type(node: dict[str, Any]) -> str:
     t: str = node.get("type", "")
@@ -71,6 +96,8 @@ def api_reference() -> str:
                 )
                 desc = prop.get("description", "").replace("|", "\\|")
                 out.append(f"| `{key}` | {_type(prop)} | {default} | {desc} |")
+            if path in NOTES:
+                out.append(NOTES[path].rstrip("\n"))
     out.append("\n## Cross-field rules\n")
     out.append("Checked by `kubedistill validate` and by the API server (CEL) with the same message.\n")
     out.append("| field | rule |\n| --- | --- |")

@@ -8,11 +8,23 @@ manifests as the Python checks and requires both to report the same violations.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kubedistill.api.enums import KUEUE_MAX_TEACHERS, Advantage, Device, Engine, GangScheduler, LossMode, Mode
+from kubedistill.api.enums import (
+    ALL_LINEAR,
+    KUEUE_MAX_TEACHERS,
+    MODULE_NAME,
+    Advantage,
+    Device,
+    Engine,
+    GangScheduler,
+    LoraServeAs,
+    LossMode,
+    Mode,
+)
 from kubedistill.api.losses import CONTRACTS, PolicyGradient
 
 if TYPE_CHECKING:
@@ -119,6 +131,24 @@ def _policy_gradient_check(mode: LossMode, want: bool) -> Callable[[Distillation
     return check
 
 
+def _target_modules(spec: DistillationJobSpec) -> list[str]:
+    """spec.trainer.lora.targetModules, empty without LoRA (every rule on it then holds)."""
+    lora = spec.trainer.lora
+    return [] if lora is None else lora.target_modules
+
+
+def _module_name_ok(name: str) -> bool:
+    # fullmatch, as RE2 reads `$` in the CEL twin: the end of the text, never before a final "\n".
+    return name == ALL_LINEAR or re.fullmatch(MODULE_NAME, name) is not None
+
+
+def _lora_cel(condition: str) -> str:
+    return f"!has(self.trainer.lora) || {condition}"
+
+
+LORA_MODULES = "self.trainer.lora.targetModules"
+
+
 HF_ON_CUDA_MESSAGE = "hf runs on the CPU; on device cuda use vllm"
 GPU_MESSAGE = "must be > 0 on device cuda and 0 (or unset) on device cpu"
 
@@ -200,6 +230,41 @@ SPEC_RULES: list[Rule] = [
         "must be a multiple of spec.rollout.sampling.samplesPerPrompt (whole prompt groups per step)",
         ".trainer.miniBatchSize",
         lambda s: s.trainer.mini_batch_size % s.rollout.sampling.samples_per_prompt == 0,
+    ),
+    # spec.trainer.lora: refused at apply time rather than when PEFT and vLLM read the adapter
+    # config in the pods. A name the student has no module of needs the model: the trainer checks it.
+    Rule(
+        "spec",
+        _lora_cel(f"!('{ALL_LINEAR}' in {LORA_MODULES}) || {LORA_MODULES}.all(m, m == '{ALL_LINEAR}')"),
+        f"{ALL_LINEAR} must be the only entry (it already adapts every linear layer but the output head)",
+        ".trainer.lora.targetModules",
+        lambda s: ALL_LINEAR not in _target_modules(s) or all(m == ALL_LINEAR for m in _target_modules(s)),
+    ),
+    Rule(
+        "spec",
+        _lora_cel(f"{LORA_MODULES}.all(m, m == '{ALL_LINEAR}' || m.matches('{MODULE_NAME}'))"),
+        f"each entry must be {ALL_LINEAR} or a module's leaf name matching {MODULE_NAME}, e.g. q_proj"
+        " (the last component of its dotted name)",
+        ".trainer.lora.targetModules",
+        lambda s: all(_module_name_ok(m) for m in _target_modules(s)),
+    ),
+    Rule(
+        "spec",
+        _lora_cel(f"{LORA_MODULES}.all(m, {LORA_MODULES}.exists_one(n, n == m))"),
+        "must not name a module twice",
+        ".trainer.lora.targetModules",
+        lambda s: len(set(_target_modules(s))) == len(_target_modules(s)),
+    ),
+    Rule(
+        "spec",
+        _lora_cel("self.trainer.lora.serveAs != 'adapter' || self.rollout.inference.engine == 'vllm'"),
+        "adapter is served by vLLM only: set spec.rollout.inference.engine vllm, or serveAs merged",
+        ".trainer.lora.serveAs",
+        lambda s: (
+            s.trainer.lora is None
+            or s.trainer.lora.serve_as is not LoraServeAs.adapter
+            or s.rollout.inference.engine is Engine.vllm
+        ),
     ),
     Rule(
         "spec",

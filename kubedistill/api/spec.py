@@ -14,7 +14,9 @@ from pydantic_core import PydanticCustomError
 
 from kubedistill.api.base import DNS_LABEL, MAX_SAFE_INT, ApiModel, FreeForm
 from kubedistill.api.enums import (
+    ALL_LINEAR,
     KUEUE_MAX_TEACHERS,
+    LORA_MAX_RANK,
     Advantage,
     AdvantageBaseline,
     Device,
@@ -23,6 +25,8 @@ from kubedistill.api.enums import (
     GangScheduler,
     ImportanceLevel,
     ImportanceMode,
+    LoraExport,
+    LoraServeAs,
     LossAggregation,
     LossMode,
     LrSchedule,
@@ -56,6 +60,9 @@ __all__ = [
     "ImportanceMode",
     "InferenceSpec",
     "KUEUE_MAX_TEACHERS",
+    "LoraExport",
+    "LoraServeAs",
+    "LoraSpec",
     "LossAggregation",
     "LossMode",
     "LrSchedule",
@@ -239,6 +246,34 @@ class OptimSpec(ApiModel):
     """Final learning rate as a fraction of lr (cosine/linear)."""
 
 
+class LoraSpec(ApiModel):
+    """Train low-rank adapters (PEFT LoRA) on a frozen student: only the adapters are optimised,
+    checkpointed and sent to the rollout servers (docs/api.md#spectrainerlora)."""
+
+    rank: Annotated[int, Field(ge=1, le=LORA_MAX_RANK)] = 8
+    """Adapter rank r. At most 512, the largest rank vLLM serves: with serveAs adapter the rollout
+    engine starts with vLLM's smallest max_lora_rank (1, 8, 16, 32, 64, 128, 256, 320 or 512) at or
+    above it."""
+    alpha: Annotated[int, Field(ge=1, le=65536)] = 16
+    """Scaling numerator: the adapter's update is (alpha / rank) * B A."""
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    """Dropout on the adapter's input while training. Allowed above 0, but the trainer's log-probs
+    then differ from the rollout engine's (which never drops) by more than numerics."""
+    target_modules: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=128)]], Field(min_length=1, max_length=64)
+    ] = Field(default_factory=lambda: [ALL_LINEAR])
+    """Leaf names (the last component of the dotted module name) of the linear modules that get
+    adapters, each once, e.g. [q_proj, v_proj]; or [all-linear] alone: every linear layer except
+    the output head. A name the student has no module of is refused when the trainer starts."""
+    serve_as: LoraServeAs = LoraServeAs.merged
+    """How the rollout servers apply each received adapter: merged (added into their base weights
+    on receipt; generation runs at base-model speed) or adapter (served as a LoRA adapter, one
+    per weight version; needs spec.rollout.inference.engine vllm)."""
+    export: LoraExport = LoraExport.merged
+    """What spec.checkpoint.exportHf exports at the end: merged (a plain HF model) or adapter (a
+    PEFT adapter folder whose adapter_config.json names the base model's path)."""
+
+
 class TrainerSpec(ApiModel):
     """The trainer gang: pod 0 runs the driver; every pod is a data-parallel (FSDP) rank."""
 
@@ -262,6 +297,8 @@ class TrainerSpec(ApiModel):
     """Recompute activations in backward to save memory."""
     mixed_precision: DType = DType.auto
     """Compute dtype of the FSDP parameters (master weights stay fp32). auto = bfloat16 on cuda, float32 on cpu."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters instead of every weight. Unset: full fine-tuning."""
     overrides: RoleOverrides = Field(default_factory=RoleOverrides)
     """Pod settings for the trainer pods."""
 
@@ -377,7 +414,8 @@ class CheckpointSpec(ApiModel):
     keep: Annotated[int, Field(ge=1, le=1000)] = 3
     """Complete checkpoints to keep."""
     export_hf: bool = True
-    """Export the trained student as a plain HF directory at the end."""
+    """Export the trained student as a plain HF directory at the end (a PEFT adapter folder
+    instead with spec.trainer.lora.export adapter)."""
 
 
 class WeightSyncSpec(ApiModel):
