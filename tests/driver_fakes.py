@@ -417,6 +417,9 @@ class FakeTrainer:
     def named_full_weights(self) -> Iterator[tuple[str, Any]]:
         yield "w", [float(len(self.steps))]
 
+    def lora_adapter(self) -> None:
+        return None
+
     def save_checkpoint(self, step: int, weight_version: int, driver_state: bytes) -> Path:
         self.checkpoints.append(Checkpoint(step, weight_version, driver_state))
         return Path(f"step-{step}")

@@ -4,56 +4,15 @@ follower joins each collective from Trainer.follow()."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from kubedistill.runtime.trainer import Trainer
-from trainer_cases import make_batch, make_spec
+from trainer_cases import make_batch, make_spec, run_ranks
 
-HERE = Path(__file__).resolve().parent
 torch.set_num_threads(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world: int, spec_json: str, tmp: Path, scenario: str) -> dict:
-    spec_file, out = tmp / f"spec-{scenario}-{world}.json", tmp / f"out-{scenario}-{world}.pt"
-    spec_file.write_text(spec_json)
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "trainer_cases.py"),
-                str(r),
-                str(world),
-                str(port),
-                str(spec_file),
-                str(out),
-                scenario,
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = [p.communicate(timeout=180)[0] for p in procs]
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
-    return torch.load(out, weights_only=False)
 
 
 def test_two_ranks_match_one_rank_and_resume_replays_a_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:

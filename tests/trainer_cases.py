@@ -3,6 +3,9 @@ run as a subprocess by tests/test_trainer_dist.py and tests/test_checkpoint.py."
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,8 @@ import torch
 
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.wire.batch import TrainBatch
+
+HERE = Path(__file__).resolve().parent
 
 
 def make_spec(student: Path, ckpt: Path, **overrides: Any) -> DistillationJobSpec:
@@ -60,6 +65,42 @@ def make_batch(seed: int = 0, n: int = 5, vocab: int = 16, k: int = 3) -> TrainB
         group_ids=[i // 2 for i in range(n)],
         weight_versions=[0] * n,
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, spec_json: str, tmp: Path, scenario: str) -> dict:
+    spec_file, out = tmp / f"spec-{scenario}-{world}.json", tmp / f"out-{scenario}-{world}.pt"
+    spec_file.write_text(spec_json)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "trainer_cases.py"),
+                str(r),
+                str(world),
+                str(port),
+                str(spec_file),
+                str(out),
+                scenario,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    return torch.load(out, weights_only=False)
 
 
 def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario: str) -> None:

@@ -1,5 +1,6 @@
-"""The student as the trainer runs it: the HF causal LM wrapped to return log-probs, its loading,
-the start-up check that sequence packing is safe for it, and its full weights under HF names.
+"""The student as the trainer runs it: the HF causal LM wrapped to return log-probs, its loading
+(with LoRA adapters when spec.trainer.lora asks), the start-up check that sequence packing is
+safe for it, and the weights a sync sends under HF names: every weight, or only the adapters.
 
 Log-probs: the decoder runs on the micro-batch's rows, the LM head only at the positions that
 predict response tokens; log pi(y) = logit(y) - logsumexp(logits), and the same for the teacher's
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import DistillationJobSpec, LoraSpec
 from kubedistill.runtime.models.loading import load_causal_lm
+from kubedistill.runtime.trainer.lora import adapter_wire, apply_lora, wire_name
 from kubedistill.runtime.wire.dtypes import dtype_name
-from kubedistill.runtime.wire.protocol import TensorMeta
+from kubedistill.runtime.wire.protocol import LoraAdapter, TensorMeta
 
 log = logging.getLogger("kubedistill.trainer")
 
@@ -46,9 +48,11 @@ class LogProbModel(_Module):
     in charge of gathering the embedding, final norm and LM head.
     """
 
-    def __init__(self, lm: Any):
+    def __init__(self, lm: Any, lora: LoraSpec | None = None):
         super().__init__()
         self.lm = lm
+        self.lora = lora
+        """Set when `lm` is a PEFT model whose LoRA adapters are all that trains."""
 
     def forward(
         self,
@@ -82,7 +86,8 @@ def load_student(spec: DistillationJobSpec, path: str | Path, device: torch.devi
     if spec.trainer.gradient_checkpointing:
         lm.gradient_checkpointing_enable()
     lm.config.use_cache = False
-    model = LogProbModel(lm)
+    lora = spec.trainer.lora
+    model = LogProbModel(apply_lora(lm, lora) if lora is not None else lm, lora)
     model.to(device)
     return model
 
@@ -134,19 +139,33 @@ def use_packing(spec: DistillationJobSpec, model: LogProbModel, device: torch.de
     return False
 
 
+def synced_params(model: LogProbModel) -> Iterator[tuple[str, Any]]:
+    """(HF name, parameter) of what a weight sync sends, in a fixed order: every parameter (a
+    tied lm_head once, under its embedding's name), or with LoRA only the adapters, under the
+    names PEFT saves them by."""
+    for name, p in model.named_parameters():
+        if model.lora is None:
+            yield name[len(LM_PREFIX) :], p
+        elif (wire := wire_name(name)) is not None:
+            yield wire, p
+
+
 def weight_metas(model: LogProbModel) -> list[TensorMeta]:
     """Name, dtype and full shape of what full_weights yields, in its order, without gathering
     (a sharded parameter's shape is its full shape)."""
-    return [
-        TensorMeta(name=name[len(LM_PREFIX) :], dtype=dtype_name(p.dtype), shape=list(p.shape))
-        for name, p in model.named_parameters()
-    ]
+    return [TensorMeta(name=name, dtype=dtype_name(p.dtype), shape=list(p.shape)) for name, p in synced_params(model)]
 
 
 def full_weights(model: LogProbModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, full tensor) in a fixed order, each materialised (all-gathered) when
-    reached, so every rank must exhaust it; a tied lm_head is omitted."""
-    # named_parameters() yields a tied parameter once, under its first (embedding) name.
-    for name, p in model.named_parameters():
+    """(HF name, full tensor) of synced_params, each materialised (all-gathered) when reached,
+    so every rank must exhaust it."""
+    for name, p in synced_params(model):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        yield name[len(LM_PREFIX) :], full.detach()
+        yield name, full.detach()
+
+
+def lora_adapter(model: LogProbModel) -> LoraAdapter | None:
+    """The manifest's `lora` section when the model trains LoRA adapters, else None."""
+    if model.lora is None:
+        return None
+    return adapter_wire(model.lora, (name for name, _ in synced_params(model)))

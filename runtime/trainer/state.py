@@ -1,5 +1,7 @@
 """The trainer's durable state: checkpoints (model, optimiser, LR scheduler, RNG, step count, the
 driver's opaque state), resume from the newest one, and export of the student as an HF directory.
+A LoRA student checkpoints its adapters (and their optimiser state) only, never the frozen base,
+and exports a merged HF model or a PEFT adapter folder (spec.trainer.lora.export).
 
 Each operation is collective: rank 0 calls the method named for it and gets the result; the other
 ranks call its ``join_*`` twin, which runs the same collectives. Full (unsharded) state dicts are
@@ -17,10 +19,11 @@ from typing import Any
 
 import torch
 
-from kubedistill.api.spec import DistillationJobSpec, ResumePolicy
+from kubedistill.api.spec import DistillationJobSpec, LoraExport, ResumePolicy
 from kubedistill.runtime.checkpoint import CheckpointInfo, CheckpointStore, read_pickle, write_pickle
 from kubedistill.runtime.trainer.distributed import Ranks
-from kubedistill.runtime.trainer.model import LM_PREFIX, LogProbModel
+from kubedistill.runtime.trainer.lora import is_adapter_param, lora_config, wire_name
+from kubedistill.runtime.trainer.model import LM_PREFIX, LogProbModel, lora_adapter
 
 TRAINER_FILE = "trainer.pt"
 DRIVER_FILE = "driver.pkl"
@@ -110,11 +113,17 @@ class TrainerState:
         return model_sd, optim_sd
 
     def _full_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's full state on rank 0's CPU: every weight, or with LoRA the adapters only."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        lora = self.model.lora is not None
         sd: dict[str, torch.Tensor] = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
         )
+        if lora:
+            # ignore_frozen_params still returns a tied lm_head (it shares the embedding's
+            # parameter object only by name): keep what PEFT trains.
+            sd = {k: v for k, v in sd.items() if is_adapter_param(k)}
         return sd
 
     # ---- resume --------------------------------------------------------------------------------
@@ -125,11 +134,26 @@ class TrainerState:
         fresh)."""
         self.store.remove_partial()
         info = self.store.latest() if self.spec.checkpoint.resume is ResumePolicy.auto else None
-        self.ranks.broadcast_object(info is not None)
-        if info is None:
+        state = torch.load(info.path / TRAINER_FILE, weights_only=False) if info is not None else None
+        mismatch = self._kind_mismatch(state["model"]) if state is not None else None
+        self.ranks.broadcast_object(state is not None and mismatch is None)
+        if mismatch is not None:
+            raise ValueError(mismatch)
+        if info is None or state is None:
             return None
-        step_count = self._load(torch.load(info.path / TRAINER_FILE, weights_only=False))
+        step_count = self._load(state)
         return _resumed(info), step_count
+
+    def _kind_mismatch(self, model_sd: dict[str, Any]) -> str | None:
+        """Why a checkpoint cannot resume this spec's model (LoRA adapters vs full weights)."""
+        adapters = bool(model_sd) and all(is_adapter_param(k) for k in model_sd)
+        if adapters == (self.model.lora is not None):
+            return None
+        held, wanted = ("LoRA adapters", "full weights") if adapters else ("full weights", "LoRA adapters")
+        return (
+            f"spec.trainer.lora: the newest checkpoint in {self.store.root} holds {held}, this job "
+            f"trains {wanted}; point spec.checkpoint.path elsewhere or set checkpoint.resume: never"
+        )
 
     def join_resume(self) -> int | None:
         """Ranks > 0: the collectives of :meth:`resume`; the restored step count, or None."""
@@ -146,7 +170,8 @@ class TrainerState:
             set_optimizer_state_dict,
         )
 
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        # LoRA: the checkpoint holds the adapters only; the frozen base is the one just loaded.
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=self.model.lora is None)
         set_model_state_dict(self.model, state.get("model", {}), options=opts)
         set_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}), options=opts)
         small = self.ranks.broadcast_object(
@@ -161,22 +186,18 @@ class TrainerState:
 
     def export(self, out_dir: Path) -> Path:
         """Rank 0: write the student as a plain HF directory (safetensors, config, tokenizer)
-        loadable by transformers and vLLM; written to a temp dir, then renamed to `out_dir`."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        loadable by transformers and vLLM, or with LoRA export: adapter a PEFT adapter folder;
+        written to a temp dir, then renamed to `out_dir`."""
+        from transformers import AutoTokenizer
 
-        sd = {k[len(LM_PREFIX) :]: v for k, v in self._full_model_state().items()}
-        hf_config = self.model.lm.config
         tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        fresh = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        result = fresh.load_state_dict(sd, strict=False)
-        tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
-        if result.unexpected_keys or set(result.missing_keys) - tied:
-            raise RuntimeError(
-                f"export: state dict does not match {type(fresh).__name__}: missing "
-                f"{sorted(set(result.missing_keys) - tied)}, unexpected {sorted(result.unexpected_keys)}"
-            )
-        fresh.save_pretrained(str(tmp), safe_serialization=True)
+        sd = self._full_model_state()
+        lora = self.model.lora
+        if lora is not None and lora.export is LoraExport.adapter:
+            self._write_adapter(sd, tmp)
+        else:
+            self._write_model(self._merged(sd) if lora is not None else sd, tmp)
         tok_src = self.spec.student.tokenizer or self.model_path
         AutoTokenizer.from_pretrained(str(tok_src), local_files_only=True).save_pretrained(str(tmp))
         gen = self.model_path / "generation_config.json"
@@ -188,6 +209,56 @@ class TrainerState:
         tmp.rename(out_dir)
         self.ranks.barrier()
         return out_dir
+
+    def _write_adapter(self, sd: dict[str, torch.Tensor], tmp: Path) -> None:
+        """A PEFT adapter folder (adapter_config.json naming the base model's directory, and
+        adapter_model.safetensors under PEFT's saved names): what PeftModel.from_pretrained and
+        vLLM's LoRARequest load."""
+        from safetensors.torch import save_file
+
+        adapter = lora_adapter(self.model)
+        assert adapter is not None and self.model.lora is not None
+        config = lora_config(self.model.lora, adapter.target_modules)
+        config.base_model_name_or_path = str(self.model_path.resolve())
+        config.save_pretrained(str(tmp))
+        tensors = {f"base_model.model.{wire_name(k)}": v.contiguous() for k, v in sd.items()}
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    def _merged(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The base model from disk with the adapters in `sd` merged into it by PEFT, as a plain
+        HF state dict under LM_PREFIX."""
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        from kubedistill.runtime.models.loading import load_causal_lm
+
+        adapter = lora_adapter(self.model)
+        assert adapter is not None and self.model.lora is not None
+        remote = self.spec.student.trust_remote_code
+        base = load_causal_lm(self.model_path, dtype="float32", what="spec.student.model", trust_remote_code=remote)
+        peft_model = get_peft_model(base, lora_config(self.model.lora, adapter.target_modules))
+        result: Any = set_peft_model_state_dict(
+            peft_model, {f"base_model.model.{wire_name(k)}": v for k, v in sd.items()}
+        )
+        unexpected = sorted(result.unexpected_keys)
+        if unexpected:
+            raise RuntimeError(f"export: adapter tensors PEFT did not expect: {unexpected[:3]}")
+        merged = peft_model.merge_and_unload()
+        return {LM_PREFIX + k: v for k, v in merged.state_dict().items()}
+
+    def _write_model(self, sd: dict[str, torch.Tensor], tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        sd = {k[len(LM_PREFIX) :]: v for k, v in sd.items()}
+        hf_config = self.model.lm.config
+        fresh = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        result = fresh.load_state_dict(sd, strict=False)
+        tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+        if result.unexpected_keys or set(result.missing_keys) - tied:
+            raise RuntimeError(
+                f"export: state dict does not match {type(fresh).__name__}: missing "
+                f"{sorted(set(result.missing_keys) - tied)}, unexpected {sorted(result.unexpected_keys)}"
+            )
+        fresh.save_pretrained(str(tmp), safe_serialization=True)
 
     def join_export(self) -> None:
         """Ranks > 0: the collectives of :meth:`export`."""

@@ -66,12 +66,19 @@ from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handler
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
 from kubedistill.runtime.trainer.microbatch import MicroBatch, collate, plan_order, plan_step
-from kubedistill.runtime.trainer.model import full_weights, load_student, pad_token_id, use_packing, weight_metas
+from kubedistill.runtime.trainer.model import (
+    full_weights,
+    load_student,
+    lora_adapter,
+    pad_token_id,
+    use_packing,
+    weight_metas,
+)
 from kubedistill.runtime.trainer.schedule import lr_factor
 from kubedistill.runtime.trainer.state import Resumed, TrainerState
 from kubedistill.runtime.trainer.stats import StepStats, StepSums, record_step
 from kubedistill.runtime.wire.batch import BatchBuffers, BatchParts, Plan, TensorBatch, TrainBatch
-from kubedistill.runtime.wire.protocol import TensorMeta
+from kubedistill.runtime.wire.protocol import LoraAdapter, TensorMeta
 
 if TYPE_CHECKING:
     from kubedistill.runtime.metrics import RoleMetrics
@@ -101,8 +108,10 @@ class Trainer:
         shard(self.model, self.ranks, compute_dtype(spec.trainer.mixed_precision, spec.device))
 
         o = spec.trainer.optim
+        # With LoRA only the adapters train: AdamW keeps no state for the frozen base.
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+            self.trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, o, spec.trainer.total_steps)
@@ -285,7 +294,7 @@ class Trainer:
             )
             (losses["total"] * mb.weights).sum().backward()
             sums.add(mb, losses, logprobs, self.world, filler)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.trainer.optim.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, spec.trainer.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -321,8 +330,14 @@ class Trainer:
         """What named_full_weights yields (names, dtypes, full shapes), with no collective."""
         return weight_metas(self.model)
 
+    def lora_adapter(self) -> LoraAdapter | None:
+        """The adapter's config when the student trains LoRA adapters (named_full_weights then
+        yields only those), else None."""
+        return lora_adapter(self.model)
+
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, full fp32 tensor) in a fixed order; a tied lm_head is omitted.
+        With LoRA, only the adapters' tensors, under PEFT's saved names.
 
         Collective: rank 0 calls it and must exhaust the iterator; the followers join through
         follow(). Tensors are on the trainer's device, materialised one at a time.

@@ -41,6 +41,7 @@ from kubedistill.runtime.weight_sync.transfer import TransferStats, send, torch_
 from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.http import REQUEST_ERRORS, TRANSPORT_ERRORS, BlockingClient, ServerError, call, fetch
 from kubedistill.runtime.wire.protocol import (
+    LoraAdapter,
     Manifest,
     TensorMeta,
     VersionResponse,
@@ -74,6 +75,11 @@ class WeightSource(Protocol):
 
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full tensors, each materialised when reached (a collective: exhaust it)."""
+        ...
+
+    def lora_adapter(self) -> LoraAdapter | None:
+        """Set when the tensors are a LoRA adapter's (then they travel as the trainer holds
+        them, not in the engines' dtype: they are small, and the merge wants them exact)."""
         ...
 
 
@@ -244,14 +250,19 @@ class WeightSender:
         self.ensure_group()
         budget = bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024
         draw: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+        adapter: LoraAdapter | None = None
         if isinstance(weights, WeightSource):
             metas = weights.weight_metas()
+            adapter = weights.lora_adapter()
             draw = weights.named_full_weights  # called only after every server began the sync
         else:
             named = list(weights)
             metas = [tensor_meta(n, t) for n, t in named]
             draw = named.__iter__
-        manifest = layout([as_wire_dtype(m, self.wire_dtype) for m in metas], budget)
+        if adapter is None:
+            metas = [as_wire_dtype(m, self.wire_dtype) for m in metas]
+        manifest = layout(metas, budget)
+        manifest.lora = adapter
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch)
 
         async def begin(url: str) -> str | None:

@@ -106,12 +106,31 @@ class Bucket(WireRequest):
     entries: list[BucketEntry]
 
 
+class LoraAdapter(WireRequest):
+    """What a receiver needs to apply the LoRA adapter a manifest carries. The manifest's tensors
+    are then `<module>.lora_A.weight` ([rank, in]) and `<module>.lora_B.weight` ([out, rank]) for
+    each adapted module, `<module>` being the HF name of the base linear layer whose
+    `<module>.weight` ([out, in]) the adapter updates by scale * B @ A."""
+
+    rank: Annotated[int, Field(ge=1)]
+    alpha: Annotated[float, Field(gt=0.0)]
+    scale: Annotated[float, Field(gt=0.0)]
+    """What B @ A is multiplied by: alpha / rank (alpha / sqrt(rank) with rsLoRA)."""
+    target_modules: list[str]
+    """The adapted modules' leaf names (q_proj, ...), as a PEFT/vLLM adapter config lists them."""
+    serve_as: Literal["merged", "adapter"] = "merged"
+    """merged: add scale * B @ A into the base weights (kept, so each version replaces the
+    previous one's delta exactly); adapter: serve it as a LoRA adapter (vLLM)."""
+
+
 class Manifest(WireRequest):
     """The ordered tensors of one sync and the bucket layout both sides use (no pickling)."""
 
     bucket_bytes: Annotated[int, Field(ge=1)]
     tensors: list[TensorMeta]
     buckets: list[Bucket]
+    lora: LoraAdapter | None = None
+    """Set when the tensors are a LoRA adapter's, not the model's own weights."""
 
     @property
     def total_bytes(self) -> int:
