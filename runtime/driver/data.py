@@ -5,6 +5,13 @@ A row holds `prompt` (chat messages: a list of {role, content}; the column is sp
 prompt is rendered with the student tokenizer's chat template (`add_generation_prompt=True`) and
 tokenized; prompts longer than `maxPromptLength` tokens are skipped and counted.
 
+Image rows (verl's multimodal format: `images` of `{bytes}`, raw bytes or base64 strings, and an
+`<image>` marker in the prompt text per image) are rendered through the student's processor when
+the source has one (runtime/driver/multimodal.py): `prompt_ids` are then the processor-expanded
+ids and `engine_prompt_ids` the unexpanded ones vLLM takes with the images. The images' limits
+(count, bytes, pixels) are checked for every row when the files are read, so a bad row stops the
+job before it starts. Text rows take the tokenizer path whether or not there is a processor.
+
 Order: epoch e visits every row once, in a permutation drawn from (spec.data.seed, e) when
 shuffling (file order otherwise). The cursor (epoch, position) is the whole state: saving it
 and restoring it into a source over the same files continues with exactly the next prompt
@@ -21,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from kubedistill.runtime.driver.multimodal import DEFAULT_LIMITS, ImageLimits, Processor, check_images, render_images
 
 if TYPE_CHECKING:
     from kubedistill.api.spec import DistillationJobSpec
@@ -56,6 +65,10 @@ class PromptItem:
     reward_fn: str | None = None
     images: list[Any] | None = None
     extra_info: dict[str, Any] = field(default_factory=dict)
+    engine_prompt_ids: list[int] | None = None
+    """Image rows rendered by the student's processor: the prompt with one image pad per image,
+    what vLLM takes together with the images (prompt_ids are expanded). None otherwise: then
+    prompt_ids serve every consumer."""
 
     def images_base64(self) -> list[str] | None:
         """The images as base64 strings (the teacher /score wire format), or None."""
@@ -63,9 +76,9 @@ class PromptItem:
             return None
         out = []
         for i, img in enumerate(self.images):
-            if isinstance(img, dict) and isinstance(img.get("bytes"), (bytes, bytearray)):
-                out.append(base64.b64encode(img["bytes"]).decode())
-            elif isinstance(img, (bytes, bytearray)):
+            if isinstance(img, dict):
+                img = img.get("bytes")
+            if isinstance(img, (bytes, bytearray)):
                 out.append(base64.b64encode(img).decode())
             elif isinstance(img, str):
                 out.append(img)  # already base64 (or a data URL) in jsonl
@@ -140,20 +153,31 @@ class PromptSource:
         shuffle: bool = True,
         seed: int = 0,
         route_key: str = "data_source",
+        processor: Processor | None = None,
+        image_limits: ImageLimits = DEFAULT_LIMITS,
     ):
+        """`processor`: the student's (AutoProcessor) for a vision-language student; without one,
+        image rows are tokenized as text and their images passed along unread."""
         if not files:
             raise ValueError("spec.data.train: no files")
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.image_limits = image_limits
         self.prompt_key = prompt_key
         self.max_prompt_length = max_prompt_length
         self.shuffle = shuffle
         self.seed = seed
         self.route_key = route_key
         self.rows: list[dict[str, Any]] = []
+        self._where: list[str] = []
         for f in files:
             for i, row in enumerate(read_rows(Path(f))):
-                _check_row(row, f"{f} row {i}", prompt_key, route_key)
+                where = f"{f} row {i}"
+                _check_row(row, where, prompt_key, route_key)
+                if row.get("images"):
+                    check_images(row["images"], where, image_limits, pixels=processor is not None)
                 self.rows.append(row)
+                self._where.append(where)
         if not self.rows:
             raise ValueError(f"spec.data.train: the files {list(map(str, files))} hold no rows")
         self.epoch = 0
@@ -164,7 +188,9 @@ class PromptSource:
         self._too_long: set[int] = set()
 
     @classmethod
-    def from_spec(cls, spec: DistillationJobSpec, tokenizer: Tokenizer, split: str = "train") -> PromptSource:
+    def from_spec(
+        cls, spec: DistillationJobSpec, tokenizer: Tokenizer, split: str = "train", processor: Processor | None = None
+    ) -> PromptSource:
         """The source of spec.data.train, or of spec.data.val (never shuffled) with split="val"."""
         d = spec.data
         if split not in ("train", "val"):
@@ -180,6 +206,7 @@ class PromptSource:
             shuffle=d.shuffle and split == "train",
             seed=d.seed,
             route_key=spec.routing.key,
+            processor=processor,
         )
 
     def __len__(self) -> int:
@@ -229,7 +256,12 @@ class PromptSource:
     def _item(self, r: int, pos: int) -> PromptItem | None:
         row = self.rows[r]
         messages = row[self.prompt_key]
-        ids = self.tokenize(messages)
+        engine_ids = None
+        if self.processor is not None and row.get("images"):
+            rendered = render_images(messages, row["images"], self.processor, self._where[r], self.image_limits)
+            ids, engine_ids = rendered.prompt_ids, rendered.engine_prompt_ids
+        else:
+            ids = self.tokenize(messages)
         if len(ids) > self.max_prompt_length:
             self._too_long.add(r)
             return None
@@ -246,6 +278,7 @@ class PromptSource:
             reward_fn=rm.get("fn"),
             images=row.get("images"),
             extra_info=row.get("extra_info") or {},
+            engine_prompt_ids=engine_ids,
         )
 
     # ---- checkpoint ------------------------------------------------------------------------
