@@ -45,6 +45,11 @@ class GenerateRequest(WireRequest):
     sampling: Sampling = Field(default_factory=Sampling)
     prefix_token_ids: list[TokenId] = Field(default_factory=list)
     """Response tokens already generated (e.g. before an abort); generation continues after them."""
+    images: list[str] | None = None
+    """Base64 images of the prompt (a vision-language student). prompt_token_ids are then the
+    processor-expanded ids, one image pad per merged patch, as the trainer and teachers see them; a
+    vLLM engine collapses each image's run of pads to one and passes the images as multi-modal data.
+    A resumed request (prefix_token_ids) sends them again."""
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -178,7 +183,9 @@ class ScoreRequest(WireRequest):
     prompt_len: Annotated[int, Field(ge=1)]
     top_k: Annotated[int, Field(ge=1, le=256)] = 32
     images: list[str] | None = None
-    """Base64-encoded images of the sample (vision teachers; passed to vLLM as multi-modal data)."""
+    """Base64-encoded images of the sample (vision teachers). token_ids are then the processor-
+    expanded ids, as for GenerateRequest.images; a vLLM engine collapses each image's run of pads
+    to one, passes the images as multi-modal data and maps the log-probs back to these positions."""
     gather_ids: list[list[TokenId]] | None = None
     """Ids whose teacher log-probs to return at each response position (one row per response
     token, at most 256 ids each): the student's top-k for lossMode reverseKLTopK."""
