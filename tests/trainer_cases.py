@@ -103,6 +103,11 @@ def run_ranks(world: int, spec_json: str, tmp: Path, scenario: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def saved_batch_path(out: str | Path) -> Path:
+    """Where the "saved_batch" scenario reads its batch (torch.save of a TrainBatch)."""
+    return Path(out).with_name(Path(out).stem + "-batch.pt")
+
+
 def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario: str) -> None:
     """One trainer rank. Rank 0 drives `scenario` and writes results to `out` (torch.save)."""
     import torch.distributed as dist
@@ -127,6 +132,10 @@ def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario:
             result["resumed"] = (resumed.step, resumed.weight_version, resumed.driver_state, trainer.step_count)
             trainer.step(make_batch(seed=2))
             result["replayed"] = {n: t.clone() for n, t in trainer.named_full_weights()}
+        elif scenario == "saved_batch":
+            # A batch the test saved beside `out` (e.g. image samples, tests/test_trainer_vl.py).
+            result["stats"] = trainer.step(torch.load(saved_batch_path(out), weights_only=False))
+            result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
         elif scenario == "proximal":
             # Two mini-batches in one step: the proximal pass runs its forwards on every rank.
             result["stats"] = trainer.train([make_batch(), make_batch(seed=1)])

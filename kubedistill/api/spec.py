@@ -299,6 +299,13 @@ class TrainerSpec(ApiModel):
     """Compute dtype of the FSDP parameters (master weights stay fp32). auto = bfloat16 on cuda, float32 on cpu."""
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of every weight. Unset: full fine-tuning."""
+    freeze_vision: bool = False
+    """Vision-language student: keep its vision tower (patch embedding, vision blocks, patch
+    merger and deepstack mergers) as loaded. It then gets no gradients and no optimiser state, and
+    weight syncs leave it out (the rollout servers hold the same). Off by default, as verl trains
+    the tower in the reference job this platform reproduces: a student whose vision features do
+    not yet serve the task needs it trained. prime-rl freezes it; do so to save optimiser memory
+    and sync volume once the tower is good enough. A text student refuses true at trainer start."""
     overrides: RoleOverrides = Field(default_factory=RoleOverrides)
     """Pod settings for the trainer pods."""
 

@@ -6,21 +6,25 @@ as its TrainBatch is built.
 
 Output: `StepSamples`, `requireBatches` mini-batches of `miniBatchSize` samples each, in group
 order; `to_train_batch` turns samples into the trainer's BatchParts (runtime/wire/batch.py): each
-sample's arrays, made once as its group entered the buffer (`prepare`).
+sample's arrays, made once as its group entered the buffer (`prepare`). A group with images (a
+vision-language student) gets its image arrays there too, once for all its samples, through the
+student's image processor (runtime/driver/pixels.py); a group restored from a checkpoint gets
+them when its step is assembled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
 from kubedistill.api.losses import CONTRACTS, SIGNAL_NAMES, TOKEN_SIGNALS, LossContract, active_contract
 from kubedistill.api.spec import DistillationJobSpec, LossMode
+from kubedistill.runtime.driver.pixels import StudentImages
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
-from kubedistill.runtime.wire.batch import BatchParts, SampleArrays, pack_sample
+from kubedistill.runtime.wire.batch import BatchParts, SampleArrays, SampleImages, pack_sample
 
 T = TypeVar("T")
 
@@ -38,6 +42,8 @@ class BatchRequirements:
     """The widest top-k row the contract's top-k pair may have (algorithm.distillation.topK)."""
     rewards: bool = False
     """Task rewards in the loss: a reward on every sample."""
+    images: StudentImages | None = field(default=None, compare=False, repr=False)
+    """The student's image processor, for samples with images (None: such samples are refused)."""
 
     @classmethod
     def from_spec(cls, spec: DistillationJobSpec) -> BatchRequirements:
@@ -50,6 +56,7 @@ class BatchRequirements:
             contract=active_contract(d),
             top_k=d.top_k,
             rewards=d.use_task_rewards,
+            images=StudentImages(spec.student.model, spec.student.trust_remote_code),
         )
 
     @property
@@ -80,6 +87,8 @@ class StepSamples:
 
     trainer_version: int
     minibatches: list[list[Sample]]
+    images: dict[int, list[str]] = field(default_factory=dict)
+    """The base64 images of the groups that have any, by group id."""
 
     @property
     def samples(self) -> list[Sample]:
@@ -87,7 +96,7 @@ class StepSamples:
 
     def train_batches(self, req: BatchRequirements) -> list[BatchParts]:
         """One batch per mini-batch."""
-        return [to_train_batch(mb, req, self.trainer_version) for mb in self.minibatches]
+        return [to_train_batch(mb, req, self.trainer_version, self.images) for mb in self.minibatches]
 
     def staleness(self) -> list[int]:
         """trainer_version - min_version of each sample."""
@@ -150,16 +159,19 @@ def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_vers
     if len(flat) != req.step_samples:
         raise ValueError(f"a step needs requireBatches x miniBatchSize = {req.step_samples} samples, got {len(flat)}")
     mb = req.mini_batch_size
-    return StepSamples(trainer_version, [flat[i : i + mb] for i in range(0, len(flat), mb)])
+    images = {g.group_id: g.images for g in groups if g.images}
+    return StepSamples(trainer_version, [flat[i : i + mb] for i in range(0, len(flat), mb)], images)
 
 
-def sample_arrays(s: Sample, req: BatchRequirements) -> SampleArrays:
+def sample_arrays(s: Sample, req: BatchRequirements, images: SampleImages | None = None) -> SampleArrays:
     """The arrays of what the trainer reads of `s` (ids, behaviour log-probs, the contract's
-    signals), made once and kept on the sample until its token data changes; its top-k rows are
-    checked as they are made. Call after check_sample."""
+    signals, its `images` when it has any), made once and kept on the sample until its token data
+    changes; its top-k rows are checked as they are made. Call after check_sample."""
     c = req.contract
     names = [n.value for n in c.signals] if c is not None else []
     a = s.arrays
+    if images is None and a is not None:
+        images = a.images  # the prompt, hence its images, never changes with the token data
     if a is None or a.response_len != len(s.response_ids) or list(a.signals) != names:
         signals = {n: _checked(s.signals.get(n), s, n) for n in names}
         if c is not None and c.top_k is not None:
@@ -174,28 +186,57 @@ def sample_arrays(s: Sample, req: BatchRequirements) -> SampleArrays:
             response_ids=s.response_ids,
             weight_version=s.min_version,
         )
+    if images is not None:
+        a.images = images
     return a
+
+
+def image_arrays(s: Sample, images: Sequence[str], req: BatchRequirements) -> SampleImages:
+    """The arrays of a sample's images (base64), checked against its prompt's image pad tokens."""
+    where = f"sample {s.sample_id} (data_source {s.data_source!r})"
+    if req.images is None:
+        raise ValueError(f"{where} has images but the batch has no image processor (BatchRequirements.images)")
+    return req.images.encode(images, s.prompt_ids, where)
 
 
 def prepare(group: SampleGroup, req: BatchRequirements) -> None:
     """Make the arrays of a group's samples as it enters the buffer, so a train step only
     concatenates them. A sample the loss cannot use is left alone: to_train_batch refuses it
-    with the whole story."""
+    with the whole story. The group's images are processed once, for all its samples."""
+    images: SampleImages | None = None
     for s in group.samples:
         try:
             check_sample(s, req)
-            sample_arrays(s, req)
+            if group.images and images is None:
+                images = image_arrays(s, group.images, req)
+            sample_arrays(s, req, images)
         except ValueError:
             continue
 
 
-def to_train_batch(samples: Sequence[Sample], req: BatchRequirements, trainer_version: int | None = None) -> BatchParts:
+def to_train_batch(
+    samples: Sequence[Sample],
+    req: BatchRequirements,
+    trainer_version: int | None = None,
+    images: Mapping[int, Sequence[str]] | None = None,
+) -> BatchParts:
     """The trainer's batch of these samples: prompt + response ids, behaviour log-probs, the
-    signals of the loss contract and the rewards the loss needs, and each sample's oldest weight
-    version. The one check of the samples (check_sample); the batch is consistent by construction."""
+    signals of the loss contract and the rewards the loss needs, each sample's oldest weight
+    version, and the image arrays of the samples whose group has `images` (base64 by group id;
+    made here for a sample that missed `prepare`, e.g. restored from a checkpoint). The one check
+    of the samples (check_sample); the batch is consistent by construction."""
     for s in samples:
         check_sample(s, req)
-    arrays = [sample_arrays(s, req) for s in samples]
+    made: dict[int, SampleImages] = {}
+    arrays = []
+    for s in samples:
+        group_images = images.get(s.group_id) if images is not None else None
+        mine = None
+        if group_images and (s.arrays is None or s.arrays.images is None):
+            if s.group_id not in made:
+                made[s.group_id] = image_arrays(s, group_images, req)
+            mine = made[s.group_id]
+        arrays.append(sample_arrays(s, req, mine))
     return BatchParts(
         arrays,
         rewards=[float(_checked(s.reward, s, "task reward")) for s in samples] if req.rewards else None,

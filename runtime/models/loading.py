@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,19 +31,37 @@ def require_model_dir(path: str | Path, what: str) -> Path:
     return p
 
 
+def is_vision_language(config: Any) -> bool:
+    """Whether an HF config is a vision-language model's (Qwen-VL style: it has a vision_config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(config: Any) -> Any:
+    """The transformers Auto class that builds a model of `config`: AutoModelForImageTextToText
+    for a vision-language model (its ...ForConditionalGeneration: vision tower + language model +
+    LM head, under the names of its checkpoint), AutoModelForCausalLM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def load_causal_lm(
     path: str | Path, *, dtype: str = "float32", what: str = "model", trust_remote_code: bool = False
 ) -> PreTrainedModel:
-    """An AutoModelForCausalLM from a local safetensors directory, never from a hub."""
+    """An AutoModelForCausalLM from a local safetensors directory, never from a hub; for a
+    vision-language model (auto_model_class) its AutoModelForImageTextToText, which returns
+    log-probs of text as a causal LM does, given the images."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if dtype not in _DTYPES:
         raise ValueError(f"{what}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     p = require_model_dir(path, what)
-    return AutoModelForCausalLM.from_pretrained(
-        str(p), dtype=getattr(torch, dtype), local_files_only=True, trust_remote_code=trust_remote_code
+    config = AutoConfig.from_pretrained(str(p), local_files_only=True, trust_remote_code=trust_remote_code)
+    model: PreTrainedModel = auto_model_class(config).from_pretrained(
+        str(p), config=config, dtype=getattr(torch, dtype), local_files_only=True, trust_remote_code=trust_remote_code
     )
+    return model
 
 
 def load_tokenizer(

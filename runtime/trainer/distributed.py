@@ -118,8 +118,14 @@ class Ranks:
 
 
 def shard(model: LogProbModel, ranks: Ranks, dtype: torch.dtype) -> None:
-    """FSDP2 ``fully_shard`` over all ranks: each decoder layer, then the root (embedding, final
-    norm and LM head); parameters compute in `dtype`, gradients reduce in fp32."""
+    """FSDP2 ``fully_shard`` over all ranks: a vision-language student's vision blocks, then its
+    vision tower (patch embedding, position embedding, mergers), then each decoder layer, then the
+    root (embedding, final norm and LM head); parameters compute in `dtype`, gradients reduce in
+    fp32. The tower's own unit also casts the pixel rows to `dtype` as they enter it.
+
+    A sharded vision tower gathers its parameters when it runs, so every rank must run it in the
+    same micro-batches: the trainer runs it on a placeholder image where a rank has no image but
+    another has (MicroBatch.touch_vision)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -128,6 +134,11 @@ def shard(model: LogProbModel, ranks: Ranks, dtype: torch.dtype) -> None:
     layers = getattr(model.lm.get_decoder(), "layers", None)
     if layers is None:
         raise ValueError(f"spec.student.model: {type(model.lm).__name__} has no decoder .layers to shard")
+    visual = model.vision_tower()
+    if visual is not None:
+        for block in getattr(visual, "blocks", []):
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(visual, mesh=mesh, mp_policy=mp)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

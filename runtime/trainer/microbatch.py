@@ -5,6 +5,17 @@ batch's flat ones. No torch.distributed here, so it is unit-testable.
 Every rank holds the whole batch (rank 0 broadcasts it), computes the same plan and works on its
 own share. Loss weights are computed over the whole batch (losses.token_weights), so the sum over
 ranks and micro-batches is exactly the loss of the batch whatever the split.
+
+Images (a vision-language student): a micro-batch carries the pixel rows and grids of exactly its
+samples, in the order their image tokens appear in its rows (row after row, sample after sample),
+which is the order the model scatters image features into the image pad tokens. Its position ids
+are then Qwen-VL's multimodal ones (M-RoPE: text tokens advance one position on all three axes, an
+image's tokens take (t, h, w) grid positions), computed per sample here (:func:`mrope_positions`,
+checked against the model's own ``get_rope_index`` at start-up), as a [4, rows, L] tensor: the
+text positions first, then the three M-RoPE axes. The text row restarts at 0 for each packed
+sample, which is what turns the causal mask block-causal; so image samples pack like text ones
+(exactness checked at start-up, model.packing_is_exact). A micro-batch without images keeps the
+text layout (2-D position ids, or none).
 """
 
 from __future__ import annotations
@@ -30,6 +41,50 @@ def shard_samples(lengths: list[int], world: int) -> list[list[int]]:
 
 Row = list[int]
 """Sample indices laid end to end in one row of a micro-batch (one index when not packing)."""
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """What collate needs to know of a vision-language student: the id of its image pad token and
+    the vision tower's spatial merge (merge x merge patches make one image token)."""
+
+    image_token_id: int
+    merge: int
+
+    def tokens_per_image(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Image pad tokens of each image of a [images, 3] grid."""
+        return grid_thw.prod(dim=-1) // (self.merge * self.merge)
+
+
+def mrope_positions(ids: torch.Tensor, grid_thw: torch.Tensor, vision: VisionTokens) -> torch.Tensor:
+    """Qwen-VL's multimodal rotary positions [3, n] (temporal, height, width) of one sample's ids
+    [n] whose images have the grids [images, 3]: a text token advances all three axes by one; an
+    image's run of pad tokens gets its merged grid's (t, h, w) coordinates offset by the position
+    reached, after which the text resumes max(h, w) / merge further on (transformers'
+    Qwen3VLModel.get_rope_index, images only). The loop is over images, never tokens."""
+    n = len(ids)
+    pads = torch.nonzero(ids == vision.image_token_id).flatten()
+    counts = vision.tokens_per_image(grid_thw).tolist()
+    if sum(counts) != len(pads):
+        raise ValueError(
+            f"a sample has {len(pads)} image pad tokens, its image grids {grid_thw.tolist()} make {sum(counts)}"
+        )
+    out = torch.empty((3, n), dtype=torch.long)
+    pos, cursor, at = 0, 0, 0  # next position, next token, next pad token
+    for j, ((t, h, w), c) in enumerate(zip(grid_thw.tolist(), counts)):
+        start = int(pads[at])
+        if int(pads[at + c - 1]) != start + c - 1:
+            raise ValueError(f"a sample's image {j}: its {c} image pad tokens are not one run")
+        out[:, cursor:start] = torch.arange(pos, pos + start - cursor)
+        pos += start - cursor
+        gh, gw = h // vision.merge, w // vision.merge
+        out[0, start : start + c] = pos + torch.arange(t).repeat_interleave(gh * gw)
+        out[1, start : start + c] = pos + torch.arange(gh).repeat_interleave(gw).repeat(t)
+        out[2, start : start + c] = pos + torch.arange(gw).repeat(t * gh)
+        pos += max(gh, gw)
+        cursor, at = start + c, at + c
+    out[:, cursor:] = torch.arange(pos, pos + n - cursor)
+    return out
 
 
 def pack_rows(indices: list[int], lengths: list[int], capacity: int) -> list[Row]:
@@ -112,7 +167,18 @@ class MicroBatch:
     lags: torch.Tensor | None = None  # [N] versions each token's sample lags the trainer (-1: unknown)
     segments: torch.Tensor | None = None  # [N] which sample of the micro-batch each token belongs to (0, 1, ...)
     real_tokens: int = 0  # prompt + response tokens (no padding), 0 for a filler
-    position_ids: torch.Tensor | None = None  # [rows, L] when rows hold packed samples
+    # [rows, L] when rows hold packed samples; [4, rows, L] (text, then M-RoPE t/h/w) with images.
+    position_ids: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None  # [patches, D] of its image samples, in row order
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
+    touch_vision: bool = False
+    """Run the vision tower on a placeholder image though this micro-batch has none, its output
+    weighted 0: another rank's micro-batch at the same index has images, and FSDP's collectives of
+    the sharded vision tower must run on every rank alike (Trainer._micro_batches decides)."""
+
+    @property
+    def has_images(self) -> bool:
+        return self.pixel_values is not None
 
     def to(self, device: torch.device) -> MicroBatch:
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -129,6 +195,7 @@ def collate(
     filler: bool = False,
     *,
     top_k: TopKSignals | None = None,
+    vision: VisionTokens | None = None,
 ) -> MicroBatch:
     """Tensors for the samples in `rows` of `batch` (each row's samples laid end to end, rows
     right-padded to the widest), sliced from the batch's flat tensors: the Python loop is over
@@ -137,14 +204,19 @@ def collate(
     more than one sample, `position_ids` restart at 0 for each, which is how transformers
     recognises packed sequences (block-causal attention: no sample sees another). `top_k` is the
     loss contract's top-k pair; every per-token float signal of the batch is laid out like the
-    behaviour log-probs."""
+    behaviour log-probs. With images among its samples (a vision-language student: `vision`), the
+    micro-batch carries their pixel rows and grids in row order and M-RoPE position ids (module
+    docstring)."""
     lengths, prompts = batch.lengths, batch.prompt_lens
     tok_at = _offsets(lengths)
     resp_at = _offsets(batch.response_lens)
     width = max(sum(lengths[i] for i in row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     packed = any(len(row) > 1 for row in rows)
-    positions = torch.zeros((len(rows), width), dtype=torch.long) if packed else None
+    images = _image_slices(batch, [i for row in rows for i in row])
+    if images is not None and vision is None:
+        raise ValueError("a micro-batch has image samples but the student is not a vision-language model")
+    positions = _positions(batch, rows, width, images, vision) if images is not None or packed else None
     order: list[int] = []
     gather, resp_index = [], []
     for r, row in enumerate(rows):
@@ -152,18 +224,11 @@ def collate(
         for i in row:
             n, p = lengths[i], prompts[i]
             ids[r, offset : offset + n] = batch.token_ids[tok_at[i] : tok_at[i] + n]
-            if positions is not None:
-                positions[r, offset : offset + n] = torch.arange(n)
             # Logits at position t predict token t + 1.
             gather.append(torch.arange(p - 1, n - 1) + r * width + offset)
             resp_index.append(torch.arange(resp_at[i], resp_at[i + 1]))
             order.append(i)
             offset += n
-        if positions is not None and offset < width:
-            # The padded tail continues the last sample's positions: causal attention keeps it
-            # from reaching any real token, and it starts no extra packed sequence.
-            start = int(positions[r, offset - 1]) + 1
-            positions[r, offset:] = torch.arange(start, start + width - offset)
     index = torch.cat(resp_index)
     # Samples laid out in plan order (TensorBatch.plan) make the micro-batch one contiguous range
     # of the flat tensors: slice views, no copies. Otherwise gather its rows.
@@ -192,6 +257,8 @@ def collate(
         segments=torch.arange(len(order)).repeat_interleave(counts),
         real_tokens=0 if filler else sum(lengths[i] for i in order),
     )
+    if images is not None:
+        mb.pixel_values, mb.image_grid_thw = images
     if top_k is not None and top_k.ids.value in batch.signals and top_k.logprobs.value in batch.signals:
         tid = batch.signals[top_k.ids.value][sel]
         tlp = batch.signals[top_k.logprobs.value][sel].to(torch.float32)
@@ -205,6 +272,60 @@ def collate(
                 valid = torch.arange(k) < w.unsqueeze(1)
         mb.topk_ids, mb.topk_logprobs, mb.topk_valid = tid, tlp, valid
     return mb
+
+
+def _image_slices(batch: TensorBatch, order: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The pixel rows and grids of the samples in `order`, in that order (slices when they are
+    contiguous, as in plan order); None when none of them has images."""
+    counts = batch.image_counts
+    if counts is None or batch.pixel_values is None or batch.image_grid_thw is None:
+        return None
+    if not any(counts[i] for i in order):
+        return None
+    grid_at = _offsets(counts)
+    pixel_at = _offsets(batch.patch_counts())
+    if order == list(range(order[0], order[0] + len(order))):
+        lo, hi = order[0], order[-1] + 1
+        return batch.pixel_values[pixel_at[lo] : pixel_at[hi]], batch.image_grid_thw[grid_at[lo] : grid_at[hi]]
+    return (
+        torch.cat([batch.pixel_values[pixel_at[i] : pixel_at[i + 1]] for i in order]),
+        torch.cat([batch.image_grid_thw[grid_at[i] : grid_at[i + 1]] for i in order]),
+    )
+
+
+def _positions(
+    batch: TensorBatch,
+    rows: list[Row],
+    width: int,
+    images: tuple[torch.Tensor, torch.Tensor] | None,
+    vision: VisionTokens | None,
+) -> torch.Tensor:
+    """Position ids of a micro-batch's rows: [rows, width] restarting at 0 for each sample (a
+    packed text micro-batch), or with images [4, rows, width]: those text positions, then each
+    sample's M-RoPE positions (mrope_positions). The padded tail of a row continues the last
+    sample's positions: causal attention keeps it from reaching any real token, and it starts no
+    extra packed sequence."""
+    axes = 4 if images is not None else 1
+    out = torch.zeros((axes, len(rows), width), dtype=torch.long)
+    tok_at = _offsets(batch.lengths)
+    grid_at = _offsets(batch.image_counts) if batch.image_counts is not None else None
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            n = batch.lengths[i]
+            out[0, r, offset : offset + n] = torch.arange(n)
+            if axes == 4:
+                assert vision is not None and grid_at is not None and batch.image_grid_thw is not None
+                grids = batch.image_grid_thw[grid_at[i] : grid_at[i + 1]]
+                sample = batch.token_ids[tok_at[i] : tok_at[i] + n]
+                out[1:, r, offset : offset + n] = (
+                    mrope_positions(sample, grids, vision) if len(grids) else torch.arange(n)
+                )
+            offset += n
+        if offset < width:
+            start = out[:, r, offset - 1 : offset] + 1
+            out[:, r, offset:] = start + torch.arange(width - offset)
+    return out if axes == 4 else out[0]
 
 
 def _offsets(lengths: list[int]) -> list[int]:

@@ -185,10 +185,11 @@ class TrainerState:
     # ---- HF export -----------------------------------------------------------------------------
 
     def export(self, out_dir: Path) -> Path:
-        """Rank 0: write the student as a plain HF directory (safetensors, config, tokenizer)
-        loadable by transformers and vLLM, or with LoRA export: adapter a PEFT adapter folder;
-        written to a temp dir, then renamed to `out_dir`."""
-        from transformers import AutoTokenizer
+        """Rank 0: write the student as a plain HF directory (safetensors, config, tokenizer;
+        a vision-language student's processor too) loadable by transformers and vLLM, or with
+        LoRA export: adapter a PEFT adapter folder; written to a temp dir, then renamed to
+        `out_dir`."""
+        from transformers import AutoProcessor, AutoTokenizer
 
         tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -199,6 +200,14 @@ class TrainerState:
         else:
             self._write_model(self._merged(sd) if lora is not None else sd, tmp)
         tok_src = self.spec.student.tokenizer or self.model_path
+        if self.model.vision is not None:
+            # The image processor (and chat template) that made the student's image inputs; the
+            # tokenizer written next is the job's, as for a text student.
+            remote = self.spec.student.trust_remote_code
+            processor = AutoProcessor.from_pretrained(
+                str(self.model_path), local_files_only=True, trust_remote_code=remote
+            )
+            processor.save_pretrained(str(tmp))
         AutoTokenizer.from_pretrained(str(tok_src), local_files_only=True).save_pretrained(str(tmp))
         gen = self.model_path / "generation_config.json"
         if gen.is_file():
@@ -246,11 +255,11 @@ class TrainerState:
         return {LM_PREFIX + k: v for k, v in merged.state_dict().items()}
 
     def _write_model(self, sd: dict[str, torch.Tensor], tmp: Path) -> None:
-        from transformers import AutoModelForCausalLM
+        from kubedistill.runtime.models.loading import auto_model_class
 
         sd = {k[len(LM_PREFIX) :]: v for k, v in sd.items()}
         hf_config = self.model.lm.config
-        fresh = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        fresh = auto_model_class(hf_config).from_config(hf_config, dtype=torch.float32)
         result = fresh.load_state_dict(sd, strict=False)
         tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
         if result.unexpected_keys or set(result.missing_keys) - tied:

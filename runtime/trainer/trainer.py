@@ -20,8 +20,9 @@ rank in the same order. Usage::
 
 The ``Trainer`` holds the model, the optimiser and the step; its components, in this package:
 
-* distributed.py: process groups, this rank's device, FSDP2 sharding (each decoder layer, then
-  the root; NCCL on GPU, gloo on CPU; a single-rank group when none is initialised);
+* distributed.py: process groups, this rank's device, FSDP2 sharding (a vision-language student's
+  vision blocks and tower, each decoder layer, then the root; NCCL on GPU, gloo on CPU; a
+  single-rank group when none is initialised);
 * commands.py: the rank-0-leads protocol (rank 0 broadcasts a command, followers dispatch it
   through a table);
 * model.py: the HF model wrapped to return log-probs, the packing check, full weights;
@@ -42,6 +43,15 @@ Packing (``trainer.packSequences``, on by default): samples are laid end to end 
 than the batch's longest sample, with position ids restarting per sample, so a step computes on
 real tokens rather than padding (long-tailed response lengths waste most of a padded batch); a
 start-up check falls back to padded rows for a model whose attention ignores such packing.
+
+Vision-language students (Qwen-VL style): image samples and text samples train in one step. Each
+image sample carries its processor's pixel rows and image grids (TensorBatch), a micro-batch
+exactly those of its samples, and the forward runs the vision tower, then the language model with
+M-RoPE positions (microbatch.py, model.py). Image samples pack like text ones (checked at
+start-up). With several ranks, a micro-batch index where any rank has images runs the sharded
+tower on every rank (a placeholder image, weighted 0, where a rank has none), so FSDP's
+collectives match. ``trainer.freezeVision`` keeps the tower as loaded: no gradients, no AdamW
+state, not in weight syncs (``frozen_prefixes`` names what a receiver keeps).
 
 One optimiser step per ``step(batch)``. The driver calls ``train(batches)`` with a step's
 mini-batches: with ``algorithm.offPolicy.proximal: recompute`` and more than one mini-batch it
@@ -67,6 +77,7 @@ from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handle
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
 from kubedistill.runtime.trainer.microbatch import MicroBatch, collate, plan_order, plan_step
 from kubedistill.runtime.trainer.model import (
+    frozen_prefixes,
     full_weights,
     load_student,
     lora_adapter,
@@ -214,7 +225,7 @@ class Trainer:
             for batch in batches:
                 mine: dict[int, torch.Tensor] = {}
                 for rows, mb, filler in self._micro_batches(batch):
-                    logprobs, _ = self.model(mb.input_ids, mb.gather_index, mb.targets, None, mb.position_ids)
+                    logprobs, _ = self._forward(mb, top_k=False)
                     if filler:
                         continue
                     lens = [batch.response_len(i) for row in rows for i in row]
@@ -235,13 +246,37 @@ class Trainer:
         top_k = self.contract.top_k if self.contract is not None else None
         plans = batch.plan if batch.plan is not None else self._plan(batch.lengths)
         n_micro = max(len(p) for p in plans)
+        vision = vision_lockstep(plans, batch.image_counts, self.world) if self.model.vision is not None else None
         mine = plans[self.rank]
         for j in range(n_micro):
             filler = j >= len(mine)
-            rows = mine[j] if not filler else (mine[-1] if mine else [[0]])
-            mb = collate(batch, rows, token_weights, advantages, self.pad_id, filler=filler, top_k=top_k)
+            rows = micro_batch_rows(mine, j)
+            mb = collate(
+                batch,
+                rows,
+                token_weights,
+                advantages,
+                self.pad_id,
+                filler=filler,
+                top_k=top_k,
+                vision=self.model.vision,
+            )
+            mb.touch_vision = vision is not None and vision[j] and not mb.has_images
             self.model.set_requires_gradient_sync(j == n_micro - 1)
             yield rows, mb.to(self.device), filler
+
+    def _forward(self, mb: MicroBatch, top_k: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's log-probs of a micro-batch's response tokens (and at its top-k ids)."""
+        return self.model(
+            mb.input_ids,
+            mb.gather_index,
+            mb.targets,
+            mb.topk_ids if top_k else None,
+            mb.position_ids,
+            pixel_values=mb.pixel_values,
+            image_grid_thw=mb.image_grid_thw,
+            touch_vision=mb.touch_vision,
+        )
 
     def step(self, batch: BatchParts | TrainBatch) -> StepStats:
         """One optimiser step on `batch` (rank 0; the followers join). Returns global stats."""
@@ -252,7 +287,12 @@ class Trainer:
         followers get it: the one check of a batch on the trainer. Returns its arrays."""
         rewards = self.spec.algorithm.distillation.use_task_rewards
         batch.validate(self.contract, rewards=rewards)
-        return batch.to_parts() if isinstance(batch, TrainBatch) else batch
+        parts = batch.to_parts() if isinstance(batch, TrainBatch) else batch
+        if self.model.vision is None and any(p.images is not None for p in parts.parts):
+            raise ValueError(
+                f"TrainBatch.images: the batch has image samples but the student {self.model_path} is a text model"
+            )
+        return parts
 
     def _lead_step(self, batch: BatchParts) -> StepStats:
         header, order = self._layout(batch)
@@ -275,7 +315,7 @@ class Trainer:
         sums = StepSums()
         self.model.train()
         for rows, mb, filler in self._micro_batches(batch, weights, advantages):
-            logprobs, topk_lp = self.model(mb.input_ids, mb.gather_index, mb.targets, mb.topk_ids, mb.position_ids)
+            logprobs, topk_lp = self._forward(mb)
             old = None
             if proximal is not None and not filler:
                 old = torch.cat([proximal[i] for row in rows for i in row]).to(logprobs.device, logprobs.dtype)
@@ -330,6 +370,11 @@ class Trainer:
         """What named_full_weights yields (names, dtypes, full shapes), with no collective."""
         return weight_metas(self.model)
 
+    def frozen_prefixes(self) -> list[str]:
+        """HF name prefixes of the weights named_full_weights leaves out as frozen (freezeVision:
+        ``["model.visual."]``), which a receiver keeps as it loaded them; [] when all train."""
+        return frozen_prefixes(self.model)
+
     def lora_adapter(self) -> LoraAdapter | None:
         """The adapter's config when the student trains LoRA adapters (named_full_weights then
         yields only those), else None."""
@@ -372,6 +417,25 @@ class Trainer:
         transformers and vLLM; returns it. Rank 0; collective. Written to a temp dir and renamed."""
         self.commands.broadcast(Command.export_hf)
         return self.state.export(Path(out_dir))
+
+
+def micro_batch_rows(mine: list[list[list[int]]], j: int) -> list[list[int]]:
+    """A rank's rows of micro-batch j: its own, or past its last, a filler repeating that last
+    micro-batch's rows (zero weights)."""
+    if j < len(mine):
+        return mine[j]
+    return mine[-1] if mine else [[0]]
+
+
+def vision_lockstep(plans: Plan, image_counts: list[int] | None, world: int) -> list[bool] | None:
+    """Per micro-batch index, whether any rank's micro-batch there (fillers included) has images;
+    then every rank runs the vision tower at that index, so the sharded tower's all-gathers and
+    reduce-scatters match (MicroBatch.touch_vision). None when nothing needs it: one rank, or no
+    images in the batch."""
+    if world == 1 or image_counts is None:
+        return None
+    n_micro = max(len(p) for p in plans)
+    return [any(image_counts[i] for p in plans for row in micro_batch_rows(p, j) for i in row) for j in range(n_micro)]
 
 
 def _task_advantages(batch: TensorBatch) -> torch.Tensor:

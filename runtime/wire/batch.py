@@ -20,6 +20,10 @@ and calls ``Trainer.step(batch)``. Per sample i:
   (for staleness metrics; the loss corrects staleness through ``rollout_logprobs``).
 * ``trainer_version``: the trainer's weight version when the step was assembled, so the trainer
   can report its log-probs against the rollout's per version lag (0: the same weights).
+* ``images[i]``: a vision-language student's image inputs of sample i (:class:`SampleImages`:
+  the student's image processor's ``pixel_values`` and ``image_grid_thw``), None for a text
+  sample; the whole list None (the default) when no sample has images. The prompt ids of an image
+  sample are the processor-expanded ids (one image pad token per merged patch).
 
 ``TrainBatch`` is the list form: easy to write by hand (tests, small callers), checked field by
 field (``validate``). What the driver hands the trainer is :class:`BatchParts`: each sample's
@@ -31,6 +35,10 @@ pickled header announces the shapes; the tensors follow as a few ``torch.distrib
 calls of their bytes (:class:`BatchBuffers` keeps the memory from step to step), and every rank
 slices its micro-batches from them without a Python loop over tokens (see
 :mod:`kubedistill.runtime.trainer`). No float travels as a pickled Python object.
+
+Images travel the same way: the pixel rows of every image sample end to end (float32
+[patches, D]) and their grids (int64 [images, 3]) are two more flat tensors, with the number of
+images per sample in the header; a batch without images has neither (a text job pays nothing).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class TrainBatch:
     group_ids: list[int] | None = None
     weight_versions: list[int] = field(default_factory=list)
     trainer_version: int | None = None
+    images: list[SampleImages | None] | None = None
 
     def lag(self, i: int) -> int | None:
         """How many weight versions sample i's oldest token lags the trainer (None: unknown)."""
@@ -90,6 +99,7 @@ class TrainBatch:
                 self.prompt_lens[i],
                 self.rollout_logprobs[i],
                 {name: values[i] for name, values in self.signals.items()},
+                images=self.images[i] if self.images is not None else None,
             )
             for i in range(len(self))
         ]
@@ -125,6 +135,8 @@ class TrainBatch:
         }
         if self.weight_versions:
             per_sample["weight_versions"] = self.weight_versions
+        if self.images is not None:
+            per_sample["images"] = self.images
         for name, values in per_sample.items():
             if values is not None and len(values) != n:
                 raise ValueError(f"TrainBatch.{name}: has {len(values)} entries, expected one per sample ({n})")
@@ -134,6 +146,9 @@ class TrainBatch:
         if (self.rewards is None) != (self.group_ids is None):
             raise ValueError("TrainBatch.rewards and group_ids must be given together")
         pair = contract.top_k if contract is not None else None
+        for i, images in enumerate(self.images or []):
+            if images is not None:
+                images.check(f"TrainBatch.images[{i}]")
         for i in range(n):
             p, total = self.prompt_lens[i], len(self.token_ids[i])
             if not 1 <= p < total:
@@ -161,6 +176,38 @@ ID_SIGNALS: frozenset[str] = frozenset({Signal.teacher_topk_ids.value, Signal.ro
 """Top-k rows of token ids (int64: what torch.gather indexes with); the other row signals are log-probs."""
 
 
+@dataclass(frozen=True, eq=False)
+class SampleImages:
+    """A sample's images as a vision-language student's forward takes them: what its image
+    processor made of them (runtime/driver/pixels.py), shared by the samples of one prompt
+    (compared by identity: arrays have no single truth value)."""
+
+    pixel_values: np.ndarray  # float32 [patches, D]: every image's patches, image after image
+    grid_thw: np.ndarray  # int64 [images, 3]: each image's (t, h, w) grid of patches
+
+    @property
+    def count(self) -> int:
+        return len(self.grid_thw)
+
+    @property
+    def patches(self) -> int:
+        return len(self.pixel_values)
+
+    def check(self, where: str) -> None:
+        """Refuse arrays the forward would misread, in one line naming `where`."""
+        pv, grid = self.pixel_values, self.grid_thw
+        if pv.dtype != np.float32 or pv.ndim != 2 or grid.dtype != np.int64 or grid.ndim != 2 or grid.shape[1] != 3:
+            raise ValueError(
+                f"{where}: needs pixel_values float32 [patches, D] and grid_thw int64 [images, 3], got "
+                f"{pv.dtype} {list(pv.shape)} and {grid.dtype} {list(grid.shape)}"
+            )
+        if self.count == 0 or int(grid.prod(axis=1).sum()) != self.patches:
+            raise ValueError(
+                f"{where}: {self.count} image grid(s) {grid.tolist()} cover {int(grid.prod(axis=1).sum())} "
+                f"patches, pixel_values has {self.patches}"
+            )
+
+
 @dataclass
 class SampleArrays:
     """One sample's token data as arrays, made once from its lists (pack_sample)."""
@@ -171,6 +218,7 @@ class SampleArrays:
     signals: dict[str, np.ndarray]  # float32 [R], or [R, K] rows (int64 ids / float32 log-probs)
     widths: dict[str, np.ndarray]  # row signals with rows shorter than K: int64 [R] entries per row
     weight_version: int | None = None  # the oldest weight version of its tokens, if known
+    images: SampleImages | None = None  # a vision-language sample's image inputs
 
     @property
     def response_len(self) -> int:
@@ -184,9 +232,11 @@ def pack_sample(
     signals: Mapping[str, Sequence[Any]],
     response_ids: Sequence[int] | None = None,
     weight_version: int | None = None,
+    images: SampleImages | None = None,
 ) -> SampleArrays:
     """Arrays of one sample's lists (`response_ids`, when given, follows `token_ids` as the
-    response). Rows of a row signal shorter than the widest are zero-padded and their widths kept."""
+    response). Rows of a row signal shorter than the widest are zero-padded and their widths kept.
+    `images` (already arrays) are kept as they are."""
     ids = np.fromiter(token_ids, np.int64, len(token_ids))
     if response_ids is not None:
         ids = np.concatenate([ids, np.fromiter(response_ids, np.int64, len(response_ids))])
@@ -207,7 +257,7 @@ def pack_sample(
                 rows[t, : len(row)] = row
             arrays[name], widths[name] = rows, w
     mu = np.fromiter(rollout_logprobs, np.float32, len(rollout_logprobs))
-    return SampleArrays(ids, prompt_len, mu, arrays, widths, weight_version)
+    return SampleArrays(ids, prompt_len, mu, arrays, widths, weight_version, images)
 
 
 Row = list[int]
@@ -260,6 +310,12 @@ class BatchParts:
             if any(name in p.widths or p.signals[name].shape[1] != k for p in parts):
                 widths.append(name)
         shapes += [((tokens,), torch.int64)] * len(widths)
+        images = image_counts(parts)
+        if images is not None:
+            shown = [p.images for p in parts if p.images is not None]
+            patch_dim = shown[0].pixel_values.shape[1]
+            shapes.append(((sum(x.patches for x in shown), patch_dim), torch.float32))
+            shapes.append(((sum(images), 3), torch.int64))
         return {
             "prompt_lens": [p.prompt_len for p in parts],
             "lengths": [len(p.token_ids) for p in parts],
@@ -269,6 +325,7 @@ class BatchParts:
             "trainer_version": self.trainer_version,
             "signals": names,
             "widths": widths,
+            "images": images,
             "plan": plan,
             "tensors": shapes,
         }
@@ -290,6 +347,9 @@ class BatchParts:
         sources += [
             [p.widths.get(name, np.full(p.response_len, p.signals[name].shape[1])) for p in parts] for name in widths
         ]
+        if header.get("images") is not None:
+            shown = [p.images for p in parts if p.images is not None]
+            sources += [[x.pixel_values for x in shown], [x.grid_thw for x in shown]]
         full = list(into) if into is not None else TensorBatch.empty_tensors(header)
         for j, name in enumerate(names):
             if name in widths:
@@ -332,6 +392,15 @@ class BatchParts:
             if values and len(values) != n:
                 raise ValueError(f"TrainBatch.{name}: has {len(values)} entries, expected one per sample ({n})")
         pair = contract.top_k if contract is not None else None
+        dims = set()
+        for i, p in enumerate(self.parts):
+            if p.images is not None:
+                p.images.check(f"TrainBatch.images[{i}]")
+                dims.add(p.images.pixel_values.shape[1])
+        if len(dims) > 1:
+            raise ValueError(
+                f"TrainBatch.images: pixel rows of {sorted(dims)} values in one batch (one processor makes one width)"
+            )
         names = list(self.parts[0].signals)
         unknown = set(names) - {s.value for s in Signal}
         if unknown:
@@ -359,6 +428,13 @@ class BatchParts:
                     raise ValueError(
                         f"TrainBatch.signals[{pair.ids.value!r}][{i}]: needs as many log-probs as ids in every row"
                     )
+
+
+def image_counts(parts: Sequence[SampleArrays]) -> list[int] | None:
+    """Images per sample, or None when no sample has any (the batch then carries no image tensors)."""
+    if all(p.images is None for p in parts):
+        return None
+    return [p.images.count if p.images is not None else 0 for p in parts]
 
 
 SPAN_BYTES = 8 << 20
@@ -454,7 +530,10 @@ class TensorBatch:
       ``widths[name]`` (int64 [N]; absent when every row has K entries);
     * ``rewards``, ``group_ids``, ``weight_versions``, ``trainer_version``: as in TrainBatch;
     * ``plan``: per rank, its micro-batches' rows, when rank 0 laid the samples out in that order
-      (each micro-batch then a contiguous range); None: the trainer plans the split itself.
+      (each micro-batch then a contiguous range); None: the trainer plans the split itself;
+    * ``pixel_values`` float32 [P, D] and ``image_grid_thw`` int64 [I, 3]: the image samples'
+      processor outputs end to end, ``image_counts[i]`` images for sample i; all three None
+      when no sample has images.
     """
 
     token_ids: torch.Tensor
@@ -468,9 +547,19 @@ class TensorBatch:
     weight_versions: list[int] = field(default_factory=list)
     trainer_version: int | None = None
     plan: Plan | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_counts: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def patch_counts(self) -> list[int]:
+        """Pixel rows per sample (0 for a text sample)."""
+        if self.image_counts is None or self.image_grid_thw is None:
+            return [0] * len(self)
+        per_image = self.image_grid_thw.prod(dim=1)
+        return [int(s.sum()) for s in torch.split(per_image, self.image_counts)]
 
     @property
     def response_lens(self) -> list[int]:
@@ -490,7 +579,8 @@ class TensorBatch:
 
     def tensors(self) -> list[torch.Tensor]:
         """In the order of the header's shapes (BatchParts.header)."""
-        return [self.token_ids, self.rollout_logprobs, *self.signals.values(), *self.widths.values()]
+        images = [self.pixel_values, self.image_grid_thw] if self.pixel_values is not None else []
+        return [self.token_ids, self.rollout_logprobs, *self.signals.values(), *self.widths.values(), *images]
 
     @property
     def nbytes(self) -> int:
@@ -504,18 +594,23 @@ class TensorBatch:
     @classmethod
     def from_wire(cls, header: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> TensorBatch:
         names, widths = header["signals"], header["widths"]
+        images = header.get("images")
+        at = 2 + len(names) + len(widths)
         return cls(
             token_ids=tensors[0],
             prompt_lens=list(header["prompt_lens"]),
             lengths=list(header["lengths"]),
             rollout_logprobs=tensors[1],
             signals=dict(zip(names, tensors[2 : 2 + len(names)])),
-            widths=dict(zip(widths, tensors[2 + len(names) :])),
+            widths=dict(zip(widths, tensors[2 + len(names) : at])),
             rewards=header["rewards"],
             group_ids=header["group_ids"],
             weight_versions=list(header["weight_versions"]),
             trainer_version=header["trainer_version"],
             plan=header["plan"],
+            pixel_values=tensors[at] if images is not None else None,
+            image_grid_thw=tensors[at + 1] if images is not None else None,
+            image_counts=list(images) if images is not None else None,
         )
 
     def to_lists(self) -> TrainBatch:
@@ -537,4 +632,15 @@ class TensorBatch:
             group_ids=None if self.group_ids is None else list(self.group_ids),
             weight_versions=list(self.weight_versions),
             trainer_version=self.trainer_version,
+            images=self._images_as_lists(),
         )
+
+    def _images_as_lists(self) -> list[SampleImages | None] | None:
+        if self.image_counts is None or self.pixel_values is None or self.image_grid_thw is None:
+            return None
+        pixels = torch.split(self.pixel_values, self.patch_counts())
+        grids = torch.split(self.image_grid_thw, self.image_counts)
+        return [
+            SampleImages(pv.numpy().copy(), g.numpy().copy()) if n else None
+            for pv, g, n in zip(pixels, grids, self.image_counts)
+        ]
