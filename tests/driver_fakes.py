@@ -420,6 +420,9 @@ class FakeTrainer:
     def lora_adapter(self) -> None:
         return None
 
+    def frozen_prefixes(self) -> list[str]:
+        return []
+
     def save_checkpoint(self, step: int, weight_version: int, driver_state: bytes) -> Path:
         self.checkpoints.append(Checkpoint(step, weight_version, driver_state))
         return Path(f"step-{step}")

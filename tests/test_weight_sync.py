@@ -70,6 +70,16 @@ def test_check_against_reports_unknown_missing_and_shape() -> None:
     check_against(bucket_layout(metas(("a", "float32", [2, 2])), 64), {"a": [2, 2]})
 
 
+def test_check_against_lets_the_engine_keep_frozen_weights() -> None:
+    """A frozen vision tower is left out of the sync; only what lies under a frozen prefix may be."""
+    m = bucket_layout(metas(("model.language_model.w", "float32", [4])), bucket_bytes=1024)
+    expected = {"model.language_model.w": [4], "model.visual.blocks.0.w": [2], "lm_head.weight": [3]}
+    m.frozen = ["model.visual."]
+    with pytest.raises(ValueError, match=r"missing tensors lm_head.weight$"):
+        check_against(m, expected)
+    check_against(m, {k: v for k, v in expected.items() if k != "lm_head.weight"})
+
+
 def test_backend_follows_device() -> None:
     assert resolve_backend(SyncBackend.auto, Device.cpu) == "gloo"
     assert resolve_backend(SyncBackend.auto, Device.cuda) == "nccl"

@@ -86,13 +86,15 @@ def check_layout(manifest: Manifest) -> None:
 
 
 def check_against(manifest: Manifest, expected: Mapping[str, Sequence[int]]) -> None:
-    """The manifest must name exactly the engine's tensors, with the same shapes."""
+    """The manifest must name exactly the engine's tensors, with the same shapes, but for those
+    under its frozen prefixes, which the engine keeps."""
     check_layout(manifest)
     names = [t.name for t in manifest.tensors]
     if len(set(names)) != len(names):
         raise ValueError("manifest mismatch: a tensor name appears twice")
     unknown = [n for n in names if n not in expected]
-    missing = [n for n in expected if n not in set(names)]
+    kept = tuple(manifest.frozen)
+    missing = [n for n in expected if n not in set(names) and not (kept and n.startswith(kept))]
     if unknown or missing:
         raise ValueError(
             "manifest mismatch: "

@@ -77,6 +77,10 @@ class WeightSource(Protocol):
         """The full tensors, each materialised when reached (a collective: exhaust it)."""
         ...
 
+    def frozen_prefixes(self) -> list[str]:
+        """Name prefixes of weights left out because they never change (receivers keep theirs)."""
+        ...
+
     def lora_adapter(self) -> LoraAdapter | None:
         """Set when the tensors are a LoRA adapter's (then they travel as the trainer holds
         them, not in the engines' dtype: they are small, and the merge wants them exact)."""
@@ -251,9 +255,11 @@ class WeightSender:
         budget = bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024
         draw: Callable[[], Iterable[tuple[str, torch.Tensor]]]
         adapter: LoraAdapter | None = None
+        frozen: list[str] = []
         if isinstance(weights, WeightSource):
             metas = weights.weight_metas()
             adapter = weights.lora_adapter()
+            frozen = weights.frozen_prefixes()
             draw = weights.named_full_weights  # called only after every server began the sync
         else:
             named = list(weights)
@@ -263,6 +269,7 @@ class WeightSender:
             metas = [as_wire_dtype(m, self.wire_dtype) for m in metas]
         manifest = layout(metas, budget)
         manifest.lora = adapter
+        manifest.frozen = frozen
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch)
 
         async def begin(url: str) -> str | None:

@@ -136,6 +136,9 @@ class Manifest(WireRequest):
     buckets: list[Bucket]
     lora: LoraAdapter | None = None
     """Set when the tensors are a LoRA adapter's, not the model's own weights."""
+    frozen: list[str] = Field(default_factory=list)
+    """Name prefixes of weights the trainer never changes and so leaves out (a frozen vision
+    tower: ``model.visual.``): the receiver keeps its own."""
 
     @property
     def total_bytes(self) -> int:
