@@ -485,18 +485,24 @@ def rig(
     spec: DistillationJobSpec,
     *,
     rollouts: int | Sequence[FakeRolloutServer] = 2,
-    teachers: int | Sequence[FakeTeacherServer] = 1,
+    teachers: int | Sequence[FakeTeacherServer] | Mapping[str, Sequence[FakeTeacherServer]] = 1,
     trainer: FakeTrainer | None = None,
     rollout_source: Callable[[], list[str]] | None = None,
+    tokenizer: Any = None,
     **driver_args: Any,
 ) -> Rig:
+    """`teachers`: the servers of the one teacher `arith` (a count or the servers), or the
+    servers of each teacher by name. `tokenizer`: the student's (default: CharTokenizer)."""
     rollout_servers = (
         [FakeRolloutServer(f"http://rollout-{i}") for i in range(rollouts)] if isinstance(rollouts, int) else rollouts
     )
-    teacher_servers = (
-        [FakeTeacherServer(f"http://arith-{i}") for i in range(teachers)] if isinstance(teachers, int) else teachers
-    )
-    cluster = FakeCluster(rollout_servers, {"arith": teacher_servers})
+    if isinstance(teachers, Mapping):
+        by_name = {name: list(servers) for name, servers in teachers.items()}
+    elif isinstance(teachers, int):
+        by_name = {"arith": [FakeTeacherServer(f"http://arith-{i}") for i in range(teachers)]}
+    else:
+        by_name = {"arith": list(teachers)}
+    cluster = FakeCluster(rollout_servers, by_name)
     trainer = trainer or FakeTrainer()
     urls = [s.base_url for s in rollout_servers]
     sender = FakeSender(cluster, urls, pause_for(spec), asyncio.get_running_loop())
@@ -506,7 +512,7 @@ def rig(
         sender=sender,
         rollout_urls=urls,
         teacher_urls=cluster.teacher_urls,
-        tokenizer=CharTokenizer(),
+        tokenizer=tokenizer if tokenizer is not None else CharTokenizer(),
         rollout_source=rollout_source,
         clients=cluster,
         **driver_args,

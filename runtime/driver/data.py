@@ -11,6 +11,9 @@ the source has one (runtime/driver/multimodal.py): `prompt_ids` are then the pro
 ids and `engine_prompt_ids` the unexpanded ones vLLM takes with the images. The images' limits
 (count, bytes, pixels) are checked for every row when the files are read, so a bad row stops the
 job before it starts. Text rows take the tokenizer path whether or not there is a processor.
+`maxPromptLength` counts the expanded ids (what the trainer and the teachers see). The driver
+loads the processor for a vision-language student only, and refuses image rows for a text one
+(runtime/driver/loop.py).
 
 Order: epoch e visits every row once, in a permutation drawn from (spec.data.seed, e) when
 shuffling (file order otherwise). The cursor (epoch, position) is the whole state: saving it
@@ -71,7 +74,7 @@ class PromptItem:
     prompt_ids serve every consumer."""
 
     def images_base64(self) -> list[str] | None:
-        """The images as base64 strings (the teacher /score wire format), or None."""
+        """The images as plain base64 strings (what /generate and /score take), or None."""
         if not self.images:
             return None
         out = []
@@ -80,8 +83,8 @@ class PromptItem:
                 img = img.get("bytes")
             if isinstance(img, (bytes, bytearray)):
                 out.append(base64.b64encode(img).decode())
-            elif isinstance(img, str):
-                out.append(img)  # already base64 (or a data URL) in jsonl
+            elif isinstance(img, str):  # already base64 in jsonl; a data URL loses its header
+                out.append(img.split("base64,", 1)[1] if img.startswith("data:") else img)
             else:
                 raise ValueError(f"row {self.row}: images[{i}] must be bytes, {{bytes: ...}} or a base64 string")
         return out
@@ -252,6 +255,13 @@ class PromptSource:
 
     def take(self, count: int) -> list[PromptItem]:
         return [self.next() for _ in range(count)]
+
+    def image_rows(self) -> Iterator[tuple[str, str, str]]:
+        """(where, data_source, routing-key value) of every row with images, in file order: what
+        the driver checks against the student and the teachers before the run starts."""
+        for where, row in zip(self._where, self.rows):
+            if row.get("images"):
+                yield where, str(row["data_source"]), str(row[self.route_key])
 
     def _item(self, r: int, pos: int) -> PromptItem | None:
         row = self.rows[r]

@@ -21,6 +21,12 @@ Two sides share a SampleBuffer:
 The modes differ only in the staleness rule (StalenessPolicy): sync allows one batch under the
 current weights (generate, train, sync), oneStepOff two (batch k+1 generates while k trains),
 fullyAsync the spec's bound. All trainer calls run on one dedicated thread, in order.
+
+A vision-language student (its config.json has a vision_config) gets its processor loaded here,
+and image rows become prompts of processor-expanded ids with their images
+(runtime/driver/multimodal.py); every /generate of such a prompt carries its images, a resumed
+one too, and so does its /score. Before the run starts the driver refuses, in one line, image
+rows for a text student and image rows routed to a text teacher (runtime/driver/routing.py).
 """
 
 from __future__ import annotations
@@ -45,13 +51,20 @@ from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, S
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
 from kubedistill.runtime.driver.history import HistoryWriter
 from kubedistill.runtime.driver.membership import RolloutMembership
+from kubedistill.runtime.driver.multimodal import load_student_processor, reads_images
 from kubedistill.runtime.driver.rewards import RewardRegistry
-from kubedistill.runtime.driver.routing import AllEndpointsDown, EndpointPool, TeacherRouter
+from kubedistill.runtime.driver.routing import (
+    AllEndpointsDown,
+    EndpointPool,
+    ImagesToTextTeacher,
+    TeacherRouter,
+    images_to_text_teacher,
+)
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.wire.batch import BatchParts
-from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, new_session
+from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, ServerError, new_session
 from kubedistill.runtime.wire.protocol import LoraAdapter, TensorMeta
 
 log = logging.getLogger("kubedistill.driver")
@@ -151,7 +164,9 @@ class Driver:
         self.staleness_policy = StalenessPolicy.from_spec(spec)
         self.buffer = SampleBuffer(self.staleness_policy, metrics)
         self.requirements = BatchRequirements.from_spec(spec)
-        self.src = PromptSource.from_spec(spec, tokenizer)
+        self.processor = load_student_processor(spec)
+        """The student's processor when it is a vision-language model (None: a text student)."""
+        self.src = PromptSource.from_spec(spec, tokenizer, processor=self.processor)
         self.rewards = RewardRegistry.for_spec(spec)
         self.pool = EndpointPool("rollout", rollout_urls)
         self.rollouts = RolloutMembership(list(rollout_urls))
@@ -164,7 +179,8 @@ class Driver:
         self.clients = clients
         """Makes the clients of the servers; None: HTTP over the run's aiohttp session."""
         self._servers: ServerClients | None = None
-        self.router = TeacherRouter(spec, teacher_urls)
+        self.router = TeacherRouter(spec, teacher_urls, {t.name: reads_images(t.model) for t in spec.teachers})
+        self._check_image_rows()
         self._teacher_urls = [u for urls in teacher_urls.values() for u in urls]
         self.step = 0
         self.version = 0
@@ -185,6 +201,28 @@ class Driver:
         self._wait_seconds = 0.0
         self._consumed = 0
         self._resumed_groups: list[SampleGroup] = []
+
+    def _check_image_rows(self) -> None:
+        """Refuse, before anything runs, image rows that a text student or a text teacher would
+        get (one line naming the first such row and how many there are)."""
+        rows = list(self.src.image_rows())
+        if not rows:
+            return
+        if self.processor is None:
+            more = f" and {len(rows) - 1} more row(s)" if len(rows) > 1 else ""
+            raise ValueError(
+                f"{rows[0][0]}{more}: images, but the student {self.spec.student.model} is not a vision-language "
+                "model (no vision_config in its config.json), so it cannot see them; distill a vision-language "
+                "student or drop the images from the data"
+            )
+        if not self.requirements.teacher_scores:
+            return
+        by_route: dict[tuple[str, str], list[str]] = {}
+        for where, data_source, route_value in rows:
+            by_route.setdefault((data_source, route_value), []).append(where)
+        for (data_source, route_value), wheres in by_route.items():
+            more = f" and {len(wheres) - 1} more row(s)" if len(wheres) > 1 else ""
+            self.router.refuse_images(route_value, data_source, wheres[0] + more)
 
     # ---- checkpoint state ------------------------------------------------------------------
     def driver_state(self) -> bytes:
@@ -518,6 +556,7 @@ class Driver:
                 request_id=c.request_id,
                 prompt_token_ids=c.prompt_token_ids,
                 prefix_token_ids=c.prefix_token_ids,
+                images=group.images,  # every request of an image prompt, a resumed one too
                 sampling=Sampling(
                     max_tokens=c.max_tokens,
                     temperature=sp.temperature,
@@ -551,6 +590,8 @@ class Driver:
         from kubedistill.runtime.wire.protocol import ScoreRequest
 
         t0 = self.clock()
+        if group.images:  # checked for every row before the run; this covers restored samples too
+            self.router.refuse_images(s.route_value, s.data_source, f"sample {s.sample_id}")
         ids, prompt_len = s.score_input()
         req = ScoreRequest(
             token_ids=ids,
@@ -567,6 +608,13 @@ class Driver:
             except TRANSPORT_ERRORS as e:
                 self._transport_failure(replicas, url, f"score on {url}", e)
                 continue
+            except ServerError as e:
+                if req.images and e.status == 400 and "text-only" in e.message:
+                    why = f"whose server {url} answered that its model is text-only ({e.message})"
+                    raise ImagesToTextTeacher(
+                        images_to_text_teacher(s.data_source, name, why, f"sample {s.sample_id}")
+                    ) from e
+                raise
             finally:
                 self.router.release(name, url)
             replicas.succeeded(url)

@@ -15,6 +15,14 @@ Qwen-VL) and returns both id lists the rest of the job needs:
 Limits (ImageLimits; defaults are this module's constants): images per row, bytes of each image
 file after base64 decoding, and pixels of each image (read from its header, before decoding the
 pixels). Each breach is a one-line ValueError naming the row.
+
+Which models read images: a model directory whose `config.json` has a `vision_config`
+(:func:`reads_images`), the same test the trainer uses to build the model
+(runtime/models/loading.py `is_vision_language`), read as plain JSON so a text job imports and
+loads nothing more. :func:`load_student_processor` loads the student's AutoProcessor only for
+such a student, and requires it to have an image processor; the driver uses :func:`reads_images`
+on the teachers too, to refuse image rows routed to a text teacher before the run starts
+(runtime/driver/routing.py).
 """
 
 from __future__ import annotations
@@ -22,13 +30,17 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+
+    from kubedistill.api.spec import DistillationJobSpec
 
 IMAGE_MARKER = "<image>"
 MAX_IMAGES_PER_ROW = 8
@@ -211,3 +223,43 @@ def render_images(
     if collapse_runs(expanded, pad) != engine_ids:  # the processor only repeats each pad
         raise ValueError(f"{where}: the processor's expanded prompt does not match its template's text")
     return RenderedImages(prompt_ids=expanded, engine_prompt_ids=engine_ids, image_grid_thw=grid, text=text)
+
+
+# ---- which models read images -----------------------------------------------------------------
+def reads_images(model_dir: str | Path) -> bool | None:
+    """Whether the HF model in `model_dir` is a vision-language model: its config.json has a
+    `vision_config` (Qwen-VL, LLaVA, Gemma 3 and the like). None when there is no config.json to
+    read (a path this process cannot see): unknown."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return isinstance(config, dict) and config.get("vision_config") is not None
+
+
+def load_student_processor(spec: DistillationJobSpec) -> Processor | None:
+    """The student's processor (AutoProcessor of its model directory) when the student is a
+    vision-language model (:func:`reads_images`), else None: a text student loads nothing. A VL
+    student whose directory holds no image processor is refused in one line."""
+    model = spec.student.model
+    if not reads_images(model):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(
+            str(model), local_files_only=True, trust_remote_code=spec.student.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"student {model}: a vision-language model (its config.json has a vision_config) but its processor "
+            f"does not load: {e}"
+        ) from e
+    if getattr(processor, "image_processor", None) is None or not hasattr(processor, "apply_chat_template"):
+        raise ValueError(
+            f"student {model}: a vision-language model (its config.json has a vision_config) but AutoProcessor "
+            f"gives a {type(processor).__name__}, which reads no images: save the model's processor beside it "
+            "(processor.save_pretrained)"
+        )
+    return cast(Processor, processor)

@@ -14,6 +14,24 @@ answers. When none would be left, `failed` raises AllEndpointsDown instead.
         scores = await clients[url].score(request)
     finally:
         router.release(name, url)
+
+Images and text teachers. A sample whose prompt has images (a vision-language student's image
+row) is scored with its images, so its teacher must read images; a text teacher never gets one,
+and the driver never strips the images to make it fit: the sample's ids hold the student
+processor's image pads, which a text teacher would score as text, with no picture behind them
+(a distillation signal for another prompt than the student's). That holds for a *mixed* row too,
+one with images and text whose data_source routes to a text teacher: it is refused, not scored
+on its text. To train on such rows with a text teacher, drop their images in the data (the
+student then does not see them either), or route them to a vision-language teacher.
+
+How the driver knows: `reads_images` maps each teacher to whether its model reads images, from
+its model directory's config.json (a `vision_config`; runtime/driver/multimodal.py
+`reads_images`), which trainer rank 0 can read since every pod of a job mounts the same volumes.
+Before the run starts, the driver checks every image row of the data against its teacher
+(`refuse_images`): a text teacher fails the job in one line naming the data_source and the
+teacher, before any server does work. A teacher whose config the trainer cannot read is
+unknown (None): its image samples are sent, and a server that refuses them as text-only (a 400
+whose message says "text-only", as both engines word it) fails the run with the same message.
 """
 
 from __future__ import annotations
@@ -30,6 +48,20 @@ MAX_TRANSPORT_FAILURES = 5
 
 class AllEndpointsDown(RuntimeError):
     """An endpoint failed MAX_TRANSPORT_FAILURES times in a row and no other one takes requests."""
+
+
+class ImagesToTextTeacher(ValueError):
+    """A sample with images is routed to a teacher whose model reads no images."""
+
+
+def images_to_text_teacher(data_source: str, teacher: str, why: str, where: str = "") -> str:
+    """The one-line refusal of image samples routed to a text teacher."""
+    at = f" ({where})" if where else ""
+    return (
+        f"data_source {data_source!r} has images but is routed to teacher {teacher!r}, {why}{at}: a text teacher "
+        "cannot score an image sample and the driver does not strip images; route this data_source to a "
+        "vision-language teacher (spec.teachers[].match.dataSource) or drop the images from its rows"
+    )
 
 
 @dataclass
@@ -169,7 +201,14 @@ class TeacherRouter:
     """Sends each sample to the teacher whose `match` covers its routing-key value
     (spec.routing.key, `data_source` by default), then to that teacher's least busy replica."""
 
-    def __init__(self, spec: DistillationJobSpec, teacher_endpoints: Mapping[str, Sequence[str]]):
+    def __init__(
+        self,
+        spec: DistillationJobSpec,
+        teacher_endpoints: Mapping[str, Sequence[str]],
+        reads_images: Mapping[str, bool | None] | None = None,
+    ):
+        """`reads_images`: per teacher name, whether its model reads images (None or absent:
+        unknown; see the module docstring)."""
         names = [t.name for t in spec.teachers]
         unknown = sorted(set(teacher_endpoints) - set(names))
         if unknown:
@@ -180,6 +219,8 @@ class TeacherRouter:
         self.spec = spec
         self.key = spec.routing.key
         self.pools = {n: EndpointPool(f"teacher {n}", list(teacher_endpoints[n])) for n in names}
+        self.reads_images: dict[str, bool | None] = {n: (reads_images or {}).get(n) for n in names}
+        self._models = {t.name: str(t.model) for t in spec.teachers}
 
     def route_value(self, row: Mapping[str, Any]) -> str:
         """The routing-key value of a data row (a clear error if the row lacks the key)."""
@@ -198,3 +239,11 @@ class TeacherRouter:
 
     def release(self, teacher: str, url: str) -> None:
         self.pools[teacher].release(url)
+
+    def refuse_images(self, route_value: Any, data_source: str, where: str = "") -> None:
+        """Raise ImagesToTextTeacher if a sample with images and this routing-key value would
+        reach a teacher known to read no images (an unknown one passes)."""
+        name = self.teacher_for(route_value)
+        if self.reads_images[name] is False:
+            why = f"whose model {self._models[name]} is text-only (its config.json has no vision_config)"
+            raise ImagesToTextTeacher(images_to_text_teacher(data_source, name, why, where))
