@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from driver_fakes import (
     FakeTeacherServer,
     Rig,
     job_spec,
+    refused,
     rig,
     token_at,
     until,
@@ -137,6 +139,50 @@ async def test_a_dead_server_is_taken_out_of_rotation_and_the_run_completes(tmp_
     assert dead.health_checks > 1  # probed (the first check was the driver's start)
     groups = trained_groups(r)
     assert len(groups) == len(set(groups)) == 12
+
+
+class _GatedHealth:
+    """A server out of rotation whose /health is refused once `gate` opens."""
+
+    def __init__(self, url: str):
+        self.base_url = url
+        self.gate = asyncio.Event()
+        self.health_checks = 0
+
+    async def health(self) -> None:
+        self.health_checks += 1
+        await self.gate.wait()
+        raise refused(self.base_url)
+
+
+@pytest.mark.parametrize("role", ["rollout", "teacher"])
+async def test_a_probe_whose_health_is_refused_as_the_run_ends_is_cancelled(tmp_path, role) -> None:
+    # The run ends (it cancels its background tasks) just as a probe's /health is refused: the
+    # probe must end with it, not swallow the cancellation and probe on while the run waits for it.
+    spec = job_spec(tmp_path, mode="fullyAsync", steps=1, asyncspec=NO_SYNC)
+    r = rig(spec, rollouts=2, teachers=2, probe_seconds=0.001)
+    pool = r.driver.pool if role == "rollout" else r.driver.router.pools["arith"]
+    url = pool.urls[1]
+    for _ in range(MAX_TRANSPORT_FAILURES):
+        pool.failed(url)
+    assert pool.out_of_rotation() == [url]
+    server = _GatedHealth(url)
+    clients: dict[str, Any] = r.driver._rollout if role == "rollout" else r.driver._teacher
+    clients[url] = server
+    probe = asyncio.create_task(r.driver._bring_back(pool, url))
+    try:
+        await until(lambda: server.health_checks == 1, "the driver probes it")
+        server.gate.set()  # refused ...
+        probe.cancel()  # ... as the run ends
+        await asyncio.wait({probe}, timeout=1.0)
+        assert probe.cancelled(), f"the probe swallowed its cancellation and went on ({server.health_checks} probes)"
+    finally:  # a probe that swallows one cancellation may take several to end
+        for _ in range(100):
+            if probe.done():
+                break
+            probe.cancel()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(probe, return_exceptions=True)
 
 
 @pytest.mark.parametrize("role", ["rollout", "teacher"])

@@ -647,15 +647,22 @@ class Driver:
         """Probe a server out of rotation every probe_seconds; put it back once /health answers.
         A rollout server must also serve the current weights: a replaced pod starts with its
         initial ones, and the next sync (which re-forms the group with it) brings it up to date.
-        Ends as well when the server is drained and let go meanwhile."""
+        Ends as well when the server is drained and let go meanwhile.
+
+        The probe's deadline is asyncio.timeout, not asyncio.wait_for: on Python 3.11, a task
+        cancelled by the end of the run just as wait_for's /health is refused gets that refusal
+        instead of its CancelledError (wait_for returns the inner result when both are ready), and
+        the `except` below would swallow it: the probe would go on forever and the run's end,
+        which waits for its background tasks, would hang."""
         rollout = pool is self.pool
         client: RolloutClientLike | TeacherClientLike = self._rollout[url] if rollout else self._teacher[url]
         told_stale = False
         while url in pool.out_of_rotation():
             await asyncio.sleep(self.probe_seconds)
             try:
-                health = await asyncio.wait_for(client.health(), PROBE_TIMEOUT_SECONDS)
-            except Exception:  # refused, no answer, or 503 while its engine loads
+                async with asyncio.timeout(PROBE_TIMEOUT_SECONDS):
+                    health = await client.health()
+            except Exception:  # refused, no answer, or 503 while its engine loads (never a cancellation)
                 continue
             if url not in pool.out_of_rotation():
                 return
