@@ -110,6 +110,8 @@ async def test_prefix_continues_a_greedy_generation(hf_servers) -> None:
         ({"request_id": "e", "prompt_token_ids": []}, 400, "prompt_token_ids is empty"),
         ({"request_id": "e", "prompt_token_ids": [1] * 600}, 400, "max_model_len"),
         ({"request_id": "e", "prompt_token_ids": [1, 99]}, 400, "token id 99"),
+        # Images to a text-only student: refused in one line, never silently dropped.
+        ({"request_id": "e", "prompt_token_ids": [1], "images": ["aGk="]}, 400, "model is text-only"),
         (
             {"request_id": "e", "prompt_token_ids": [1], "prefix_token_ids": [5] * 4, "sampling": {"max_tokens": 4}},
             400,
@@ -186,8 +188,9 @@ async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
         with pytest.raises(ServerError, match="prompt_len") as bad:
             await c.score(ScoreRequest(token_ids=PROMPT, prompt_len=len(PROMPT), top_k=4))
         assert bad.value.status == 400
-        with pytest.raises(ServerError, match="text-only"):
+        with pytest.raises(ServerError, match="text-only") as text_only:
             await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4, images=["aGk="]))
+        assert text_only.value.status == 400 and "\n" not in text_only.value.message
     model = hf_model(tiny_models["teacher"])
     assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=1e-4)
     with torch.no_grad():

@@ -44,8 +44,9 @@ spec:
       export: adapter
 ```
 
-`targetModules` holds `all-linear` alone or leaf module names, each once; `serveAs: adapter`
-needs the vllm rollout engine ([cross-field rules](#cross-field-rules)). `dropout` above 0 is
+`targetModules` holds `all-linear` alone or leaf module names, each once
+([cross-field rules](#cross-field-rules)); [lora.md](lora.md) says when to use which `serveAs`.
+`dropout` above 0 is
 allowed, but the trainer's log-probs then differ from the rollout engine's, which never drops.
 """,
 }

@@ -21,7 +21,6 @@ from kubedistill.api.enums import (
     Device,
     Engine,
     GangScheduler,
-    LoraServeAs,
     LossMode,
     Mode,
 )
@@ -254,17 +253,6 @@ SPEC_RULES: list[Rule] = [
         "must not name a module twice",
         ".trainer.lora.targetModules",
         lambda s: len(set(_target_modules(s))) == len(_target_modules(s)),
-    ),
-    Rule(
-        "spec",
-        _lora_cel("self.trainer.lora.serveAs != 'adapter' || self.rollout.inference.engine == 'vllm'"),
-        "adapter is served by vLLM only: set spec.rollout.inference.engine vllm, or serveAs merged",
-        ".trainer.lora.serveAs",
-        lambda s: (
-            s.trainer.lora is None
-            or s.trainer.lora.serve_as is not LoraServeAs.adapter
-            or s.rollout.inference.engine is Engine.vllm
-        ),
     ),
     Rule(
         "spec",

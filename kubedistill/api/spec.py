@@ -268,7 +268,7 @@ class LoraSpec(ApiModel):
     serve_as: LoraServeAs = LoraServeAs.merged
     """How the rollout servers apply each received adapter: merged (added into their base weights
     on receipt; generation runs at base-model speed) or adapter (served as a LoRA adapter, one
-    per weight version; needs spec.rollout.inference.engine vllm)."""
+    per weight version: vLLM's LoRA support, PEFT layers on the hf engine)."""
     export: LoraExport = LoraExport.merged
     """What spec.checkpoint.exportHf exports at the end: merged (a plain HF model) or adapter (a
     PEFT adapter folder whose adapter_config.json names the base model's path)."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
+from kubedistill.runtime.weight_sync.lora import check_lora_manifest
+from kubedistill.runtime.weight_sync.manifest import check_against
 from kubedistill.runtime.wire.protocol import (
     FinishReason,
     GenerateRequest,
@@ -189,6 +191,15 @@ class Engine(ABC):
     @abstractmethod
     def expected_tensors(self) -> Mapping[str, Sequence[int]]:
         """HF names and shapes a weight sync must carry (a tied lm_head excluded)."""
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Raise ValueError (one line; the server answers 409 and still joins the broadcast,
+        discarding it) unless this engine can load `manifest`: full weights must name exactly the
+        engine's tensors, a LoRA adapter must fit the engine's linear layers."""
+        if manifest.lora is None:
+            check_against(manifest, self.expected_tensors())
+        else:
+            check_lora_manifest(manifest, self.expected_tensors())
 
     @abstractmethod
     async def weight_checksums(self) -> dict[str, str]:

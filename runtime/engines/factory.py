@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kubedistill.api.losses import active_contract
-from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, ModelSpec
+from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, LoraServeAs, ModelSpec, TeacherSpec
 from kubedistill.api.spec import Engine as EngineKind
 from kubedistill.runtime.engines.base import Engine
 
@@ -23,6 +23,10 @@ def make_engine(
         )
     from kubedistill.runtime.engines.vllm_engine import VLLMEngine
 
+    # The student's rollout engine serves the trainer's LoRA adapters unmerged when asked; a
+    # teacher never (merged versions, like full weights, need nothing at start-up).
+    lora = spec.trainer.lora if not isinstance(model, TeacherSpec) else None
+    adapters = lora if lora is not None and lora.serve_as is LoraServeAs.adapter else None
     return VLLMEngine(
         model.model,
         tokenizer=model.tokenizer,
@@ -36,6 +40,8 @@ def make_engine(
         max_num_seqs=inference.max_num_seqs,
         max_logprobs=max_logprobs if max_logprobs < 0 else max(max_logprobs, 20),
         trust_remote_code=model.trust_remote_code,
+        lora_rank=adapters.rank if adapters is not None else None,
+        lora_target_modules=adapters.target_modules if adapters is not None else (),
     )
 
 

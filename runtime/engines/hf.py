@@ -14,6 +14,25 @@ a seeded request samples from its own generator with the same per-row arithmetic
 batch holds, so it is reproducible. Log-probs are the log-softmax of the raw logits. Concurrent
 /score requests are scored together in right-padded forwards. Weights load with `copy_` while
 the scheduler is parked.
+
+Vision-language models (Qwen-VL style: a config with a `vision_config`, loaded as its
+`...ForConditionalGeneration` with its processor's image processor). A request's ids are the
+processor-expanded ones (one image pad per merged patch) and its `images` the base64 files. Before
+it queues, its images become `pixel_values` / `image_grid_thw` (the image processor, the same the
+trainer's data path uses), its pad runs are checked against them (one run per image, as long as
+the processor makes that image; else a one-line 400) and its M-RoPE positions are computed with
+the trainer's own pure function (trainer.microbatch.mrope_positions, which the trainer checks
+against the model's get_rope_index at start-up). Image requests then run in the same batch as
+text requests, under the same scheduler, lock, pauses and per-request seeded sampler: a prefill
+with images passes the joiners' pixels and [4, rows, width] position ids, and each row keeps its
+rope delta, so its decode steps feed M-RoPE positions `length + delta` (hf_batch.py). Only the
+forward inputs differ; a text row of such a model has delta 0 and plain positions. This was
+chosen over running image requests one at a time outside the batch: the KV cache is position-
+agnostic (RoPE is applied before keys are cached), so nothing but positions ties a row to its
+images once it is prefilled, and image rows then get batching, abort, 'keep' and weight versions
+exactly as text rows do. A /score with images runs in the right-padded scoring forward with its
+pixels and M-RoPE positions. Images sent to a text-only model, and a resumed prefix holding the
+image pad, are refused (400).
 """
 
 from __future__ import annotations
@@ -25,16 +44,27 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
-from kubedistill.runtime.engines.hf_batch import PaddedKVBatch, score_batch
+from kubedistill.runtime.engines.hf_batch import PaddedKVBatch, RowVision, score_batch
+from kubedistill.runtime.engines.images import check_image_runs, check_prefix, decode_images, image_pad_id, text_only
+from kubedistill.runtime.models.loading import auto_model_class, is_vision_language
+from kubedistill.runtime.trainer.microbatch import VisionTokens, mrope_positions
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
+from kubedistill.runtime.weight_sync.lora import BaseWeights, adapted_modules, merge, same_adapter_layout
 from kubedistill.runtime.weight_sync.transfer import receive
 from kubedistill.runtime.wire.dtypes import dtype_name
-from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
+from kubedistill.runtime.wire.protocol import (
+    FinishReason,
+    GenerateRequest,
+    LoraAdapter,
+    Manifest,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -60,6 +90,7 @@ class _Request:
     stop_ids: frozenset[int]
     finished: asyncio.Future[FinishReason]
     top_k_ids: int = 0
+    vision: RowVision | None = None  # the prompt's images (a vision-language model)
     reason: FinishReason | Literal["error"] | None = None  # set when it leaves the batch
 
     def finish(self, reason: FinishReason) -> None:
@@ -77,6 +108,7 @@ class _Request:
 class _Score:
     req: ScoreRequest
     done: asyncio.Future[ScoreResponse]
+    vision: RowVision | None = None
 
 
 @dataclass
@@ -106,7 +138,18 @@ class HFEngine(Engine):
         self.max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.model: PreTrainedModel | None = None  # loaded by start()
         self._params: dict[str, torch.Tensor] = {}
+        """The model's own parameters under their HF names (kept when PEFT wraps the layers)."""
+        # LoRA versions (runtime/weight_sync/lora.py): how they are served once the first one
+        # arrived, the base weights merges start from, and, serving adapters, PEFT's adapter
+        # parameters under their wire names with the (rank, modules) they were made for.
+        self._lora_mode: Literal["merged", "adapter"] | None = None
+        self._lora_base: BaseWeights | None = None
+        self._adapter_params: dict[str, torch.Tensor] = {}
+        self._adapter_layout: tuple[int, frozenset[str]] | None = None
         self._eos: frozenset[int] = frozenset()
+        # A vision-language model's image pad and merge, and its image processor (None: text).
+        self._vision: VisionTokens | None = None
+        self._image_processor: Any = None
         self._lock = threading.Lock()  # forwards vs weight copies and checksums
         self._rows: list[_Request] = []  # aligned with the batch's rows (finished ones until compacted)
         self._batch: PaddedKVBatch | None = None
@@ -132,17 +175,64 @@ class HFEngine(Engine):
         self._ensure_scheduler()
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=dtype, trust_remote_code=self.trust_remote_code
-        ).eval()
+        config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        # A vision-language model loads as its ...ForConditionalGeneration (tower + LM + head).
+        cls = auto_model_class(config)
+        model = cls.from_pretrained(self.model_path, dtype=dtype, trust_remote_code=self.trust_remote_code).eval()
         self.model = model
-        limit = getattr(model.config, "max_position_embeddings", None) or 2048
+        self._load_vision(model)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
         self._max_model_len = min(self._max_model_len or limit, limit)
         self._params = dict(model.named_parameters())
+        self._lora_mode, self._lora_base, self._adapter_params, self._adapter_layout = None, None, {}, None
         self._eos = frozenset(self._eos_ids())
+
+    def _load_vision(self, model: PreTrainedModel) -> None:
+        """A vision-language model's image pad, spatial merge and image processor (its
+        AutoProcessor's, saved beside it); nothing for a causal LM."""
+        self._vision, self._image_processor = None, None
+        if not is_vision_language(model.config):
+            return
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+        self._image_processor = processor.image_processor
+        self._vision = VisionTokens(
+            image_token_id=image_pad_id(model.config, self.model_path),
+            merge=int(model.config.vision_config.spatial_merge_size),
+        )
+
+    async def _images_of(self, ids: Sequence[int], images: Sequence[str] | None, field_name: str) -> RowVision | None:
+        """_row_vision, in a worker thread when there are images to decode and process."""
+        if not images:
+            return self._row_vision(ids, images, field_name)  # checks only: no pixels
+        return await asyncio.to_thread(self._row_vision, ids, images, field_name)
+
+    def _row_vision(self, ids: Sequence[int], images: Sequence[str] | None, field_name: str) -> RowVision | None:
+        """A request's images as the model takes them, checked against its (processor-expanded)
+        ids: one run of image pads per image, each as long as the processor makes that image
+        (400, one line, otherwise; also for images sent to a text-only model). None without images."""
+        if self._vision is None:
+            if images:
+                raise text_only()
+            return None
+        runs = check_image_runs(ids, self._vision.image_token_id, len(images or []), field_name)
+        if not images:
+            return None
+        enc = self._image_processor(images=decode_images(images), return_tensors="pt")
+        grid = enc["image_grid_thw"]
+        sizes = self._vision.tokens_per_image(grid).tolist()
+        for i, ((_, length), size) in enumerate(zip(runs, sizes)):
+            if length != size:
+                raise BadRequest(
+                    f"{field_name}: image {i} has {length} pad tokens, the model's processor makes {size} of it; "
+                    "expand the ids with the student's processor"
+                )
+        positions = mrope_positions(torch.tensor(list(ids), dtype=torch.long), grid, self._vision)
+        return RowVision(positions=positions, pixel_values=enc["pixel_values"], grid_thw=grid)
 
     async def shutdown(self) -> None:
         if self._task is not None and not self._task.done():
@@ -167,12 +257,12 @@ class HFEngine(Engine):
 
     @property
     def vocab_size(self) -> int:
-        return int(self._model.config.vocab_size)
+        return int(self._model.config.get_text_config().vocab_size)
 
     def weight_dtype(self) -> str | None:
         if self.model is None:
             return None
-        dtypes = {p.dtype for p in self.model.parameters()}
+        dtypes = {p.dtype for p in self._params.values()}  # the model's own (not PEFT's adapter layers)
         return dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
 
     @property
@@ -302,7 +392,9 @@ class HFEngine(Engine):
                 self.decoded_rows += self._batch.rows
             joined: PaddedKVBatch | None = None
             if joining:
-                joined, first = PaddedKVBatch.prefill(model, [r.context for r in rows[-joining:]])
+                joiners = rows[-joining:]
+                vision = [r.vision for r in joiners] if self._vision is not None else None
+                joined, first = PaddedKVBatch.prefill(model, [r.context for r in joiners], vision)
                 logits.append(first)
                 self.forwards["prefill"] += 1
             if logits:
@@ -318,16 +410,22 @@ class HFEngine(Engine):
                 if joined is not None:
                     joined.last = tokens[len(rows) - joining :]
                     self._batch = joined if self._batch is None else self._batch.extend(joined)
-            result.scores = self._score_all([s.req for s in scores]) if scores else []
+            result.scores = self._score_all(scores) if scores else []
         return result
 
     # --- generation -------------------------------------------------------------------------
     async def _generate(self, req: GenerateRequest, max_new: int, state: InFlight) -> FinishReason:
         self._ensure_scheduler()
         s = req.sampling
+        context = list(req.prompt_token_ids) + list(req.prefix_token_ids)
+        if self._vision is not None:
+            check_prefix(req.prefix_token_ids, self._vision.image_token_id)
+        # The prefix follows the prompt's images: its positions continue as text.
+        vision = await self._images_of(context, req.images, "prompt_token_ids")
         r = _Request(
             state=state,
-            context=list(req.prompt_token_ids) + list(req.prefix_token_ids),
+            context=context,
+            vision=vision,
             max_new=max_new,
             temperature=s.temperature,
             top_p=s.top_p,
@@ -350,45 +448,63 @@ class HFEngine(Engine):
 
     # --- scoring ----------------------------------------------------------------------------
     async def _score(self, req: ScoreRequest) -> ScoreResponse:
-        if req.images:
-            raise BadRequest(
-                "images: the hf engine serves text-only models; use inference.engine vllm for a vision teacher"
-            )
         self._ensure_scheduler()
-        job = _Score(req, asyncio.get_running_loop().create_future())
+        vision = await self._images_of(req.token_ids, req.images, "token_ids")
+        job = _Score(req, asyncio.get_running_loop().create_future(), vision)
         self._scores.append(job)
         self._wake.set()
         return await job.done
 
-    def _score_all(self, reqs: list[ScoreRequest]) -> list[ScoreResponse | Exception]:
-        """Score the requests in as few right-padded forwards as SCORE_LOGIT_BUDGET allows; a
-        failed forward yields its exception for each of its requests."""
+    def _score_all(self, jobs: list[_Score]) -> list[ScoreResponse | Exception]:
+        """Score the requests in as few right-padded forwards as SCORE_LOGIT_BUDGET allows (image
+        samples among them, with their pixels and M-RoPE positions); a failed forward yields its
+        exception for each of its requests."""
         vocab = self.vocab_size
         out: list[ScoreResponse | Exception] = []
-        chunk: list[ScoreRequest] = []
+        chunk: list[_Score] = []
 
         def flush() -> None:
             if not chunk:
                 return
             try:
-                lps = score_batch(self._model, [r.token_ids for r in chunk])
+                vision = [j.vision for j in chunk] if self._vision is not None else None
+                lps = score_batch(self._model, [j.req.token_ids for j in chunk], vision)
                 self.forwards["score"] += 1
-                out.extend(_score_response(r, lp) for r, lp in zip(chunk, lps))
+                out.extend(_score_response(j.req, lp) for j, lp in zip(chunk, lps))
             except Exception as e:
                 out.extend([e] * len(chunk))
             chunk.clear()
 
-        for r in reqs:
-            width = max([len(c.token_ids) for c in chunk] + [len(r.token_ids)])
+        for j in jobs:
+            width = max([len(c.req.token_ids) for c in chunk] + [len(j.req.token_ids)])
             if chunk and (len(chunk) + 1) * width * vocab > SCORE_LOGIT_BUDGET:
                 flush()
-            chunk.append(r)
+            chunk.append(j)
         flush()
         return out
 
     # --- weights ----------------------------------------------------------------------------
     def expected_tensors(self) -> Mapping[str, Sequence[int]]:
-        return {n: list(p.shape) for n, p in self._model.named_parameters()}
+        if self.model is None:
+            raise RuntimeError("the hf engine is not started (or was shut down)")
+        return {n: list(p.shape) for n, p in self._params.items()}
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Beyond the shapes: once LoRA versions arrived, the next ones must be served the same
+        way (a merged delta and an unmerged adapter would otherwise both apply), and an adapter
+        must fit the adapter layers PEFT made for the first one."""
+        super().check_manifest(manifest)
+        lora = manifest.lora
+        if self._lora_mode == "adapter":
+            if lora is None or lora.serve_as != "adapter":
+                what = "full weights" if lora is None else "a LoRA adapter to merge"
+                raise ValueError(f"manifest mismatch: this engine serves LoRA adapters unmerged; it cannot load {what}")
+            assert self._adapter_layout is not None
+            why = same_adapter_layout(lora, adapted_modules(t.name for t in manifest.tensors), self._adapter_layout)
+            if why is not None:
+                raise ValueError(f"manifest mismatch: the LoRA adapter does not fit the one served: {why}")
+        elif self._lora_mode == "merged" and lora is not None and lora.serve_as == "adapter":
+            raise ValueError("manifest mismatch: this engine merges LoRA versions; it cannot switch to adapters")
 
     async def weight_checksums(self) -> dict[str, str]:
         from kubedistill.runtime.weight_sync.manifest import tensor_checksum
@@ -396,8 +512,11 @@ class HFEngine(Engine):
         def run() -> dict[str, str]:
             with self._lock:
                 model = self._model
-                out = {n: tensor_checksum(p) for n, p in model.named_parameters()}
-                out["lm_head.weight"] = tensor_checksum(model.get_output_embeddings().weight)
+                # The model's own weights (merged LoRA versions included); an adapter served
+                # unmerged is not in them.
+                out = {n: tensor_checksum(p) for n, p in self._params.items()}
+                head = model.get_output_embeddings()
+                out["lm_head.weight"] = tensor_checksum(getattr(head, "base_layer", head).weight)
             return out
 
         return await asyncio.to_thread(run)
@@ -462,11 +581,16 @@ class HFEngine(Engine):
 
     def _receive_sync(self, group: WeightSyncGroup, manifest: Manifest, version: int, load: bool) -> dict[str, float]:
         errors: list[str] = []
+        lora = manifest.lora
+        adapter: dict[str, torch.Tensor] = {}  # a LoRA version's tensors, applied once all arrived
 
         def consume(named: list[tuple[str, torch.Tensor]]) -> None:
             if errors or not load:
                 return
             try:
+                if lora is not None:
+                    adapter.update((n, t.clone()) for n, t in named)  # the views die with their bucket
+                    return
                 with self._lock:
                     for name, t in named:
                         self._params[name].data.copy_(t)
@@ -475,11 +599,18 @@ class HFEngine(Engine):
 
         def destination(name: str) -> torch.Tensor | None:
             # Generation is parked: the broadcast may land in the parameter itself.
-            p = self._params.get(name)
+            p = self._params.get(name) if lora is None else None
             return p.data if (load and not errors and p is not None) else None
 
         with torch.no_grad():
             stats = receive(group, manifest, consume, destination)
+            t_apply = time.perf_counter()
+            if lora is not None and load and not errors:
+                try:
+                    self._apply_lora(lora, adapter)
+                except Exception as e:  # reported through the all-reduce, like a failed load
+                    errors.append(f"{type(e).__name__}: {e}")
+            stats.consume_seconds += time.perf_counter() - t_apply
         if load and not errors:
             # Before the all-reduce that releases the trainer: once its sync returns, /version
             # must already report the new version.
@@ -493,6 +624,50 @@ class HFEngine(Engine):
             "load_seconds": stats.consume_seconds,
             "group_failures": failed,
         }
+
+    def _apply_lora(self, lora: LoraAdapter, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve a received LoRA version: merged, each adapted weight becomes W0 + scale * B @ A
+        (W0 from the checkpoint: lora.BaseWeights); as an adapter, the tensors go into the PEFT
+        LoRA layers made on the first one, and generation runs them unmerged."""
+        with torch.no_grad():  # the parameters (and PEFT's) require grad
+            modules = adapted_modules(tensors)
+            if lora.serve_as == "adapter":
+                if self._lora_mode is None:
+                    self._wrap_lora(lora, list(modules))
+                with self._lock:
+                    for name, t in tensors.items():
+                        self._adapter_params[name].copy_(t)
+                self._lora_mode = "adapter"
+                return
+            if self._lora_base is None:
+                # The fallback snapshots a parameter no merge has written yet: still the base one.
+                self._lora_base = BaseWeights(self.model_path, fallback=lambda n: self._params[n].detach().clone())
+            base = self._lora_base.get(m.weight for m in modules.values())
+            with self._lock:
+                for m in modules.values():
+                    p = self._params[m.weight]
+                    p.copy_(merge(base[m.weight], tensors[m.a], tensors[m.b], lora.scale, p.dtype))
+            self._lora_mode = "merged"
+
+    def _wrap_lora(self, lora: LoraAdapter, modules: list[str]) -> None:
+        """Put PEFT LoRA layers (dropout 0) on exactly the adapted modules, in place: the model's
+        own parameters stay the same tensors (now the layers' base_layer), so self._params and
+        the batches' forwards are unchanged."""
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.lora import LoraLayer
+
+        # lora_alpha is a placeholder: each layer's scaling is set to the trainer's below.
+        config = LoraConfig(r=lora.rank, lora_alpha=lora.rank, target_modules=modules, lora_dropout=0.0)
+        with self._lock:
+            model = inject_adapter_in_model(config, self._model)
+            for module in model.modules():
+                if isinstance(module, LoraLayer):
+                    # Exactly the trainer's scale (alpha / rank, or rsLoRA's), not recomputed.
+                    module.scaling["default"] = lora.scale
+            self._adapter_params = {
+                name.replace(".default.", "."): p for name, p in model.named_parameters() if ".lora_" in name
+            }
+            self._adapter_layout = (lora.rank, frozenset(modules))
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

@@ -18,6 +18,17 @@ Why this mechanism (and not the alternatives):
 
 The cache is a `DynamicCache` of full-attention `DynamicLayer`s (also for sliding-window models:
 the mask enforces the window, the cache just keeps more). All tensors live on the model's device.
+
+Vision-language models (Qwen-VL style, M-RoPE) batch the same way: the cache does not care
+where a key came from, so image requests and text requests share the batch, and only positions
+and the prefill's inputs differ. A prefill of such a model passes position ids [4, rows, width]
+(the text positions that build the mask, then each row's three M-RoPE axes: `RowVision.positions`
+for a row with images, the text positions for one without) and the joiners' `pixel_values` and
+`image_grid_thw` in row order, which is the order the model scatters image features into the pad
+tokens; each row's rope delta (its next M-RoPE position minus its length: 0 without images) is
+kept in `delta`, so a decode step feeds every row `length + delta` on the three axes, as
+transformers' own generate does after an image prompt. Without a vision-language model `delta`
+is None and the forwards are exactly the causal LM's.
 """
 
 from __future__ import annotations
@@ -35,11 +46,31 @@ if TYPE_CHECKING:
 PAD_ID = 0  # any valid id: padded positions are masked out, their embeddings never reach a real row
 
 
+@dataclass(frozen=True)
+class RowVision:
+    """A context's images, as a vision-language model's forward takes them."""
+
+    positions: torch.Tensor
+    """[3, len(context)] its M-RoPE positions (trainer.microbatch.mrope_positions)."""
+    pixel_values: torch.Tensor
+    """[patches, patch_dim] its images' pixel rows, images in order (the image processor's)."""
+    grid_thw: torch.Tensor
+    """[images, 3] each image's patch grid."""
+
+    @property
+    def delta(self) -> int:
+        """The next M-RoPE position minus the context's length (transformers' rope delta)."""
+        return int(self.positions.max()) + 1 - int(self.positions.shape[1])
+
+
 @dataclass
 class PaddedKVBatch:
     cache: DynamicCache  # [rows, heads, columns, head_dim] per layer
     mask: torch.Tensor  # [rows, columns] long, 1 = real token in the cache
     last: torch.Tensor  # [rows] long: each row's newest token, not yet in the cache
+    delta: torch.Tensor | None = None
+    """[rows] long, a vision-language model's rope delta per row (0 for a text row); None for a
+    causal LM."""
 
     @property
     def rows(self) -> int:
@@ -52,10 +83,17 @@ class PaddedKVBatch:
 
     # --- forwards (call under torch.no_grad) ----------------------------------------------------
     @classmethod
-    def prefill(cls, model: PreTrainedModel, contexts: Sequence[Sequence[int]]) -> tuple[PaddedKVBatch, torch.Tensor]:
+    def prefill(
+        cls,
+        model: PreTrainedModel,
+        contexts: Sequence[Sequence[int]],
+        vision: Sequence[RowVision | None] | None = None,
+    ) -> tuple[PaddedKVBatch, torch.Tensor]:
         """Run the contexts (prompt + prefix each) left-padded in one forward. Returns the batch
         holding every context token in its cache, and the logits [rows, vocab] that predict each
-        row's next token. `last` is left for the caller to set to the sampled tokens."""
+        row's next token. `last` is left for the caller to set to the sampled tokens. `vision`:
+        for a vision-language model, each row's images (None for a text row); see the module
+        docstring."""
         from transformers import DynamicCache
 
         device = model.device
@@ -67,6 +105,10 @@ class PaddedKVBatch:
             mask[i, width - len(c) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
+        delta = None
+        images: dict[str, torch.Tensor] = {}
+        if vision is not None:
+            positions, delta, images = _vision_inputs(positions, mask, vision, model)
         cache = DynamicCache()
         out = model(
             input_ids=ids,
@@ -75,15 +117,21 @@ class PaddedKVBatch:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **images,
         )
         batch = cls(
-            cache=out.past_key_values, mask=mask, last=torch.zeros(len(contexts), dtype=torch.long, device=device)
+            cache=out.past_key_values,
+            mask=mask,
+            last=torch.zeros(len(contexts), dtype=torch.long, device=device),
+            delta=delta,
         )
         return batch, out.logits[:, -1]
 
     def step(self, model: PreTrainedModel) -> torch.Tensor:
         """Feed every row's `last` token; returns the logits [rows, vocab] for the next token."""
         positions = self.lengths[:, None]
+        if self.delta is not None:  # text positions (the mask), then M-RoPE's three axes
+            positions = torch.cat([positions[None], (positions + self.delta[:, None])[None].expand(3, -1, -1)])
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
         out = model(
             input_ids=self.last[:, None],
@@ -113,17 +161,50 @@ class PaddedKVBatch:
             layer.values = layer.values.index_select(0, idx)[:, :, start:]
         self.mask = mask[:, start:]
         self.last = self.last.index_select(0, idx)
+        if self.delta is not None:
+            self.delta = self.delta.index_select(0, idx)
         return self
 
     def extend(self, other: PaddedKVBatch) -> PaddedKVBatch:
         """Append `other`'s rows after this batch's; the narrower one is left-padded first."""
+        if (self.delta is None) != (other.delta is None):
+            raise ValueError("a vision-language model's batch and a causal LM's cannot be joined")
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.layers(), other.layers()):
             mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], 0)
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], 0)
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(other.mask, width)], 0)
         self.last = torch.cat([self.last, other.last])
+        if self.delta is not None and other.delta is not None:
+            self.delta = torch.cat([self.delta, other.delta])
         return self
+
+
+def _vision_inputs(
+    text_positions: torch.Tensor, mask: torch.Tensor, vision: Sequence[RowVision | None], model: PreTrainedModel
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A left-padded vision-language prefill's position ids [4, rows, width], rope deltas [rows]
+    and image inputs (none when no row has images)."""
+    rows, width = mask.shape
+    positions = text_positions[None].repeat(4, 1, 1)
+    delta = torch.zeros(rows, dtype=torch.long)
+    for i, v in enumerate(vision):
+        if v is not None:
+            n = v.positions.shape[1]
+            positions[1:, i, width - n :] = v.positions.to(positions.device)
+            delta[i] = v.delta
+    return positions, delta.to(mask.device), _images(vision, model)
+
+
+def _images(vision: Sequence[RowVision | None], model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The rows' pixel_values and image_grid_thw, rows in order (none without images)."""
+    with_images = [v for v in vision if v is not None]
+    if not with_images:
+        return {}
+    return {
+        "pixel_values": torch.cat([v.pixel_values for v in with_images]).to(model.device, model.dtype),
+        "image_grid_thw": torch.cat([v.grid_thw for v in with_images]).to(model.device),
+    }
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -138,13 +219,27 @@ def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim)
 
 
-def score_batch(model: PreTrainedModel, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def score_batch(
+    model: PreTrainedModel, sequences: Sequence[Sequence[int]], vision: Sequence[RowVision | None] | None = None
+) -> list[torch.Tensor]:
     """Log-softmax [len(seq), vocab] of every position of each sequence, from one right-padded
     forward. No attention mask is needed: with causal attention a real position only ever sees
-    the real positions before it, so the padding at the end cannot change it."""
+    the real positions before it, so the padding at the end cannot change it. `vision`: for a
+    vision-language model, each sequence's images (None for a text one): position ids
+    [4, rows, width] then, text positions first, each row's M-RoPE positions continued through
+    its padding."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), PAD_ID, dtype=torch.long)
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
-    logits = model(input_ids=ids.to(model.device), use_cache=False).logits
+    extra: dict[str, torch.Tensor] = {}
+    if vision is not None and any(v is not None for v in vision):
+        positions = torch.arange(width).repeat(4, len(sequences), 1)
+        for i, v in enumerate(vision):
+            if v is not None:
+                n = v.positions.shape[1]
+                positions[1:, i, :n] = v.positions
+                positions[1:, i, n:] = v.positions[:, -1:] + 1 + torch.arange(width - n)
+        extra = {"position_ids": positions.to(model.device), **_images(vision, model)}
+    logits = model(input_ids=ids.to(model.device), use_cache=False, **extra).logits
     return [torch.log_softmax(logits[i, : len(s)].float(), -1) for i, s in enumerate(sequences)]

@@ -4,23 +4,34 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
+from kubedistill.runtime.driver.multimodal import collapse_runs, reads_images
+from kubedistill.runtime.engines.base import Engine, InFlight, PauseMode
+from kubedistill.runtime.engines.images import (
+    MAX_IMAGES_PER_PROMPT,
+    check_image_runs,
+    check_prefix,
+    decode_images,
+    image_pad_id,
+    text_only,
+)
 from kubedistill.runtime.weight_sync.group import GroupAddress, GroupWedged
+from kubedistill.runtime.weight_sync.lora import adapters_to_retire, vllm_lora_args
 from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
 
 if TYPE_CHECKING:
-    from PIL.Image import Image
     from vllm import RequestOutput
+    from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger("kubedistill.engines.vllm")
 
 WORKER_EXTENSION = "kubedistill.runtime.engines.vllm_worker.WeightSyncWorkerExtension"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -55,23 +66,9 @@ def checkpoint_tensors(model_dir: str) -> dict[str, list[int]]:
     return out
 
 
-def decode_images(images: Sequence[str]) -> list[Image]:
-    """Base64 image bytes from the wire -> PIL images for vLLM's multi-modal input."""
-    from PIL import Image
-
-    out = []
-    for i, b64 in enumerate(images):
-        try:
-            img = Image.open(io.BytesIO(base64.b64decode(b64, validate=True)))
-            img.load()
-        except Exception as e:
-            raise BadRequest(f"images[{i}] is not a base64-encoded image: {type(e).__name__}") from None
-        out.append(img.convert("RGB"))
-    return out
-
-
 def build_prompt(token_ids: Sequence[int], images: Sequence[str] | None = None) -> dict[str, Any]:
-    """The vLLM prompt for token ids, with images as multi-modal data when present."""
+    """The vLLM prompt for token ids, with images as multi-modal data when present. vLLM expands
+    each image's pad itself: with images, `token_ids` hold one pad per image (vllm_ids)."""
     prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
     if images:
         prompt["multi_modal_data"] = {"image": decode_images(images)}
@@ -157,7 +154,11 @@ class VLLMEngine(Engine):
         trust_remote_code: bool = False,
         seed: int = 0,
         tokenizer: str | None = None,
+        lora_rank: int | None = None,
+        lora_target_modules: Sequence[str] = (),
     ) -> None:
+        """`lora_rank`: serve the trainer's LoRA adapters unmerged (spec.trainer.lora.serveAs
+        adapter, rollout engines only), each weight version its own adapter."""
         super().__init__()
         self.model_path = model_path
         self.device = device
@@ -182,11 +183,23 @@ class VLLMEngine(Engine):
         )
         if max_num_seqs is not None:
             self.kwargs["max_num_seqs"] = max_num_seqs
+        self.lora_rank = lora_rank
+        if lora_rank is not None:
+            self.kwargs.update(vllm_lora_args(lora_rank, lora_target_modules))
+        # Serving adapters: the current version's (None: the base model, version 0), the version
+        # each adapter id is, the adapter each request in flight runs on, and, while a new one
+        # is being received, an event new requests wait on so they start on it.
+        self._adapter: LoRARequest | None = None
+        self._adapter_ids = 0
+        self._adapter_versions: dict[int, int] = {}
+        self._request_adapters: dict[str, int] = {}
+        self._adapter_loading: asyncio.Event | None = None
         self.kv_cache_gib = kv_cache_gib
         # None until start(). Annotated without `| None`: vllm is typed as Any here (pyproject),
         # and every method but shutdown() runs only on a started engine.
         self.llm: AsyncLLM = None
         self._counter = 0
+        self._image_pad: int | None = None  # a vision-language model's image pad id, set by start()
         self._aborting: asyncio.Task[Any] | None = None
 
     async def start(self) -> None:
@@ -200,11 +213,15 @@ class VLLMEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.kwargs["dtype"] = resolve_dtype(self.kwargs["dtype"], self.device)
+        if reads_images(self.model_path) and "limit_mm_per_prompt" not in self.kwargs:
+            # A vision-language model: images as the driver sends them at most, no videos.
+            self.kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
         args = AsyncEngineArgs(**{k: v for k, v in self.kwargs.items() if v is not None})
         self.llm = AsyncLLM.from_engine_args(args)
         cfg = self.llm.model_config
         self._max_len = int(cfg.max_model_len)
         self._vocab = int(cfg.get_vocab_size())
+        self._image_pad = image_pad_id(cfg.hf_config, self.kwargs["tokenizer"]) if cfg.is_multimodal_model else None
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -234,10 +251,15 @@ class VLLMEngine(Engine):
             detokenize=False,
             ignore_eos=s.ignore_eos,
         )
+        # The prompt with each image's pads collapsed to one (vLLM expands them), then the prefix.
+        prompt = self.vllm_ids(req.prompt_token_ids, req.images, "prompt_token_ids") + req.prefix_token_ids
+        if self._image_pad is not None:
+            check_prefix(req.prefix_token_ids, self._image_pad)
         finish: FinishReason = "abort"
         abort_sent = False
+        adapter = await self._adapter_for(req.request_id)  # None unless serving LoRA adapters
         async for out in self.llm.generate(
-            build_prompt(req.prompt_token_ids + req.prefix_token_ids), params, req.request_id
+            build_prompt(prompt, req.images), params, req.request_id, lora_request=adapter
         ):
             if state.aborted and not abort_sent:
                 # /abort arrived before vLLM knew the request: abort it now.
@@ -249,7 +271,7 @@ class VLLMEngine(Engine):
             for tok, lp in zip(new, lps):
                 state.token_ids.append(int(tok))
                 state.logprobs.append(float(lp[tok].logprob))
-                state.versions.append(self.version)
+                state.versions.append(self._version_of(adapter))
                 if s.top_k_ids:
                     if state.topk_ids is None:
                         state.topk_ids = []
@@ -263,12 +285,23 @@ class VLLMEngine(Engine):
     async def _abort(self, request_ids: list[str]) -> None:
         await self.llm.abort(request_ids)
 
+    def vllm_ids(self, ids: list[int], images: list[str] | None, field_name: str) -> list[int]:
+        """A request's processor-expanded ids as vLLM takes them with `images`: each image's run
+        of pads collapsed to one pad, which vLLM expands again from the image (it would expand
+        every pad of an expanded run). Text requests unchanged. 400 (one line) for images sent
+        to a text-only model or a pad-run count other than the image count."""
+        if self._image_pad is None:
+            if images:
+                raise text_only()
+            return list(ids)
+        check_image_runs(ids, self._image_pad, len(images or []), field_name)
+        return collapse_runs(ids, self._image_pad) if images else list(ids)
+
     # --- scoring ----------------------------------------------------------------------------
     async def _score(self, req: ScoreRequest) -> ScoreResponse:
         from vllm import SamplingParams
 
-        if req.images and not self.llm.model_config.is_multimodal_model:
-            raise BadRequest("images: this teacher's model is text-only; images need a vision-language model")
+        token_ids = self.vllm_ids(req.token_ids, req.images, "token_ids")
         kwargs: dict[str, Any] = {"prompt_logprobs": req.top_k}
         v2 = bool(self.llm.vllm_config.use_v2_model_runner)
         if req.gather_ids is not None:
@@ -276,18 +309,19 @@ class VLLMEngine(Engine):
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **kwargs)
         self._counter += 1
         final: RequestOutput = None  # the stream yields at least one output
-        async for out in self.llm.generate(build_prompt(req.token_ids, req.images), params, f"score-{self._counter}"):
+        async for out in self.llm.generate(build_prompt(token_ids, req.images), params, f"score-{self._counter}"):
             final = out
         plp = final.prompt_logprobs
-        ids = final.prompt_token_ids or req.token_ids
-        if req.images and len(ids) != len(req.token_ids):
-            # Image placeholders were expanded: response positions are the last T ones.
-            offset = len(ids) - len(req.token_ids)
-        else:
-            offset = 0
+        ids = list(final.prompt_token_ids or token_ids)
+        # The response follows the prompt's images, so its positions are the last T of the ids
+        # vLLM scored, whatever it expanded the images to.
+        response = req.token_ids[req.prompt_len :]
+        start = len(ids) - len(response)
+        if ids[start:] != response:
+            raise RuntimeError(f"vLLM scored other ids than the request's response ({len(ids)} ids after expansion)")
         logprobs, topk_ids, topk_lps = [], [], []
         gathered: list[list[float]] | None = None if req.gather_ids is None else []
-        for i, t in enumerate(range(req.prompt_len + offset, len(ids))):
+        for i, t in enumerate(range(start, len(ids))):
             entry = plp[t]
             tok = ids[t]
             logprobs.append(float(entry[tok].logprob))
@@ -364,14 +398,124 @@ class VLLMEngine(Engine):
         await self._run_transfer("kd_ws_probe_start", (nbytes,))
 
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
-        await self.llm.pause_generation(mode=pause, clear_cache=pause != "keep")
+        args: tuple[Any, ...] = (manifest.model_dump_json(), load)
+        loading = None
         try:
-            stats = await self._run_transfer("kd_ws_receive_start", (manifest.model_dump_json(), load))
-            if load:
-                self.version = version
+            if load and manifest.lora is not None and manifest.lora.serve_as == "adapter":
+                # Requests arriving from now on wait for the new adapter rather than start on the old.
+                loading = self._adapter_loading = asyncio.Event()
+                await self._retire_adapters()
+                self._adapter_ids += 1
+                args += (self._adapter_ids, self._adapters_in_use())
+            await self.llm.pause_generation(mode=pause, clear_cache=pause != "keep")
+            try:
+                stats = await self._run_transfer("kd_ws_receive_start", args)
+                if loading is not None:
+                    self._serve_adapter(self._adapter_ids, version)
+                if load:
+                    self.version = version
+            finally:
+                if load:
+                    await self._drop_stale_caches()
+                await self.llm.resume_generation()
         finally:
-            await self.llm.resume_generation()
+            if loading is not None:
+                self._adapter_loading = None
+                loading.set()
         return stats
+
+    async def _drop_stale_caches(self) -> None:
+        """After a weight load (complete or broken off), before generation resumes: forget what
+        the old weights computed. Pausing with clear_cache ('wait', 'abort') already cleared
+        everything, and nothing ran since; 'keep' clears nothing. The encoder cache holds image
+        embeddings: a request with an image seen before would reuse the old tower's (and the
+        scheduler and the model runner must forget them together: a runner-only reset kills the
+        engine with "Encoder cache miss" at that request). The prefix cache holds old KV; vLLM
+        refuses to reset it while frozen requests hold blocks, then new requests may still reuse
+        old KV of a shared prefix until those end. The multimodal processor cache holds the
+        preprocessed pixels, which do not depend on the weights: kept. Never raises: generation
+        must resume whatever happens here."""
+        try:
+            if self._image_pad is not None:
+                await self.llm.reset_encoder_cache()
+            if not await self.llm.reset_prefix_cache():
+                log.info("prefix cache kept after the weight load: requests frozen across it still hold blocks")
+        except Exception:
+            log.exception("resetting vLLM's caches after the weight load failed")
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        super().check_manifest(manifest)
+        serve_as = manifest.lora.serve_as if manifest.lora is not None else None
+        if self.lora_rank is not None and serve_as != "adapter":
+            what = "full weights" if serve_as is None else "a LoRA adapter to merge"
+            raise ValueError(
+                "manifest mismatch: this engine serves LoRA adapters unmerged "
+                f"(spec.trainer.lora.serveAs adapter); it cannot load {what}"
+            )
+        if self.lora_rank is None and serve_as == "adapter":
+            raise ValueError(
+                "manifest mismatch: a LoRA adapter served unmerged needs an engine started for it "
+                "(spec.trainer.lora.serveAs adapter); this one loads full or merged weights"
+            )
+        if manifest.lora is not None and serve_as == "adapter" and manifest.lora.rank > self.kwargs["max_lora_rank"]:
+            raise ValueError(
+                f"manifest mismatch: adapter rank {manifest.lora.rank} exceeds the engine's max_lora_rank "
+                f"{self.kwargs['max_lora_rank']} (spec.trainer.lora.rank changed?)"
+            )
+
+    # --- serving adapters (spec.trainer.lora.serveAs adapter) ----------------------------------
+    async def _adapter_for(self, request_id: str) -> LoRARequest | None:
+        """The adapter a new request runs on for its whole life: the current version's, once a
+        version being received has arrived (a resumed partial rollout is a new request, so it
+        runs on the current version's)."""
+        if self.lora_rank is None:
+            return None
+        while self._adapter_loading is not None:
+            await self._adapter_loading.wait()
+        adapter = self._adapter
+        if adapter is not None:
+            self._request_adapters[request_id] = adapter.lora_int_id
+        return adapter
+
+    def _version_of(self, adapter: LoRARequest | None) -> int:
+        """The weight version a request's tokens come from. A request keeps its adapter across
+        a sync (pause mode 'keep'), so its tokens stay of that adapter's version. An engine that
+        serves adapters never loads full weights: without one, it serves the base model (0)."""
+        if adapter is not None:
+            return self._adapter_versions[adapter.lora_int_id]
+        return self.version if self.lora_rank is None else 0
+
+    def _adapters_in_use(self) -> list[int]:
+        """Adapter ids the worker must keep: the current one and every request's in flight."""
+        self._request_adapters = {r: a for r, a in self._request_adapters.items() if r in self.inflight}
+        ids = set(self._request_adapters.values())
+        if self._adapter is not None:
+            ids.add(self._adapter.lora_int_id)
+        self._adapter_versions = {i: v for i, v in self._adapter_versions.items() if i in ids}
+        return sorted(ids)
+
+    async def _retire_adapters(self) -> None:
+        """Abort the requests on the oldest adapters when the worker could not keep them all
+        beside the new one (lora.VLLM_CPU_ADAPTERS): they end with their tokens so far, which the
+        driver resumes on the current version, instead of vLLM evicting an adapter in use."""
+        retire = set(adapters_to_retire(self._adapters_in_use()))
+        if retire:
+            rids = [r for r, a in self._request_adapters.items() if a in retire]
+            log.warning("aborting %d requests on old LoRA adapters %s to make room", len(rids), sorted(retire))
+            await self.abort(rids)
+
+    def _serve_adapter(self, adapter_id: int, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        # The name and path are unique per adapter: vLLM keys its prefix cache on them, so no
+        # version reuses another's KV cache. The path is never read: the adapter is registered
+        # in memory (vllm_worker._kd_add_adapter) and kept while a request may name it.
+        self._adapter = LoRARequest(
+            lora_name=f"kd-weight-version-{version}-{adapter_id}",
+            lora_int_id=adapter_id,
+            lora_path=f"/nonexistent/kubedistill/weight-version-{version}-{adapter_id}",
+        )
+        self._adapter_versions[adapter_id] = version
 
     async def weight_checksums(self) -> dict[str, str]:
         checksums: dict[str, str] = (await self.llm.collective_rpc("kd_weight_checksums"))[0]

@@ -5,13 +5,18 @@ attribute (update_weights, reload_weights, start_weight_update, ...). The weight
 vLLM's layerwise reload (initialize -> load_weights per bucket -> finalize) because plain
 load_weights fails after the CPU backend has repacked the linear layers, then re-processes a
 tied lm_head, which that sequence leaves stale without any error.
+
+A LoRA manifest (runtime/weight_sync/lora.py) travels through the same receive; then either the
+merged weights W0 + scale * B @ A of the layers it touches are fed to that same reload (merged),
+or the adapter is registered with the worker's LoRA manager under the id the engine gives each
+version (adapter; the engine's requests name it).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,7 +27,8 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from kubedistill.runtime.weight_sync.group import WeightSyncGroup
-    from kubedistill.runtime.wire.protocol import Manifest
+    from kubedistill.runtime.weight_sync.lora import BaseWeights
+    from kubedistill.runtime.wire.protocol import LoraAdapter, Manifest
 
 
 LEAVE_WAIT_SECONDS = 30.0
@@ -52,6 +58,8 @@ class WeightSyncWorkerExtension:
     _kd_error: str | None = None
     _kd_epoch: str | None = None
     _kd_task: _Task | None = None
+    _kd_lora_base: BaseWeights | None = None
+    _kd_checkpoint_names: list[str] = []
 
     # --- group --------------------------------------------------------------------------------
     def kd_ws_join(
@@ -178,11 +186,26 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("a weight transfer is running; ask again once it has ended")
 
     # --- receive ------------------------------------------------------------------------------
-    def kd_ws_receive_start(self, manifest_json: str, load: bool) -> None:
+    def kd_ws_receive_start(
+        self, manifest_json: str, load: bool, adapter_id: int = 0, keep_adapters: Sequence[int] = ()
+    ) -> None:
+        """Receive a sync in a thread of its own. For an adapter to serve (serve_as adapter),
+        `adapter_id` is the id it is registered under and `keep_adapters` the ids requests still
+        use (every other registered adapter is dropped first)."""
         from kubedistill.runtime.wire.protocol import Manifest
 
         manifest = Manifest.model_validate_json(manifest_json)
-        self._kd_start("receive", lambda group: self._kd_receive(group, manifest, load))
+        lora = manifest.lora
+        if lora is None:
+            self._kd_start("receive", lambda group: self._kd_receive(group, manifest, load))
+        elif lora.serve_as == "merged":
+            self._kd_start("receive", lambda group: self._kd_receive_lora(group, manifest, load, self._kd_merge_lora))
+        else:
+
+            def register(lora: LoraAdapter, tensors: dict[str, torch.Tensor]) -> None:
+                self._kd_add_adapter(lora, tensors, adapter_id, keep_adapters)
+
+            self._kd_start("receive", lambda group: self._kd_receive_lora(group, manifest, load, register))
 
     def _kd_receive(self, group: WeightSyncGroup, manifest: Manifest, load: bool) -> dict[str, float]:
         from vllm.config import set_current_vllm_config
@@ -230,6 +253,158 @@ class WeightSyncWorkerExtension:
             "group_failures": failed,
         }
 
+    def _kd_receive_lora(
+        self,
+        group: WeightSyncGroup,
+        manifest: Manifest,
+        load: bool,
+        apply: Callable[[LoraAdapter, dict[str, torch.Tensor]], None],
+    ) -> dict[str, float]:
+        """Receive a LoRA adapter's tensors (a few MiB: kept whole until the last bucket), then
+        `apply` them; the failure all-reduce closes the sync as for full weights."""
+        from kubedistill.runtime.weight_sync.transfer import receive
+
+        assert manifest.lora is not None
+        errors: list[str] = []
+        tensors: dict[str, torch.Tensor] = {}
+        t0 = time.perf_counter()
+
+        def consume(named: list[tuple[str, torch.Tensor]]) -> None:
+            if load:
+                # Copies: the views share their bucket's buffer, and vLLM scales lora_b in place.
+                tensors.update((n, t.clone()) for n, t in named)
+
+        stats = receive(group, manifest, consume)
+        t_apply = time.perf_counter()
+        if load:
+            try:
+                apply(manifest.lora, tensors)
+            except Exception as e:  # reported through the all-reduce, like a failed load
+                errors.append(f"{type(e).__name__}: {e}")
+        apply_s = time.perf_counter() - t_apply
+        failed = group.all_reduce_sum(1 if (errors or not load) else 0)
+        if errors:
+            raise RuntimeError(errors[0])
+        return {
+            "bytes": stats.bytes,
+            "seconds": time.perf_counter() - t0,
+            "transport_wait_seconds": stats.wait_seconds,
+            "load_seconds": stats.consume_seconds + apply_s,
+            "group_failures": failed,
+        }
+
+    def _kd_merge_lora(self, lora: LoraAdapter, tensors: dict[str, torch.Tensor]) -> None:
+        """Load W0 + scale * B @ A for every adapted module through the layerwise reload, only
+        for the layers the adapter touches, each completed with its other base tensors (see
+        lora.reload_groups). W0 comes from the checkpoint on disk (lora.BaseWeights)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        from kubedistill.runtime.engines.vllm_engine import checkpoint_tensors
+        from kubedistill.runtime.weight_sync.lora import BaseWeights, adapted_modules, merge, reload_groups
+
+        model = self.model_runner.get_model()
+        modules = adapted_modules(tensors)
+        if self._kd_lora_base is None:
+            self._kd_checkpoint_names = list(checkpoint_tensors(self.model_config.model))
+            self._kd_lora_base = BaseWeights(self.model_config.model)
+        groups = reload_groups(modules, getattr(model, "packed_modules_mapping", {}), self._kd_checkpoint_names)
+        base = self._kd_lora_base.get(n for g in groups for n in g.tensors)
+        merged_into = {m.weight: m for m in modules.values()}
+        dtype = self.model_config.dtype
+        device = next(model.parameters()).device
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            # Lazily, in layer order: a layer's merged tensors are freed once it is processed.
+            for g in groups:
+                for name in g.tensors:
+                    m = merged_into.get(name)
+                    if m is None:
+                        yield name, base[name].to(device=device, dtype=dtype)
+                    else:
+                        a, b = tensors[m.a].to(device), tensors[m.b].to(device)
+                        yield name, merge(base[name], a, b, lora.scale, dtype)
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self._kd_begin_reload(model, [g.layer for g in groups])
+            try:
+                model.load_weights(weights=weights())
+            except BaseException:
+                self._kd_abandon_reload(model)
+                raise
+            finalize_layerwise_reload(model, self.model_config)
+
+    def _kd_begin_reload(self, model: torch.nn.Module, layers: Sequence[str]) -> None:
+        """initialize_layerwise_reload for the named layers only (the whole model when one is not
+        found under that name): finalize then leaves every other layer as it is, where a reload
+        of the whole model would log "Failed to load weights" for each layer not sent."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info, initialize_online_processing
+        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        named = dict(model.named_modules())
+        if any(name not in named for name in layers):
+            initialize_layerwise_reload(model)
+            return
+        for name in layers:  # the body of initialize_layerwise_reload's loop, for these layers
+            layer = named[name]
+            info = get_layerwise_info(layer)
+            if info.can_load():
+                continue
+            info.kernel_tensors = get_layer_params_buffers(layer)
+            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+            restore_layer_on_meta(layer, info)
+            initialize_online_processing(layer)
+
+    def _kd_add_adapter(
+        self, lora: LoraAdapter, tensors: dict[str, torch.Tensor], adapter_id: int, keep: Sequence[int]
+    ) -> None:
+        """Register the adapter with the worker's LoRA manager under `adapter_id`, built in
+        memory (no adapter directory). Adapters no request uses any more are dropped first, so
+        vLLM's LRU never has to evict one: a request naming an evicted adapter makes vLLM load
+        it from its (made-up) path, which kills the engine. It is activated when a request first
+        names it."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        workers = getattr(self.model_runner, "lora_manager", None)
+        if workers is None:
+            raise RuntimeError("this vLLM engine was started without LoRA (enable_lora); it cannot serve adapters")
+        manager = workers._adapter_manager
+        helper = PEFTHelper.from_dict(
+            {
+                "r": lora.rank,
+                "lora_alpha": lora.scale * lora.rank,
+                "target_modules": list(lora.target_modules),
+                "vllm_max_position_embeddings": workers.max_position_embeddings,
+            }
+        )
+        helper.vllm_lora_scaling_factor = lora.scale  # exactly the trainer's, not alpha / rank recomputed
+        helper.validate_legal(workers.lora_config)
+        model = manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            adapter_id,
+            tensors,
+            helper,
+            device="cpu",
+            dtype=workers.lora_config.lora_dtype,
+            model_vocab_size=workers.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        for old in set(manager.list_adapters()) - set(keep):
+            manager.remove_adapter(old)
+        manager.add_adapter(adapter)  # packs q/k/v into qkv_proj and folds the scale into B
+        ignored = sorted(set(adapter.loras) - set(manager.modules))
+        if ignored:
+            manager.remove_adapter(adapter_id)
+            raise ValueError(
+                f"vLLM has no LoRA layer for {', '.join(ignored[:3])}: the adapter would be ignored there "
+                "(a module outside vLLM's LoRA support or the engine's lora target modules)"
+            )
+
     def kd_ws_probe_start(self, nbytes: int) -> None:
         def probe(group: WeightSyncGroup) -> dict[str, float]:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
@@ -261,8 +436,9 @@ class WeightSyncWorkerExtension:
     def _kd_refresh_tied_lm_head(self, model: torch.nn.Module) -> None:
         if not getattr(self.model_config.hf_config, "tie_word_embeddings", False):
             return
-        lm_head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        lm = language_model(model)  # a vision-language model's lm_head is its language model's
+        lm_head = getattr(lm, "lm_head", None)
+        embed = getattr(getattr(lm, "model", None), "embed_tokens", None)
         if lm_head is None or embed is None or not hasattr(lm_head, "quant_method"):
             return
         if lm_head.weight.numel() and lm_head.weight.data_ptr() != embed.weight.data_ptr():
@@ -292,8 +468,11 @@ class WeightSyncWorkerExtension:
         `lm_head.weight` as used for logits."""
         model = self.model_runner.get_model()
         packed = getattr(model, "packed_modules_mapping", {})
+        hf = hf_names(model)
         with torch.no_grad():
             for mname, module in model.named_modules():
+                # With LoRA enabled, vLLM wraps each layer and keeps the original as `base_layer`.
+                mname = mname.removesuffix(".base_layer")
                 if mname == "lm_head" or mname.endswith(".lm_head"):
                     continue
                 for pname, p in module.named_parameters(recurse=False):
@@ -307,17 +486,45 @@ class WeightSyncWorkerExtension:
                     if vocab is not None and pname == "weight":
                         t = t[:vocab]  # vLLM pads the vocabulary rows
                     leaf = mname.rsplit(".", 1)[-1]
-                    if leaf in packed:
+                    if packed.get(leaf, [leaf]) != [leaf]:  # a Qwen-VL tower's qkv is packed in HF too
                         sizes = list(getattr(module, "output_partition_sizes", module.output_sizes))
                         for sub, part in zip(packed[leaf], torch.split(t, sizes, dim=0)):
-                            yield f"{mname[: -len(leaf)]}{sub}.{pname}", part.contiguous()
+                            yield hf(f"{mname[: -len(leaf)]}{sub}.{pname}"), part.contiguous()
                     else:
-                        yield full, t
-            lm_head = getattr(model, "lm_head", None)
+                        yield hf(full), t
+            lm = language_model(model)
+            lm_head = getattr(lm, "lm_head", None)
             if lm_head is not None and hasattr(lm_head, "quant_method"):
-                h = model.config.hidden_size
+                h = lm.config.hidden_size
                 weight = lm_head.weight
                 dtype = weight.dtype if weight.numel() else torch.float32
                 eye = torch.eye(h, dtype=dtype, device=weight.device)
                 w = lm_head.quant_method.apply(lm_head, eye).t()
                 yield "lm_head.weight", w[: getattr(lm_head, "org_vocab_size", w.shape[0])].contiguous()
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module holding `lm_head` and `model.embed_tokens`: the model itself for a causal LM,
+    its language model for a vision-language one (vLLM's Qwen-VL: `language_model`)."""
+    get = getattr(model, "get_language_model", None)
+    if getattr(model, "lm_head", None) is None and callable(get):
+        lm: torch.nn.Module = get()
+        return lm
+    return model
+
+
+def hf_names(model: torch.nn.Module) -> Callable[[str], str]:
+    """vLLM's parameter names back to the checkpoint's HF names: the model's own
+    `hf_to_vllm_mapper` prefixes reversed (a Qwen-VL's `visual.` -> `model.visual.`,
+    `language_model.model.` -> `model.language_model.`, `language_model.lm_head.` -> `lm_head.`);
+    unchanged for a model without them."""
+    prefixes = getattr(getattr(model, "hf_to_vllm_mapper", None), "orig_to_new_prefix", None) or {}
+    back = sorted(((new, orig) for orig, new in prefixes.items() if new), key=lambda p: -len(p[0]))
+
+    def hf(name: str) -> str:
+        for new, orig in back:
+            if name.startswith(new):
+                return f"{orig}{name[len(new) :]}"
+        return name
+
+    return hf

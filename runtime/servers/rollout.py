@@ -21,7 +21,7 @@ from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.servers.http import make_app
 from kubedistill.runtime.servers.weight_group import WeightGroupMembership
 from kubedistill.runtime.weight_sync.group import GroupAddress, resolve_backend
-from kubedistill.runtime.weight_sync.manifest import check_against, check_layout
+from kubedistill.runtime.weight_sync.manifest import check_layout
 from kubedistill.runtime.wire.protocol import (
     AbortRequest,
     AbortResponse,
@@ -190,7 +190,7 @@ def build_rollout_app(
         load = True
         mismatch = None
         try:
-            check_against(req.manifest, engine.expected_tensors())
+            engine.check_manifest(req.manifest)
         except ValueError as e:
             # Still take part in the broadcast (discarding it) so the group stays in step.
             load, mismatch = False, str(e)
