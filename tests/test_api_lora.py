@@ -134,6 +134,8 @@ def test_rank_bound_is_vllms_largest_max_lora_rank() -> None:
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 16, 33, 257, 300, 321, 512)] == [
         1, 8, 8, 16, 16, 64, 320, 320, 512, 512,
     ]  # fmt: skip
+    with pytest.raises(ValueError, match="rank 512 at most"):
+        vllm_max_lora_rank(513)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")

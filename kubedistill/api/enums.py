@@ -130,4 +130,7 @@ what a PEFT adapter_config.json lists and vLLM matches."""
 
 def vllm_max_lora_rank(rank: int) -> int:
     """The max_lora_rank a vLLM engine serving adapters of this rank starts with."""
-    return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
+    for r in VLLM_MAX_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank {VLLM_MAX_LORA_RANKS[-1]} at most")

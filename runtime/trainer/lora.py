@@ -14,10 +14,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from kubedistill.api.enums import ALL_LINEAR
 from kubedistill.api.spec import LoraSpec
 from kubedistill.runtime.wire.protocol import LoraAdapter
 
-ALL_LINEAR = "all-linear"
 ADAPTER = "default"
 """PEFT's name of the one adapter the trainer trains."""
 

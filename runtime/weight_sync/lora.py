@@ -17,21 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from kubedistill.api.enums import ALL_LINEAR, vllm_max_lora_rank
 from kubedistill.runtime.weight_sync.manifest import check_layout, layer_of
 from kubedistill.runtime.wire.protocol import LoraAdapter, Manifest
 
 if TYPE_CHECKING:
     import torch
 
-ALL_LINEAR = "all-linear"
 _ADAPTER_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 UNSUPPORTED_LEAVES = frozenset({"embed_tokens", "lm_head"})
 """Modules an adapter may not touch: PEFT saves an embedding's adapter under other names, vLLM
 serves neither as a linear adapter, and merging into a tied lm_head would change the embedding."""
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
 
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM's max_lora_rank accepts (vllm.config.lora.MaxLoRARanks)."""
 VLLM_ADAPTER_SLOTS = 2
 """max_loras: adapters one vLLM batch may mix. Two covers a weight sync: requests still running
 on the previous version's adapter (pause mode 'keep', or 'wait' draining) beside new ones on the
@@ -264,14 +262,6 @@ def _layer_index(name: str) -> int:
 
 
 # --- vLLM: serving adapters --------------------------------------------------------------------
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest max_lora_rank vLLM accepts that holds a rank-`rank` adapter."""
-    for r in VLLM_MAX_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank {VLLM_MAX_LORA_RANKS[-1]} at most")
-
-
 def vllm_lora_args(rank: int, target_modules: Sequence[str]) -> dict[str, Any]:
     """vLLM engine arguments for serving the trainer's adapters (spec.trainer.lora.serveAs
     adapter). The target modules restrict which layers get LoRA kernels (vLLM maps q_proj to its
