@@ -10,17 +10,26 @@ each bucket size and repeat times in the same run:
 The receivers' own breakdown (waiting on the transport vs loading; on vLLM-CPU the oneDNN
 repack) is read from /weights/last. Last line: median ratio b/a at the spec's bucket size.
 
+With --lora RANKS (e.g. 8,64) it measures LoRA students instead: full syncs of the model, then
+per rank adapter-only syncs (PEFT adapters on every linear layer, applied by the servers as
+--serve-as says) in the same run; rows give bytes on the wire and sync seconds (medians), LoRA
+and full, and their ratios. Last line: the ratios at the first rank.
+
     .venv/bin/python bench/weight_sync.py --engine hf --receivers 2 --repeats 5
+    .venv/bin/python bench/weight_sync.py --engine vllm --receivers 1 --lora 8,64
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -57,14 +66,13 @@ def main() -> int:
     ap.add_argument("--buckets-mb", default="32,128,512", help="bucket sizes to sweep; the last is the headline")
     ap.add_argument("--random", action="store_true", help="random weights instead of SmolLM2")
     ap.add_argument("--model", type=Path, help="an HF model directory instead (e.g. .kubedistill/quickstart/student)")
+    ap.add_argument("--lora", default="", help="LoRA ranks to measure against full syncs, e.g. 8,64")
+    ap.add_argument("--serve-as", choices=["merged", "adapter"], default="merged", help="how servers apply adapters")
     args = ap.parse_args()
 
     import httpx
     import torch
     from transformers import AutoModelForCausalLM
-
-    from kubedistill.runtime.weight_sync.sender import WeightSender
-    from server_fixtures import Server, free_port, job_config
 
     torch.set_num_threads(1)
     cache = ROOT / ".kubedistill" / "bench" / "weight_sync"  # converted model reused across runs
@@ -80,28 +88,10 @@ def main() -> int:
         flush=True,
     )
 
-    ports = [free_port() for _ in range(args.receivers)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    wport = free_port()
-    cfg = job_config(
-        mdir,
-        mdir,
-        engine=args.engine,
-        rollout_urls=urls,
-        teacher_urls=["http://127.0.0.1:1"],
-        weight_sync_port=wport,
-        bucket_mb=int(args.buckets_mb.split(",")[-1]),
-    )
-    cfg_path = work / "config.json"
-    cfg.dump(cfg_path)
-    servers = [Server("rollout", cfg_path, p, replica=i) for i, p in enumerate(ports)]
-    try:
-        t0 = time.perf_counter()
-        sender = WeightSender(cfg.spec, cfg.endpoints)  # returns once every server has joined
-        for s in servers:
-            s.wait_healthy()
-        print(f"# servers up and joined in {time.perf_counter() - t0:.1f}s", flush=True)
-        sender.probe(1 << 20)  # warm the connections
+    ranks = [int(r) for r in args.lora.split(",") if r]
+    if ranks:
+        return lora_rows(mdir, work, model, named, ranks, args)
+    with rollout_servers(mdir, work, args) as (sender, urls):
         version = 0
         rows = []
         print(
@@ -132,10 +122,131 @@ def main() -> int:
             f"weight sync b/a (median ratio, {nbytes / 2**20:.0f} MiB, bucket {mb} MB, "
             f"{args.receivers} {args.engine} receivers): {ratio:.3f}"
         )
+    return 0
+
+
+@contextlib.contextmanager
+def rollout_servers(
+    mdir: Path, work: Path, args: argparse.Namespace, lora: Any = None
+) -> Iterator[tuple[Any, list[str]]]:
+    """args.receivers rollout servers of `mdir` (spec.trainer.lora = `lora`, which sizes a vLLM
+    engine's LoRA support) in a weight-sync group with this process as the trainer: (sender, urls)."""
+    from kubedistill.runtime.weight_sync.sender import WeightSender
+    from server_fixtures import Server, free_port, job_config
+
+    ports = [free_port() for _ in range(args.receivers)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    cfg = job_config(
+        mdir,
+        mdir,
+        engine=args.engine,
+        rollout_urls=urls,
+        teacher_urls=["http://127.0.0.1:1"],
+        weight_sync_port=free_port(),
+        bucket_mb=int(args.buckets_mb.split(",")[-1]),
+    )
+    cfg.spec.trainer.lora = lora
+    cfg_path = work / f"config-{ports[0]}.json"
+    cfg.dump(cfg_path)
+    servers = [Server("rollout", cfg_path, p, replica=i) for i, p in enumerate(ports)]
+    try:
+        t0 = time.perf_counter()
+        sender = WeightSender(cfg.spec, cfg.endpoints)  # returns once every server has joined
+        for s in servers:
+            s.wait_healthy()
+        print(f"# servers up and joined in {time.perf_counter() - t0:.1f}s", flush=True)
+        sender.probe(1 << 20)  # warm the connections
+        yield sender, urls
+        sender.close()
     finally:
         for s in servers:
             s.stop()
+
+
+class AdapterSource:
+    """A LoRA student's sync as the trainer makes it: PEFT adapters on every linear layer of the
+    model, under PEFT's saved names, with the manifest's lora section (B filled with small
+    random values, so a merged receiver has real work)."""
+
+    def __init__(self, model: object, spec: Any):
+        import copy
+
+        import torch
+
+        from kubedistill.runtime.trainer.lora import adapter_wire, apply_lora, wire_name
+
+        rank = spec.rank
+        peft_model = apply_lora(copy.deepcopy(model), spec)
+        g = torch.Generator().manual_seed(rank)
+        self.named: list[tuple[str, Any]] = []
+        for name, p in peft_model.named_parameters():
+            wire = wire_name(name)
+            if wire is None:
+                continue
+            if ".lora_B." in wire:
+                p.data.copy_(torch.randn(p.shape, generator=g) * 1e-3)
+            self.named.append((wire, p.detach()))
+        self.adapter = adapter_wire(spec, (n for n, _ in self.named))
+
+    def weight_metas(self) -> list[Any]:
+        from kubedistill.runtime.weight_sync.sender import tensor_meta
+
+        return [tensor_meta(n, t) for n, t in self.named]
+
+    def named_full_weights(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.named)
+
+    def lora_adapter(self) -> Any:
+        return self.adapter
+
+    def frozen_prefixes(self) -> list[str]:
+        return []
+
+
+def lora_rows(
+    mdir: Path, work: Path, model: Any, named: list[tuple[str, Any]], ranks: list[int], args: argparse.Namespace
+) -> int:
+    """Full syncs to servers of the plain model, then per rank adapter-only syncs to servers
+    started for that rank (a server serving adapters unmerged loads no full weights, nor an
+    adapter of another rank); prints bytes and seconds (medians) and their ratios; the last line
+    holds the first rank's."""
+    from kubedistill.api.spec import LoraSpec
+
+    med = statistics.median
+    with rollout_servers(mdir, work, args) as (sender, _):
+        full_s, full_b = timed_syncs(sender, named, args.repeats)
+    print(f"{'rank':>5} {'full_MiB':>9} {'lora_MiB':>9} {'bytes':>7} {'full_s':>7} {'lora_s':>7} {'time':>6}")
+    results = []
+    for rank in ranks:
+        lora = LoraSpec(rank=rank, alpha=2 * rank, serve_as=args.serve_as)
+        with rollout_servers(mdir, work, args, lora) as (sender, _):
+            # One more than the repeats: a merged server's first adapter reads the base weights
+            # from disk once; the rest is the steady state.
+            lora_s, lora_b = timed_syncs(sender, AdapterSource(model, lora), args.repeats + 1)
+        lora_s = lora_s[1:]
+        bytes_ratio, time_ratio = lora_b / full_b, med(lora_s) / med(full_s)
+        results.append((rank, bytes_ratio, time_ratio))
+        print(
+            f"{rank:>5} {full_b / 2**20:>9.1f} {lora_b / 2**20:>9.2f} {bytes_ratio:>7.4f} "
+            f"{med(full_s):>7.3f} {med(lora_s):>7.3f} {time_ratio:>6.3f}",
+            flush=True,
+        )
+    rank, bytes_ratio, time_ratio = results[0]
+    print(
+        f"LoRA r{rank} ({args.serve_as}) / full sync, {args.receivers} {args.engine} receivers: "
+        f"bytes {bytes_ratio:.4f}, seconds {time_ratio:.3f}"
+    )
     return 0
+
+
+def timed_syncs(sender: Any, weights: Any, repeats: int) -> tuple[list[float], int]:
+    """Seconds of `repeats` syncs of `weights` (versions 1..repeats) and the bytes of one."""
+    seconds, nbytes = [], 0
+    for version in range(1, repeats + 1):
+        t = time.perf_counter()
+        nbytes = sender.sync(version, weights).bytes
+        seconds.append(time.perf_counter() - t)
+    return seconds, nbytes
 
 
 if __name__ == "__main__":
