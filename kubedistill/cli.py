@@ -71,6 +71,7 @@ COMMAND_MODULES: list[tuple[str, str]] = [
     ("kubedistill.runtime.entrypoints.local", "add_commands"),
     ("kubedistill.runtime.entrypoints.roles", "add_commands"),
     ("kubedistill.runtime.entrypoints.quickstart", "add_commands"),
+    ("kubedistill.runtime.entrypoints.vl_prepare", "add_commands"),
     ("kubedistill.operator.main", "add_commands"),
 ]
 
