@@ -51,6 +51,8 @@ class JobShape:
     loss_max_clamp: float | None = None
     seed: int | None = 0
     """rollout.sampling.seed (None: unseeded, which the engines sample in one batched draw)."""
+    lora: dict[str, Any] | None = None
+    """spec.trainer.lora (None: full fine-tuning)."""
 
 
 def job_manifest(s: JobShape) -> dict[str, Any]:
@@ -94,6 +96,8 @@ def job_manifest(s: JobShape) -> dict[str, Any]:
     }
     if s.mode == "fullyAsync" or s.async_:
         spec["async"] = dict(s.async_)
+    if s.lora is not None:
+        spec["trainer"]["lora"] = dict(s.lora)
     return {"apiVersion": API_VERSION, "kind": "DistillationJob", "metadata": {"name": s.name}, "spec": spec}
 
 
@@ -156,33 +160,41 @@ class RolePinner:
 def run_job(shape: JobShape, workdir: Path, log=print, pin: dict[str, set[int]] | None = None) -> dict[str, Any]:
     """Write the job file, run it with `kubedistill run` machinery and return its report
     (``history``: one entry per train step from trainer rank 0). `pin`: role -> CPUs (see PINNED)."""
+    return run_manifest(job_manifest(shape), workdir, log, pin)
+
+
+def run_manifest(
+    manifest: dict[str, Any], workdir: Path, log=print, pin: dict[str, set[int]] | None = None
+) -> dict[str, Any]:
+    """run_job for a whole DistillationJob manifest (named by its metadata.name)."""
     import contextlib
 
     import yaml
 
     from kubedistill.runtime.entrypoints import local
 
+    name = manifest["metadata"]["name"]
     workdir.mkdir(parents=True, exist_ok=True)
-    job_path = workdir / f"{shape.name}.yaml"
-    job_path.write_text(yaml.safe_dump(job_manifest(shape), sort_keys=False))
-    report_path = workdir / f"{shape.name}.report.json"
+    job_path = workdir / f"{name}.yaml"
+    job_path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    report_path = workdir / f"{name}.report.json"
     report_path.unlink(missing_ok=True)
     t0 = time.time()
-    pinner = RolePinner(workdir / shape.name / "config.json", pin) if pin else contextlib.nullcontext()
+    pinner = RolePinner(workdir / name / "config.json", pin) if pin else contextlib.nullcontext()
     with pinner:
         code = local.run(
             job_path,
-            workdir=workdir / shape.name,
+            workdir=workdir / name,
             report=report_path,
             progress=False,
-            log=lambda line: log(f"  [{shape.name}] {line}"),
+            log=lambda line: log(f"  [{name}] {line}"),
         )
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     report["launcherSeconds"] = round(time.time() - t0, 1)
     if code != 0 or not report.get("history"):
         raise JobFailed(
-            f"job {shape.name} failed ({report.get('result', f'exit {code}')}); logs in "
-            f"{report.get('logs', workdir / shape.name / 'logs')}"
+            f"job {name} failed ({report.get('result', f'exit {code}')}); logs in "
+            f"{report.get('logs', workdir / name / 'logs')}"
         )
     return report
 
@@ -194,13 +206,28 @@ def history_at(history: Sequence[dict[str, Any]], step: int) -> dict[str, Any] |
     return None
 
 
-def load_checkpoint_student(init_dir: Path, checkpoint_dir: Path):
-    """The student of a trainer checkpoint (`trainer.pt`) as a plain HF model."""
+def load_checkpoint_student(init_dir: Path, checkpoint_dir: Path, lora: dict[str, Any] | None = None):
+    """The student of a trainer checkpoint (`trainer.pt`) as a plain HF model; a LoRA job's
+    checkpoint (adapters only, `lora` = its spec.trainer.lora) merged into the base at `init_dir`.
+    A vision-language student (a `vision_config` in its config.json) loads as its
+    AutoModelForImageTextToText, a text one as AutoModelForCausalLM."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(init_dir))
+    from kubedistill.runtime.models.loading import auto_model_class
+
+    model = auto_model_class(AutoConfig.from_pretrained(str(init_dir))).from_pretrained(str(init_dir))
     state = torch.load(checkpoint_dir / "trainer.pt", map_location="cpu", weights_only=False)["model"]
+    if lora is not None:
+        from kubedistill.api.spec import LoraSpec
+        from kubedistill.runtime.trainer.lora import apply_lora
+
+        peft_model = apply_lora(model, LoraSpec.model_validate(lora))
+        result = peft_model.load_state_dict({k.removeprefix("lm."): v for k, v in state.items()}, strict=False)
+        if result.unexpected_keys or not state:
+            unexpected = result.unexpected_keys[:3]
+            raise RuntimeError(f"checkpoint {checkpoint_dir}: adapters PEFT did not expect: {unexpected}")
+        return peft_model.merge_and_unload().eval()
     # The trainer wraps the HF model as `lm` (see runtime/trainer/model.py).
     sd = {k[len("lm.") :] if k.startswith("lm.") else k: v for k, v in state.items()}
     result = model.load_state_dict(sd, strict=False)

@@ -25,6 +25,8 @@ fullyAsync with the highest held-out accuracy (mean over --seeds).
     .venv/bin/python bench/learning.py --quick    # fewer steps and evaluation problems
     .venv/bin/python bench/learning.py --quick --seeds 4   # each run with 4 rollout seeds: a
                                                            # mean accuracy worth comparing
+    .venv/bin/python bench/learning.py --task vl  # the image task: a VL student, two teachers
+                                                  # (bench/learning_vl.py)
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ LOSSES = {
 ASYNC = {"triggerParameterSyncStep": 1, "partialRollout": True, "partialRolloutStrategy": "inflight"}
 """fullyAsync settings beside --staleness (stalenessThreshold)."""
 SAMPLES_PER_PROMPT = 1
+LORA = {"rank": 8, "alpha": 16}
+"""--lora runs: rank 8 on every linear layer, merged into the rollout engine's base on receipt."""
+LORA_LR_FACTOR = 10.0
+"""LoRA's learning rate over full fine-tuning's (the usual order of magnitude: B starts at zero
+and the adapters' update is scaled by alpha / rank)."""
 
 
 def warm_start(cache: Path, teacher_dir: Path | None = None, log=print) -> Path:
@@ -88,6 +95,7 @@ def evaluate_run(
     teacher_dir: Path,
     n_problems: int,
     init_point: dict[str, float],
+    lora: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One point per checkpoint (plus step 0 = the warm start): step, time, reverse KL, accuracy."""
     from kubedistill.runtime.entrypoints import quickstart
@@ -98,7 +106,7 @@ def evaluate_run(
             h = history_at(history, step)
             if h is None:
                 continue
-            model = load_checkpoint_student(init_dir, path)
+            model = load_checkpoint_student(init_dir, path, lora)
             out = Path(tmp) / f"step-{step}"
             model.save_pretrained(str(out), safe_serialization=True)
             for f in init_dir.iterdir():  # tokenizer files
@@ -232,6 +240,13 @@ def async_vs_sync(by_mode: dict[str, dict[str, Any]], start_accuracy: float) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--task",
+        choices=["arith", "vl"],
+        default="arith",
+        help="arith: the text student (this docstring); vl: the image task, a VL student distilled from a text "
+        "and a vision teacher (bench/learning_vl.py)",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer steps and evaluation problems")
     ap.add_argument("--steps", type=int, help="train steps per run (default 100, quick 40)")
     ap.add_argument("--pg-steps", type=int, help="train steps of the k1+PG runs (default: --steps)")
@@ -259,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         help="rollout seeds (rollout.sampling.seed 0..N-1) per loss and mode; the summary gives the mean "
         "final accuracy over them (one run's accuracy varies by ~5 points from seed to seed)",
     )
+    ap.add_argument(
+        "--lora",
+        action="store_true",
+        help="each loss also as a LoRA run (rank 8, lr x LORA_LR_FACTOR) beside full fine-tuning",
+    )
+    ap.add_argument("--lora-lr-factor", type=float, default=LORA_LR_FACTOR, help="LoRA lr / full fine-tuning lr")
     ap.add_argument("--problems", type=int, help="held-out problems per evaluation (default 500, quick 200)")
     ap.add_argument("--cache", default=str(REPO / ".kubedistill/bench/arith"), help="teacher/student/data cache")
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/learning"))
@@ -270,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: tables, plot and markdown from the results saved in --workdir",
     )
     args = ap.parse_args(argv)
+    if args.task == "vl":
+        from learning_vl import main_vl
+
+        single_thread()
+        return main_vl(args, ap)
     steps = args.steps or (40 if args.quick else 100)
     every = args.every or (5 if args.quick else 10)
     problems = args.problems or (200 if args.quick else 500)
@@ -301,12 +327,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict[str, dict[str, Any]]] = {}
     failures: list[str] = []
-    for loss in losses:
-        loss_mode, pg, lr = LOSSES[loss]
+    variants = [(loss, lora) for loss in losses for lora in ([False, True] if args.lora else [False])]
+    for loss_label, lora in variants:
+        loss_mode, pg, lr = LOSSES[loss_label]
+        loss = loss_label + ("+LoRA" if lora else "")
+        lora_spec = LORA if lora else None
+        lr = lr * args.lora_lr_factor if lora else lr
         loss_steps = (args.pg_steps or steps) if pg else steps
         for mode, seed in ((m, s) for m in modes for s in range(args.seeds)):
             mode_steps = args.async_steps if (args.async_steps and mode != "sync") else loss_steps
-            name = f"learn-{loss_mode.lower()}-{mode.lower()}" + (f"-s{seed}" if seed else "")
+            name = f"learn-{loss_mode.lower()}{'-lora' if lora else ''}-{mode.lower()}" + (f"-s{seed}" if seed else "")
             if args.render_only:
                 saved = work / f"{name}.result.json"
                 if saved.is_file():
@@ -331,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 n=SAMPLES_PER_PROMPT,
                 seed=seed,
                 async_={**ASYNC, "stalenessThreshold": args.staleness} if mode == "fullyAsync" else {},
+                lora=lora_spec,
             )
             print(f"run {loss} / {mode} / seed {seed}: {mode_steps} steps x 64 samples ...", flush=True)
             load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -352,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(f"  done: {len(hist)} steps in {hist[-1]['time']:.0f} s; evaluating its checkpoints ...", flush=True)
             # Between runs, so evaluation never competes with a run for the CPU.
-            r["points"] = evaluate_run(ckpt, hist, init_dir, teacher_dir, problems, init_point)
+            r["points"] = evaluate_run(ckpt, hist, init_dir, teacher_dir, problems, init_point, lora_spec)
             (work / f"{name}.result.json").write_text(json.dumps(r))
             add_run(results.setdefault(loss, {}), mode, seed, r)
             last = r["points"][-1]
@@ -481,8 +512,36 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
     )
     headline = ratios[best] if best is not None else None
+    if args.lora:
+        gaps = lora_gaps(results)
+        for (loss, mode), gap in gaps.items():
+            print(f"{loss} / {mode}: LoRA - full final held-out accuracy (mean of seeds) = {gap:+.1%}")
+        print(f"fullyAsync/sync wall time to sync's final reverse KL ({best or 'no loss'}): {fmt(headline, '.2f')}")
+        first = next(iter(gaps.items()), None)
+        print(
+            f"LoRA - full fine-tuning, final held-out accuracy ({first[0][0]} / {first[0][1]}, "
+            f"{args.seeds} seeds): {first[1]:+.1%}"
+            if first
+            else "LoRA - full fine-tuning: no pair of runs finished"
+        )
+        return 0 if results and not failures else 1
     print(f"fullyAsync/sync wall time to sync's final reverse KL ({best or 'no loss'}): {fmt(headline, '.2f')}")
     return 0 if results and not failures else 1
+
+
+def lora_gaps(results: dict[str, dict[str, dict[str, Any]]]) -> dict[tuple[str, str], float]:
+    """(loss, mode) -> LoRA's mean final accuracy over seeds minus full fine-tuning's."""
+    gaps = {}
+    for loss, by_mode in results.items():
+        lora = results.get(loss + "+LoRA")
+        if loss.endswith("+LoRA") or lora is None:
+            continue
+        for mode, r in by_mode.items():
+            if mode in lora:
+                full_mean, lora_mean = seed_summary(r)["mean"], seed_summary(lora[mode])["mean"]
+                if full_mean is not None and lora_mean is not None:
+                    gaps[(loss, mode)] = lora_mean - full_mean
+    return gaps
 
 
 DOC_TEMPLATE = """# Learning benchmark (CPU)
