@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kubedistill.runtime.tasks.sft import train_loop
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -94,33 +96,13 @@ def train_supervised(
 ) -> None:
     """AdamW with warm-up, then cosine decay to 0 (a constant LR plateaus around 91-95 % here) or,
     with `decay=False`, a constant LR. `on_step(step, loss)` runs after every step (1-based)."""
-    import math
-
-    import torch
-
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0)
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if not decay:
-            return 1.0
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    model.train()
-    for step in range(1, steps + 1):
+    def next_batch() -> dict[str, Any]:
         ids, labels = encode(tokenizer, rng.sample(problems, batch_size))
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step(step, float(loss.detach()))
-    model.eval()
+        return {"input_ids": ids, "labels": labels}
+
+    train_loop(model, next_batch, steps, lr=lr, warmup=warmup, decay=decay, betas=betas, on_step=on_step)
 
 
 def greedy_answers(

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kubedistill.runtime.tasks import arith
+from kubedistill.runtime.tasks.sft import train_loop
 
 if TYPE_CHECKING:
     import torch
@@ -196,30 +197,16 @@ def train_supervised(
     on_step: Callable[[int, float], object] | None = None,
 ) -> None:
     """AdamW with warm-up then cosine decay to 0; `on_step(step, loss)` after every step."""
-    import math
-
-    import torch
-
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    model.train()
-    for step in range(1, steps + 1):
-        loss = model(**encode(processor, rng.sample(list(train), batch_size))).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step(step, float(loss.detach()))
-    model.eval()
+    problems = list(train)
+    train_loop(
+        model,
+        lambda: encode(processor, rng.sample(problems, batch_size)),
+        steps,
+        lr=lr,
+        warmup=warmup,
+        on_step=on_step,
+    )
 
 
 def greedy_answers(
