@@ -407,3 +407,42 @@ async def test_a_frozen_tower_left_out_of_the_sync_stays(
         assert tower and all(after[n] == before[name][n] for n in tower), name
         assert after[EMBED] != before[name][EMBED]
     await check_served(engines, model, samples, "v2")
+
+
+async def test_vision_tokens_are_never_sampled(
+    engines: dict[str, Engine], trainer: Trainer, samples: list[Sample], student: Path
+) -> None:
+    """Weights whose logits put nearly all mass on the image pad and vision markers: neither
+    engine samples them (they would be taken for image placeholders downstream, and the sample's
+    scoring fail), and the log-probs each reports stay the model's own, as the trainer computes
+    them."""
+    from kubedistill.runtime.engines.images import vision_token_ids
+
+    model = hf_vl_model(student)
+    never = vision_token_ids(model.config)
+    assert len(never) >= 3  # image pad, vision start and end (the tiny model also has a video pad)
+    s = samples[1]
+    with torch.no_grad():
+        t = torch.tensor([s.ids])
+        extra = {**s.inputs, "mm_token_type_ids": (t == model.config.image_token_id).int()}
+        hidden = model(input_ids=t, output_hidden_states=True, **extra).hidden_states[-1][0, -1]
+        # Tied: these rows are the lm_head's too. Along the prompt's last hidden state they win
+        # its logits by a wide margin (and, the model's states being alike, the next ones').
+        embed = model.get_input_embeddings().weight
+        for i in never:
+            embed[i] = 30.0 * hidden / hidden.norm() ** 2
+    named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    await trainer.sync(named)
+    for name, engine in engines.items():
+        for seed in range(3):
+            out = await engine.generate(
+                GenerateRequest(
+                    request_id=f"{name}-never-{seed}", prompt_token_ids=s.ids, images=[s.image], sampling=sampled(seed)
+                )
+            )
+            assert not set(out.token_ids) & set(never), (name, out.token_ids)
+            want = token_logprobs(model, s.ids, out.token_ids, s)
+            assert gap(f"{name} never sampled", out.logprobs, want) < TOL
+    # The test moved the mass there: unmasked, these tokens would have been most of the samples.
+    lp = log_softmax(model, s.ids, s)[-1]
+    assert float(lp[never].exp().sum()) > 0.5

@@ -50,7 +50,14 @@ import torch
 
 from kubedistill.runtime.engines.base import BadRequest, Engine, InFlight, PauseMode
 from kubedistill.runtime.engines.hf_batch import PaddedKVBatch, RowVision, score_batch
-from kubedistill.runtime.engines.images import check_image_runs, check_prefix, decode_images, image_pad_id, text_only
+from kubedistill.runtime.engines.images import (
+    check_image_runs,
+    check_prefix,
+    decode_images,
+    image_pad_id,
+    text_only,
+    vision_token_ids,
+)
 from kubedistill.runtime.models.loading import auto_model_class, is_vision_language
 from kubedistill.runtime.trainer.microbatch import VisionTokens, mrope_positions
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
@@ -149,6 +156,7 @@ class HFEngine(Engine):
         self._eos: frozenset[int] = frozenset()
         # A vision-language model's image pad and merge, and its image processor (None: text).
         self._vision: VisionTokens | None = None
+        self._never_sampled: list[int] = []  # a vision-language model's placeholder ids: never sampled
         self._image_processor: Any = None
         self._lock = threading.Lock()  # forwards vs weight copies and checksums
         self._rows: list[_Request] = []  # aligned with the batch's rows (finished ones until compacted)
@@ -194,6 +202,7 @@ class HFEngine(Engine):
         """A vision-language model's image pad, spatial merge and image processor (its
         AutoProcessor's, saved beside it); nothing for a causal LM."""
         self._vision, self._image_processor = None, None
+        self._never_sampled = []
         if not is_vision_language(model.config):
             return
         from transformers import AutoProcessor
@@ -204,6 +213,7 @@ class HFEngine(Engine):
             image_token_id=image_pad_id(model.config, self.model_path),
             merge=int(model.config.vision_config.spatial_merge_size),
         )
+        self._never_sampled = vision_token_ids(model.config)
 
     async def _images_of(self, ids: Sequence[int], images: Sequence[str] | None, field_name: str) -> RowVision | None:
         """_row_vision, in a worker thread when there are images to decode and process."""
@@ -399,7 +409,7 @@ class HFEngine(Engine):
                 self.forwards["prefill"] += 1
             if logits:
                 all_logits = torch.cat(logits).float()
-                tokens = sample_rows(all_logits, rows)
+                tokens = sample_rows(never_sampled(all_logits, self._never_sampled), rows)
                 result.tokens = tokens.tolist()
                 tokens = tokens.to(all_logits.device)
                 all_lp = torch.log_softmax(all_logits, -1)
@@ -703,6 +713,14 @@ def top_k_rows(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[int] | No
         return [None] * len(ks)
     top = logprobs.topk(widest, dim=-1).indices.tolist()
     return [row[:k] if k else None for row, k in zip(top, ks)]
+
+
+def never_sampled(logits: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """`logits` with `ids` (a vision-language model's placeholder tokens) made unsampleable, as
+    vLLM's logit bias does; the log-probs the engine reports stay the unmasked ones."""
+    if not ids:
+        return logits
+    return logits.index_fill(-1, torch.tensor(list(ids), device=logits.device), float("-inf"))
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:

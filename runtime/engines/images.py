@@ -89,6 +89,28 @@ def image_pad_id(hf_config: Any, tokenizer_dir: str | None = None) -> int:
     )
 
 
+VISION_TOKEN_ATTRS = (
+    "image_token_id",
+    "image_token_index",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+"""Config attributes naming a vision-language model's placeholder tokens (Qwen-VL, LLaVA style)."""
+NEVER_SAMPLED = -100.0
+"""The logit bias that keeps a token from being sampled (e^-100 of its probability)."""
+
+
+def vision_token_ids(hf_config: Any) -> list[int]:
+    """Ids a rollout engine must never sample: a vision-language model's image/video pads and
+    vision start/end markers. Generated, they would be taken for image placeholders downstream
+    (the teachers' and the trainer's image runs no longer match the images: the sample, and after
+    its retries the job, fail). [] for a text model. The reported log-probs stay the raw model's,
+    as the trainer computes them."""
+    ids = {getattr(hf_config, attr, None) for attr in VISION_TOKEN_ATTRS}
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+
 def check_prefix(prefix: Sequence[int], pad: int) -> None:
     """A resumed request's prefix (response tokens) must not hold the image pad: the model would
     take it for an image's place (the trainer refuses such a sample too)."""

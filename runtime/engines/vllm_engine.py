@@ -15,11 +15,13 @@ from kubedistill.runtime.driver.multimodal import collapse_runs, reads_images
 from kubedistill.runtime.engines.base import Engine, InFlight, PauseMode
 from kubedistill.runtime.engines.images import (
     MAX_IMAGES_PER_PROMPT,
+    NEVER_SAMPLED,
     check_image_runs,
     check_prefix,
     decode_images,
     image_pad_id,
     text_only,
+    vision_token_ids,
 )
 from kubedistill.runtime.weight_sync.group import GroupAddress, GroupWedged
 from kubedistill.runtime.weight_sync.lora import adapters_to_retire, vllm_lora_args
@@ -200,6 +202,7 @@ class VLLMEngine(Engine):
         self.llm: AsyncLLM = None
         self._counter = 0
         self._image_pad: int | None = None  # a vision-language model's image pad id, set by start()
+        self._never_sampled: dict[int, float] | None = None  # its vision tokens' logit bias, set by start()
         self._aborting: asyncio.Task[Any] | None = None
 
     async def start(self) -> None:
@@ -222,6 +225,8 @@ class VLLMEngine(Engine):
         self._max_len = int(cfg.max_model_len)
         self._vocab = int(cfg.get_vocab_size())
         self._image_pad = image_pad_id(cfg.hf_config, self.kwargs["tokenizer"]) if cfg.is_multimodal_model else None
+        never = vision_token_ids(cfg.hf_config) if cfg.is_multimodal_model else []
+        self._never_sampled = dict.fromkeys(never, NEVER_SAMPLED) or None
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -250,6 +255,8 @@ class VLLMEngine(Engine):
             logprobs=s.top_k_ids,
             detokenize=False,
             ignore_eos=s.ignore_eos,
+            # After the raw log-probs are taken (logprobs_mode raw_logprobs): they stay the model's.
+            logit_bias=self._never_sampled,
         )
         # The prompt with each image's pads collapsed to one (vLLM expands them), then the prefix.
         prompt = self.vllm_ids(req.prompt_token_ids, req.images, "prompt_token_ids") + req.prefix_token_ids
