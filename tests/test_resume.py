@@ -74,6 +74,43 @@ def test_lora_student_fully_async_on_vllm_resumes_after_sigkill(tiny_models, tmp
     # the trainer's (PEFT, unmerged) log-probs.
     lag0 = [h["offPolicy"] for h in report["history"] if h["offPolicy"].get("lag0Tokens")]
     assert lag0 and max(o["logprobDiffLag0AbsMax"] for o in lag0) < 1e-4, lag0
+    _export_generates_in_vllm(tmp_path / "ckpt" / "student-hf")
+
+
+VLLM_GENERATE = """
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=64, max_num_seqs=2, seed=0)
+params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}], params)[0].outputs[0]
+lps = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+print(json.dumps({"ids": list(out.token_ids), "logprobs": lps}))
+"""
+
+
+def _export_generates_in_vllm(export: Path) -> None:
+    """The LoRA job's export (merged: a plain HF model) loads and generates in vLLM, with the
+    log-probs transformers gives the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert not any("lora" in f.name for f in export.iterdir())  # merged, not an adapter folder
+    prompt = [1, 5, 6, 7, 8]
+    r = subprocess.run(
+        [sys.executable, "-c", VLLM_GENERATE, str(export), json.dumps(prompt)],
+        env={**run_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    ids = torch.tensor([prompt + got["ids"]])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    want = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(got["ids"])]
+    assert len(got["ids"]) == 6 and max(abs(a - b) for a, b in zip(got["logprobs"], want)) < 1e-4, (got, want)
 
 
 def _kill_trainer_after_checkpoint_and_check_resume(job: Path, tmp_path: Path) -> dict:
