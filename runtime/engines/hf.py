@@ -62,7 +62,7 @@ from kubedistill.runtime.models.loading import auto_model_class, is_vision_langu
 from kubedistill.runtime.trainer.microbatch import VisionTokens, mrope_positions
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.lora import BaseWeights, adapted_modules, merge, same_adapter_layout
-from kubedistill.runtime.weight_sync.transfer import receive
+from kubedistill.runtime.weight_sync.transfer import close_receive, receive
 from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.protocol import (
     FinishReason,
@@ -625,15 +625,7 @@ class HFEngine(Engine):
             # Before the all-reduce that releases the trainer: once its sync returns, /version
             # must already report the new version.
             self.version = version
-        failed = group.all_reduce_sum(1 if (errors or not load) else 0)
-        if errors:
-            raise RuntimeError(errors[0])
-        return {
-            "bytes": stats.bytes,
-            "transport_wait_seconds": stats.wait_seconds,
-            "load_seconds": stats.consume_seconds,
-            "group_failures": failed,
-        }
+        return close_receive(group, stats, errors, load)
 
     def _apply_lora(self, lora: LoraAdapter, tensors: dict[str, torch.Tensor]) -> None:
         """Serve a received LoRA version: merged, each adapted weight becomes W0 + scale * B @ A

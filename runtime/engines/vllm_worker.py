@@ -211,7 +211,7 @@ class WeightSyncWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from kubedistill.runtime.weight_sync.transfer import receive
+        from kubedistill.runtime.weight_sync.transfer import close_receive, receive
 
         model = self.model_runner.get_model()
         errors: list[str] = []
@@ -241,17 +241,8 @@ class WeightSyncWorkerExtension:
                 finalize_layerwise_reload(model, self.model_config)
                 self._kd_refresh_tied_lm_head(model)
             finalize_s = time.perf_counter() - t_fin
-        failed = group.all_reduce_sum(1 if (errors or not load) else 0)
-        if errors:
-            raise RuntimeError(errors[0])
-        return {
-            "bytes": stats.bytes,
-            "seconds": time.perf_counter() - t0,
-            "transport_wait_seconds": stats.wait_seconds,
-            "load_seconds": stats.consume_seconds + finalize_s,
-            "repack_seconds": finalize_s,
-            "group_failures": failed,
-        }
+        closed = close_receive(group, stats, errors, load, finalize_s)
+        return {**closed, "seconds": time.perf_counter() - t0, "repack_seconds": finalize_s}
 
     def _kd_receive_lora(
         self,
@@ -262,7 +253,7 @@ class WeightSyncWorkerExtension:
     ) -> dict[str, float]:
         """Receive a LoRA adapter's tensors (a few MiB: kept whole until the last bucket), then
         `apply` them; the failure all-reduce closes the sync as for full weights."""
-        from kubedistill.runtime.weight_sync.transfer import receive
+        from kubedistill.runtime.weight_sync.transfer import close_receive, receive
 
         assert manifest.lora is not None
         errors: list[str] = []
@@ -282,16 +273,7 @@ class WeightSyncWorkerExtension:
             except Exception as e:  # reported through the all-reduce, like a failed load
                 errors.append(f"{type(e).__name__}: {e}")
         apply_s = time.perf_counter() - t_apply
-        failed = group.all_reduce_sum(1 if (errors or not load) else 0)
-        if errors:
-            raise RuntimeError(errors[0])
-        return {
-            "bytes": stats.bytes,
-            "seconds": time.perf_counter() - t0,
-            "transport_wait_seconds": stats.wait_seconds,
-            "load_seconds": stats.consume_seconds + apply_s,
-            "group_failures": failed,
-        }
+        return {**close_receive(group, stats, errors, load, apply_s), "seconds": time.perf_counter() - t0}
 
     def _kd_merge_lora(self, lora: LoraAdapter, tensors: dict[str, torch.Tensor]) -> None:
         """Load W0 + scale * B @ A for every adapted module through the layerwise reload, only

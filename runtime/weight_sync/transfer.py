@@ -137,6 +137,23 @@ def send(group: WeightSyncGroup, manifest: Manifest, tensors: Iterable[torch.Ten
     return stats
 
 
+def close_receive(
+    group: WeightSyncGroup, stats: TransferStats, errors: list[str], load: bool, extra_load_seconds: float = 0.0
+) -> dict[str, float]:
+    """A receiver's end of a sync: the failure all-reduce the sender waits on (1 from a receiver
+    that refused or failed to load, so the group stays in step either way), then the first error
+    raised, else the receive's numbers (what /weights/last reports)."""
+    failed = group.all_reduce_sum(1 if (errors or not load) else 0)
+    if errors:
+        raise RuntimeError(errors[0])
+    return {
+        "bytes": stats.bytes,
+        "transport_wait_seconds": stats.wait_seconds,
+        "load_seconds": stats.consume_seconds + extra_load_seconds,
+        "group_failures": failed,
+    }
+
+
 def dtype_name_of(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
