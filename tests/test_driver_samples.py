@@ -87,6 +87,9 @@ def test_teacher_scores_are_checked_against_the_response() -> None:
     assert got == ("math", [-0.5, -0.25], [8, 3], True)
     with pytest.raises(ValueError, match="scored 1 log-probs, 1 top-k id rows and 1 top-k log-prob rows for 2"):
         s.set_scores("math", ScoreResponse(logprobs=[-0.5], topk_ids=[[7]], topk_logprobs=[[-0.5]]))
+    # A score without top-k (k1, k3 ask for none) keeps no top-k rows, not even the last score's.
+    s.set_scores("math", ScoreResponse(logprobs=[-0.75, -0.5], topk_ids=[[], []], topk_logprobs=[[], []]))
+    assert s.signals == {"teacher_logprobs": [-0.75, -0.5]}
 
 
 def test_restart_forgets_tokens_and_scores() -> None:

@@ -138,9 +138,10 @@ def test_vllm_top_k_ids_and_gather_requests() -> None:
 def test_engines_return_as_many_log_probs_as_the_loss_needs(tiny_models: dict[str, Path]) -> None:
     from kubedistill.runtime.engines.factory import rollout_max_logprobs, teacher_max_logprobs
 
-    forward, reverse = (_spec(tiny_models, loss_mode=m) for m in ("forwardKLTopK", "reverseKLTopK"))
+    forward, reverse, k3 = (_spec(tiny_models, loss_mode=m) for m in ("forwardKLTopK", "reverseKLTopK", "k3"))
     assert (rollout_max_logprobs(forward), teacher_max_logprobs(forward)) == (0, 4)  # topK 4
     assert (rollout_max_logprobs(reverse), teacher_max_logprobs(reverse)) == (4, -1)
+    assert (rollout_max_logprobs(k3), teacher_max_logprobs(k3)) == (0, 0)  # the sampled token's only
 
 
 def test_gather_ids_need_one_row_per_response_token() -> None:

@@ -80,11 +80,12 @@ def test_servers_are_asked_for_what_the_contract_reads(mode: LossMode) -> None:
     req = BatchRequirements.from_spec(spec)
     assert req.contract is c and req.teacher_scores
     assert rollout_max_logprobs(spec) == req.rollout_top_k == (5 if c.rollout_top_k else 0)
-    assert teacher_max_logprobs(spec) == (-1 if c.teacher_gather else 5)
+    assert req.teacher_top_k == (5 if c.teacher_top_k else 0)
+    assert teacher_max_logprobs(spec) == (-1 if c.teacher_gather else req.teacher_top_k)
     off = _spec(mode, enabled=False)
     assert active_contract(off.algorithm.distillation) is None
     assert BatchRequirements.from_spec(off).teacher_scores is False
-    assert (rollout_max_logprobs(off), teacher_max_logprobs(off)) == (0, 5)
+    assert (rollout_max_logprobs(off), teacher_max_logprobs(off)) == (0, 0)
 
 
 def _old_sample_state() -> dict[str, Any]:

@@ -191,6 +191,9 @@ async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
         with pytest.raises(ServerError, match="text-only") as text_only:
             await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4, images=["aGk="]))
         assert text_only.value.status == 400 and "\n" not in text_only.value.message
+        bare = await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=0))
+    assert bare.logprobs == pytest.approx(out.logprobs, abs=1e-6)
+    assert bare.topk_ids == bare.topk_logprobs == [[]] * 4
     model = hf_model(tiny_models["teacher"])
     assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=1e-4)
     with torch.no_grad():
@@ -199,7 +202,8 @@ async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
     assert out.topk_ids == top.indices.tolist()
     assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=1e-4)
     metrics = httpx.get(hf_servers.teacher.url + "/metrics").text
-    assert 'kubedistill_teacher_tokens_total{job="test",replica="0",role="teacher",teacher="math"} 4.0' in metrics
+    scored = 'kubedistill_teacher_tokens_total{job="test",replica="0",role="teacher",teacher="math"} 8.0'
+    assert scored in metrics  # out's 4 tokens and bare's
 
 
 def test_weight_sync_reaches_both_replicas_bit_for_bit(hf_servers, tiny_models) -> None:

@@ -131,8 +131,12 @@ async def test_teacher_scores_with_top_k(vllm_servers, tiny_models) -> None:
         with pytest.raises(ServerError, match="text-only") as e:
             await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4, images=["aGk="]))
         assert e.value.status == 400
+        bare = await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=0))
     out = outs[0]
     assert all(o == out for o in outs)
+    # top_k 0 (k1, k3): the sampled tokens' log-probs alone, the same as beside a top-k.
+    assert bare.logprobs == pytest.approx(out.logprobs, abs=1e-6)
+    assert bare.topk_ids == bare.topk_logprobs == [[]] * 5
     model = hf_model(tiny_models["teacher"])
     assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=2e-3)
     with torch.no_grad():

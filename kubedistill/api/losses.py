@@ -98,6 +98,12 @@ class LossContract:
     """With usePolicyGradient and advantageBaseline batchMean, the advantages are centred on the
     batch's mean per-token term at the rollout's log-probs (it needs only per-token signals)."""
 
+    @property
+    def teacher_top_k(self) -> bool:
+        """The teacher returns its own top-topK ids and log-probs at every position (ScoreRequest
+        top_k); the other modes read only the sampled token's log-prob or the rollout's ids."""
+        return Signal.teacher_topk_ids in self.signals
+
 
 TEACHER_TOP_K = TopKSignals(Signal.teacher_topk_ids, Signal.teacher_topk_logprobs, "teacher top-k")
 ROLLOUT_TOP_K = TopKSignals(Signal.rollout_topk_ids, Signal.teacher_logprobs_at_rollout_topk, "rollout top-k")

@@ -69,6 +69,11 @@ class BatchRequirements:
         """The top-k ids a /generate request asks the rollout for (0: none)."""
         return self.top_k if self.contract is not None and self.contract.rollout_top_k else 0
 
+    @property
+    def teacher_top_k(self) -> int:
+        """The top-k rows a /score request asks the teacher for (0: the sampled tokens' only)."""
+        return self.top_k if self.contract is not None and self.contract.teacher_top_k else 0
+
     def gather_ids(self, s: Sample) -> list[list[int]] | None:
         """The ids a /score request asks the teacher to score at each position (None: none)."""
         c = self.contract

@@ -596,7 +596,7 @@ class Driver:
         req = ScoreRequest(
             token_ids=ids,
             prompt_len=prompt_len,
-            top_k=self.spec.algorithm.distillation.top_k,
+            top_k=self.requirements.teacher_top_k,
             images=group.images,
             gather_ids=self.requirements.gather_ids(s),
         )

@@ -227,8 +227,12 @@ class Sample:
         self.teacher = teacher
         self.arrays = None
         self.signals[Signal.teacher_logprobs.value] = [float(x) for x in lps]
-        self.signals[Signal.teacher_topk_ids.value] = [list(map(int, row)) for row in ids]
-        self.signals[Signal.teacher_topk_logprobs.value] = [list(map(float, row)) for row in tlps]
+        # A request for no top-k (the loss reads none) gets empty rows: nothing to keep.
+        for key in (Signal.teacher_topk_ids.value, Signal.teacher_topk_logprobs.value):
+            self.signals.pop(key, None)
+        if any(ids):
+            self.signals[Signal.teacher_topk_ids.value] = [list(map(int, row)) for row in ids]
+            self.signals[Signal.teacher_topk_logprobs.value] = [list(map(float, row)) for row in tlps]
         self.signals.pop(Signal.teacher_logprobs_at_rollout_topk.value, None)
         if gathered is not None:
             self.signals[Signal.teacher_logprobs_at_rollout_topk.value] = gathered

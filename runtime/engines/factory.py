@@ -54,9 +54,12 @@ def rollout_max_logprobs(spec: DistillationJobSpec) -> int:
 
 
 def teacher_max_logprobs(spec: DistillationJobSpec) -> int:
-    """Log-probs a teacher engine returns per position at most: its top-k, or without limit (-1)
-    when the loss contract has it gather the rollout's ids: vLLM's V1 runner can only gather
-    arbitrary ids from the whole distribution (vllm_engine.gather_params)."""
+    """Log-probs a teacher engine returns per position at most: without limit (-1) when the loss
+    contract has it gather the rollout's ids (vLLM's V1 runner can only gather arbitrary ids from
+    the whole distribution: vllm_engine.gather_params), its top-k when the contract reads the
+    teacher's top-k, else only the scored token's."""
     d = spec.algorithm.distillation
     contract = active_contract(d)
-    return -1 if contract is not None and contract.teacher_gather else d.top_k
+    if contract is not None and contract.teacher_gather:
+        return -1
+    return d.top_k if contract is not None and contract.teacher_top_k else 0

@@ -688,8 +688,8 @@ def _score_response(req: ScoreRequest, lp: torch.Tensor) -> ScoreResponse:
         gathered = [lp[t, _ids(row, lp.device)].tolist() for t, row in enumerate(req.gather_ids)]
     return ScoreResponse(
         logprobs=chosen.tolist(),
-        topk_ids=top.indices.tolist(),
-        topk_logprobs=top.values.tolist(),
+        topk_ids=top.indices.tolist() if req.top_k else [[] for _ in range(len(targets))],
+        topk_logprobs=top.values.tolist() if req.top_k else [[] for _ in range(len(targets))],
         gather_logprobs=gathered,
     )
 

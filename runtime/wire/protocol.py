@@ -184,7 +184,8 @@ class ScoreRequest(WireRequest):
     token_ids: list[TokenId]
     """Prompt followed by the response."""
     prompt_len: Annotated[int, Field(ge=1)]
-    top_k: Annotated[int, Field(ge=1, le=256)] = 32
+    top_k: Annotated[int, Field(ge=0, le=256)] = 32
+    """The teacher's own top-k at each response position (0: none; the rows are then empty)."""
     images: list[str] | None = None
     """Base64-encoded images of the sample (vision teachers). token_ids are then the processor-
     expanded ids, as for GenerateRequest.images; a vLLM engine collapses each image's run of pads
