@@ -77,6 +77,12 @@ def test_batch_validation_checks_samples_not_tokens() -> None:
     del parts.parts[2].signals["teacher_topk_ids"]
     with pytest.raises(ValueError, match=r"TrainBatch.signals\['teacher_topk_ids'\]: lossMode forwardKLTopK needs"):
         parts.validate(CONTRACT)
+    # A top-k row with no id, or fewer log-probs than ids, in the list form as in the arrays.
+    for ids, lps in (([], []), ([5, 6], [-0.1])):
+        b = make_batch()
+        b.signals["teacher_topk_ids"][2][1], b.signals["teacher_topk_logprobs"][2][1] = ids, lps
+        with pytest.raises(ValueError, match=r"TrainBatch.signals\['teacher_topk_ids'\]\[2\]: needs >= 1 id and as"):
+            b.validate(CONTRACT)
 
 
 def _same_micro_batch(a: MicroBatch, b: MicroBatch) -> None:

@@ -285,14 +285,15 @@ class Trainer:
     def _validate(self, batch: BatchParts | TrainBatch) -> BatchParts:
         """Refuse an inconsistent batch, or one lacking what the loss contract reads, before the
         followers get it: the one check of a batch on the trainer. Returns its arrays."""
-        rewards = self.spec.algorithm.distillation.use_task_rewards
-        batch.validate(self.contract, rewards=rewards)
-        parts = batch.to_parts() if isinstance(batch, TrainBatch) else batch
-        if self.model.vision is None and any(p.images is not None for p in parts.parts):
+        if isinstance(batch, TrainBatch):
+            batch.check_lists()
+            batch = batch.to_parts()
+        batch.validate(self.contract, rewards=self.spec.algorithm.distillation.use_task_rewards)
+        if self.model.vision is None and any(p.images is not None for p in batch.parts):
             raise ValueError(
                 f"TrainBatch.images: the batch has image samples but the student {self.model_path} is a text model"
             )
-        return parts
+        return batch
 
     def _lead_step(self, batch: BatchParts) -> StepStats:
         header, order = self._layout(batch)

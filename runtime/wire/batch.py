@@ -111,65 +111,30 @@ class TrainBatch:
 
     def validate(self, contract: LossContract | None = None, *, rewards: bool = False) -> None:
         """Raise ValueError naming the first inconsistent field (one line, no traceback noise),
-        or the first signal `contract` needs that the batch lacks (and rewards, when `rewards`)."""
+        or the first signal `contract` needs that the batch lacks (and rewards, when `rewards`).
+        The lists are checked as far as packing them needs (`check_lists`), the rest as arrays
+        (BatchParts.validate), so both forms answer alike."""
+        self.check_lists()
+        self.to_parts().validate(contract, rewards=rewards)
+
+    def check_lists(self) -> None:
+        """Refuse a per-sample list that is not one entry per sample: `to_parts` indexes them."""
         n = len(self.token_ids)
         if n == 0:
             raise ValueError("TrainBatch.token_ids: the batch has no samples")
-        if contract is not None:
-            for needed in contract.signals:
-                if needed.value not in self.signals:
-                    raise ValueError(
-                        f"TrainBatch.signals[{needed.value!r}]: lossMode {contract.mode.value} needs "
-                        f"{SIGNAL_NAMES[needed]}"
-                    )
-        if rewards and (self.rewards is None or self.group_ids is None):
-            raise ValueError(
-                "TrainBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true"
-            )
         per_sample: dict[str, Sized | None] = {
             "prompt_lens": self.prompt_lens,
             "rollout_logprobs": self.rollout_logprobs,
             **{f"signals[{name!r}]": values for name, values in self.signals.items()},
             "rewards": self.rewards,
             "group_ids": self.group_ids,
+            "images": self.images,
         }
         if self.weight_versions:
             per_sample["weight_versions"] = self.weight_versions
-        if self.images is not None:
-            per_sample["images"] = self.images
         for name, values in per_sample.items():
             if values is not None and len(values) != n:
                 raise ValueError(f"TrainBatch.{name}: has {len(values)} entries, expected one per sample ({n})")
-        unknown = set(self.signals) - {s.value for s in Signal}
-        if unknown:
-            raise ValueError(f"TrainBatch.signals: unknown signals {sorted(unknown)}")
-        if (self.rewards is None) != (self.group_ids is None):
-            raise ValueError("TrainBatch.rewards and group_ids must be given together")
-        pair = contract.top_k if contract is not None else None
-        for i, images in enumerate(self.images or []):
-            if images is not None:
-                images.check(f"TrainBatch.images[{i}]")
-        for i in range(n):
-            p, total = self.prompt_lens[i], len(self.token_ids[i])
-            if not 1 <= p < total:
-                raise ValueError(f"TrainBatch.prompt_lens[{i}]: {p} must be >= 1 and < the sample's {total} tokens")
-            r = total - p
-            per_token = {"rollout_logprobs": self.rollout_logprobs} | {
-                f"signals[{name!r}]": values for name, values in self.signals.items()
-            }
-            for name, values in per_token.items():
-                if len(values[i]) != r:
-                    raise ValueError(
-                        f"TrainBatch.{name}[{i}]: has {len(values[i])} entries, expected {r} response tokens"
-                    )
-            scored = self.top_k_scores(pair)
-            if pair is not None and scored is not None:
-                for t, (ids, lps) in enumerate(zip(scored[0][i], scored[1][i])):
-                    if len(ids) != len(lps) or not ids:
-                        raise ValueError(
-                            f"TrainBatch.signals[{pair.ids.value!r}][{i}][{t}]: needs >= 1 id and as many "
-                            f"log-probs ({len(ids)} vs {len(lps)})"
-                        )
 
 
 ID_SIGNALS: frozenset[str] = frozenset({Signal.teacher_topk_ids.value, Signal.rollout_topk_ids.value})
@@ -424,9 +389,10 @@ class BatchParts:
                     ids.shape != lps.shape
                     or (wi is None) != (wl is None)
                     or (wi is not None and wl is not None and not np.array_equal(wi, wl))
+                    or (r > 0 and (ids.shape[-1] == 0 or (wi is not None and int(wi.min()) < 1)))
                 ):
                     raise ValueError(
-                        f"TrainBatch.signals[{pair.ids.value!r}][{i}]: needs as many log-probs as ids in every row"
+                        f"TrainBatch.signals[{pair.ids.value!r}][{i}]: needs >= 1 id and as many log-probs in every row"
                     )
 
 
