@@ -34,7 +34,8 @@ def list_collate(
     gather, targets, mu, w, adv, lags, segments = [], [], [], [], [], [], []
     token_signals = {name: values for name, values in batch.signals.items() if name in TOKEN_SIGNALS}
     per_token: dict[str, list[float]] = {name: [] for name in token_signals}
-    scored_topk = batch.top_k_scores(top_k)
+    top_ids, top_lps = (batch.signal(top_k.ids), batch.signal(top_k.logprobs)) if top_k else (None, None)
+    scored_topk = (top_ids, top_lps) if top_ids is not None and top_lps is not None else None
     topk_rows: list[list[int]] = []
     topk_lp_rows: list[list[float]] = []
     real = 0

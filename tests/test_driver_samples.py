@@ -199,7 +199,7 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
     req = BatchRequirements(group_size=1, mini_batch_size=1, contract=CONTRACTS[LossMode.reverse_kl_top_k], top_k=2)
     assert req.rollout_top_k == 2 and req.gather_ids(s) == [[5, 6], [7, 5], [3, 4]]
     batch = to_train_batch([s], req, trainer_version=1).to_lists()
-    assert batch.top_k_scores(ROLLOUT_TOP_K) == (
+    assert (batch.signal(ROLLOUT_TOP_K.ids), batch.signal(ROLLOUT_TOP_K.logprobs)) == (
         [[[5, 6], [7, 5], [3, 4]]],
         [[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]],
     )

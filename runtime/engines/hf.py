@@ -682,14 +682,14 @@ def _score_response(req: ScoreRequest, lp: torch.Tensor) -> ScoreResponse:
     lp = lp[req.prompt_len - 1 : -1]
     targets = torch.tensor(req.token_ids[req.prompt_len :], dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, targets[:, None])[:, 0]
-    top = lp.topk(req.top_k, dim=-1)
+    top = lp.topk(req.top_k, dim=-1)  # k 0: [T, 0], whose lists are the empty rows asked for
     gathered = None
     if req.gather_ids is not None:
         gathered = [lp[t, _ids(row, lp.device)].tolist() for t, row in enumerate(req.gather_ids)]
     return ScoreResponse(
         logprobs=chosen.tolist(),
-        topk_ids=top.indices.tolist() if req.top_k else [[] for _ in range(len(targets))],
-        topk_logprobs=top.values.tolist() if req.top_k else [[] for _ in range(len(targets))],
+        topk_ids=top.indices.tolist(),
+        topk_logprobs=top.values.tolist(),
         gather_logprobs=gathered,
     )
 

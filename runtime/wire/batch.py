@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kubedistill.api.losses import SIGNAL_NAMES, TOKEN_SIGNALS, LossContract, Signal, TopKSignals
+from kubedistill.api.losses import SIGNAL_NAMES, TOKEN_SIGNALS, LossContract, Signal
 
 
 @dataclass
@@ -74,16 +74,6 @@ class TrainBatch:
 
     def signal(self, name: Signal) -> list[list[Any]] | None:
         return self.signals.get(name.value)
-
-    def top_k_scores(self, pair: TopKSignals | None) -> tuple[list[list[list[int]]], list[list[list[float]]]] | None:
-        """The ids a top-k loss sums over at each position and the teacher's log-probs at them (the
-        loss contract's `pair`); None without it."""
-        if pair is None:
-            return None
-        ids, logprobs = self.signal(pair.ids), self.signal(pair.logprobs)
-        if ids is None or logprobs is None:
-            return None
-        return ids, logprobs
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -389,7 +379,8 @@ class BatchParts:
                     ids.shape != lps.shape
                     or (wi is None) != (wl is None)
                     or (wi is not None and wl is not None and not np.array_equal(wi, wl))
-                    or (r > 0 and (ids.shape[-1] == 0 or (wi is not None and int(wi.min()) < 1)))
+                    or ids.shape[-1] == 0
+                    or (wi is not None and int(wi.min()) < 1)
                 ):
                     raise ValueError(
                         f"TrainBatch.signals[{pair.ids.value!r}][{i}]: needs >= 1 id and as many log-probs in every row"
