@@ -27,6 +27,7 @@ from e2e_jobs import write_prompts
 from kubedistill.api.spec import DistillationJobSpec, PartialRolloutStrategy
 from kubedistill.runtime.driver.clients import ServerError
 from kubedistill.runtime.driver.loop import Driver
+from kubedistill.runtime.weight_sync.times import SyncTimes
 from kubedistill.runtime.wire.batch import BatchParts, TrainBatch
 from kubedistill.runtime.wire.protocol import (
     AbortResponse,
@@ -343,21 +344,38 @@ class FakeSender:
         self.loop = loop
         self.syncs: list[tuple[int, list[str]]] = []
         """(version, members) of every sync that succeeded."""
+        self.segment_seconds = SyncTimes()
+        """How long each segment of a sync takes (slept), beside the fake servers' own load."""
 
-    def sync(self, version: int, weights: Any) -> None:
+    def sync(self, version: int, weights: Any) -> FakeSyncOutcome:
+        marks = [time.perf_counter()]
+        time.sleep(self.segment_seconds.pause)
+        marks.append(time.perf_counter())
         tensors = list(weights.named_full_weights())  # the sender draws every tensor
         assert [n for n, _ in tensors] == [m.name for m in weights.weight_metas()]
+        time.sleep(self.segment_seconds.transfer)
+        marks.append(time.perf_counter())
         servers = [self.cluster.rollouts[u] for u in self.members]
         try:
             asyncio.run_coroutine_threadsafe(_load_all(servers, version, self.pause), self.loop).result(timeout=30)
         except aiohttp.ClientConnectionError as e:
             raise RuntimeError(f"weight sync of version {version}: {e}") from e
+        time.sleep(self.segment_seconds.load)
+        marks.append(time.perf_counter())
+        time.sleep(self.segment_seconds.resume)
+        marks.append(time.perf_counter())
         self.syncs.append((version, list(self.members)))
+        return FakeSyncOutcome(SyncTimes(*(b - a for a, b in zip(marks, marks[1:]))))
 
     def set_members(self, urls: list[str]) -> None:
         if len(set(urls)) != len(urls) or not urls:
             raise ValueError(f"weight-sync members must be distinct and at least one: {urls}")
         self.members = list(urls)
+
+
+@dataclass(frozen=True)
+class FakeSyncOutcome:
+    times: SyncTimes
 
 
 async def _load_all(servers: Sequence[FakeRolloutServer], version: int, pause: PauseMode) -> None:
@@ -373,6 +391,7 @@ class FakeStepStats:
     lr: float = 1e-3
     kl: float | None = None
     seconds: float = 0.0
+    compute_seconds: float = 0.0
     off_policy: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -407,9 +426,11 @@ class FakeTrainer:
         gate = self._holds.get(len(self.steps) + 1)
         if gate is not None and not gate.wait(timeout=30):
             raise TimeoutError(f"train step {len(self.steps) + 1} was held and never released")
+        t0 = time.perf_counter()
         time.sleep(self.step_seconds)
+        compute = time.perf_counter() - t0
         self.steps.append([b.to_lists() for b in batches])
-        return [FakeStepStats() for _ in batches]
+        return [FakeStepStats(seconds=compute, compute_seconds=compute / len(batches)) for _ in batches]
 
     def weight_metas(self) -> list[TensorMeta]:
         return [TensorMeta(name="w", dtype="float32", shape=[1])]

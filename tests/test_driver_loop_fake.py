@@ -295,3 +295,49 @@ async def test_a_new_server_joins_at_a_sync_and_a_removed_one_is_drained(tmp_pat
     assert (r.driver.rollouts.added, r.driver.rollouts.removed) == (1, 1)
     groups = trained_groups(r)
     assert len(groups) == len(set(groups)) == 8
+
+
+# ---- the step's time budget ---------------------------------------------------------------------
+async def test_a_steps_phases_add_up_to_its_wall_time_and_name_where_it_went(tmp_path) -> None:
+    from kubedistill.runtime.driver.phases import STEP_PHASES
+    from kubedistill.runtime.metrics import RoleMetrics
+    from kubedistill.runtime.weight_sync.times import SyncTimes
+
+    steps, every = 6, 3
+    spec = job_spec(tmp_path, mode="oneStepOff", steps=steps, max_tokens=4)
+    spec.checkpoint.every_steps = every
+    metrics = RoleMetrics("job", "trainer", 0)
+    r = rig(spec, metrics=metrics)
+    r.trainer.step_seconds = 0.04
+    r.sender.segment_seconds = SyncTimes(pause=0.01, transfer=0.02, load=0.015, resume=0.005)
+    await r.run()
+
+    hist = r.driver.history.lines
+    assert [h["step"] for h in hist] == list(range(1, steps + 1))
+    previous = 0.0
+    for h in hist:
+        phases = h["phases"]
+        assert list(phases) == list(STEP_PHASES) and all(v >= 0 for v in phases.values()), phases
+        wall = h["time"] - previous
+        previous = h["time"]
+        assert sum(phases.values()) == pytest.approx(wall, rel=0.05, abs=0.002), (h["step"], phases, wall)
+        # Each lap is charged to what ran in it: the trainer's reported compute, the sender's
+        # segments (the fake servers' load falls in `load`), the time blocked on the buffer.
+        assert phases["train_compute"] == pytest.approx(0.04, abs=0.015)
+        assert phases["wait"] == pytest.approx(h["waitSeconds"], abs=1e-3)
+        if h["synced"]:
+            assert phases["sync_pause"] == pytest.approx(0.01, abs=0.008)
+            assert phases["sync_transfer"] == pytest.approx(0.02, abs=0.01)
+            assert phases["sync_load"] >= 0.015
+            assert phases["sync_resume"] >= 0.005
+        else:
+            assert all(phases[p] == 0 for p in STEP_PHASES if p.startswith("sync_"))
+        assert (phases["checkpoint"] > 0) == (h["step"] % every == 0)
+    assert [h["synced"] for h in hist] == [True] * (steps - 1) + [False]
+    # The same budget, per phase, in kubedistill_step_seconds: one observation per step each.
+    labels = {"job": "job", "role": "trainer", "replica": "0"}
+    for phase in STEP_PHASES:
+        count = metrics.registry.get_sample_value("kubedistill_step_seconds_count", {**labels, "phase": phase})
+        total = metrics.registry.get_sample_value("kubedistill_step_seconds_sum", {**labels, "phase": phase})
+        assert count == steps, phase
+        assert total == pytest.approx(sum(h["phases"][phase] for h in hist), abs=1e-3), phase

@@ -174,7 +174,22 @@ def test_fully_async_partial_rollout_on_vllm(runs, tiny_models) -> None:
     assert hist[-1]["weightVersion"] == 1
     assert hist[1]["rolloutVersions"] == [1]
     assert hist[-1]["trainerVersion"] == 1
+    _check_time_budget(hist)
     _exported_differs(r, tiny_models)
+
+
+def _check_time_budget(hist: list[dict[str, Any]]) -> None:
+    """The real trainer, sender and vLLM servers fill each step's phases, and they add up to the
+    step's wall time (docs/design.md#step-time-budget)."""
+    previous = 0.0
+    for h in hist:
+        phases = h["phases"]
+        assert all(v >= 0 for v in phases.values()), phases
+        assert sum(phases.values()) == pytest.approx(h["time"] - previous, rel=0.05, abs=0.005), phases
+        previous = h["time"]
+        assert phases["train_compute"] > 0
+        synced = [phases[p] for p in ("sync_pause", "sync_transfer", "sync_load", "sync_resume")]
+        assert all(v > 0 for v in synced) if h["synced"] else not any(synced), phases
 
 
 def test_two_trainer_ranks(runs, tiny_models) -> None:

@@ -80,7 +80,19 @@ class FakeJob:
         t["samples"].labels(state="consumed").inc(8)
         t["samples"].labels(state="dropped_stale").inc(2)  # 20 %: KubedistillStalenessOverBound
         t["samples"].labels(state="resumed").inc(1)
-        for phase, s in [("gen", 2.0), ("score", 1.0), ("train", 3.0), ("sync", 0.5), ("wait", 0.1)]:
+        for phase, s in [
+            ("gen", 2.0),
+            ("score", 1.0),
+            ("wait", 0.1),
+            ("train_compute", 2.5),
+            ("train_other", 0.5),
+            ("sync_pause", 0.1),
+            ("sync_transfer", 0.2),
+            ("sync_load", 0.15),
+            ("sync_resume", 0.05),
+            ("checkpoint", 0.0),
+            ("driver", 0.01),
+        ]:
             t["step_seconds"].labels(phase=phase).observe(s)
         for v in (0, 1, 1, 2):
             t["staleness"].observe(v)

@@ -118,7 +118,9 @@ def test_steps_learn_and_report_metrics(tiny_models: dict[str, Path], tmp_path: 
     assert reg.get_sample_value("kubedistill_grad_norm", labels) == pytest.approx(stats[-1].grad_norm)
     assert reg.get_sample_value("kubedistill_learning_rate", labels) == pytest.approx(stats[-1].lr)
     assert reg.get_sample_value("kubedistill_kl_student_teacher", labels) == pytest.approx(stats[-1].kl)
-    assert reg.get_sample_value("kubedistill_step_seconds_count", {**labels, "phase": "train"}) == 6
+    # The compute is part of the step; the driver charges the step's phases (runtime/driver/phases.py).
+    assert all(0 < s.compute_seconds <= s.seconds for s in stats)
+    assert reg.get_sample_value("kubedistill_step_seconds_count", {**labels, "phase": "train_compute"}) is None
 
 
 def test_full_weights_have_hf_names_and_export_round_trips(

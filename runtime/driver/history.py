@@ -1,8 +1,9 @@
 """The per-step history of a run: one JSON line per train step, appended by trainer rank 0 to the
 file named by HISTORY_ENV (set by `kubedistill run`). Each line is the step's /status document
 (kubedistill.api.progress.TrainerProgress) plus per-step extras: `time` (seconds since the
-driver started), `runId` (the driver process: a restarted trainer appends to the same file),
-losses, sync and wait times, the groups trained, `lagHistogram` and `offPolicy`
+driver started, at the step's end), `runId` (the driver process: a restarted trainer appends to the
+same file), losses, sync and wait times, `phases` (the step's time budget,
+docs/design.md#step-time-budget), the groups trained, `lagHistogram` and `offPolicy`
 (docs/algorithms.md)."""
 
 from __future__ import annotations

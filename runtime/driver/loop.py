@@ -49,9 +49,10 @@ from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, prep
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
-from kubedistill.runtime.driver.history import HistoryWriter
+from kubedistill.runtime.driver.history import HistoryLine, HistoryWriter
 from kubedistill.runtime.driver.membership import RolloutMembership
 from kubedistill.runtime.driver.multimodal import load_student_processor, reads_images
+from kubedistill.runtime.driver.phases import STEP_PHASES, StepClock, sync_parts
 from kubedistill.runtime.driver.rewards import RewardRegistry
 from kubedistill.runtime.driver.routing import (
     AllEndpointsDown,
@@ -63,6 +64,7 @@ from kubedistill.runtime.driver.routing import (
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
+from kubedistill.runtime.weight_sync.times import SyncTimes
 from kubedistill.runtime.wire.batch import BatchParts
 from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, ServerError, new_session
 from kubedistill.runtime.wire.protocol import LoraAdapter, TensorMeta
@@ -100,6 +102,11 @@ class StepStatsLike(Protocol):
     @property
     def seconds(self) -> float: ...
     @property
+    def compute_seconds(self) -> float:
+        """Of the step, the optimiser's compute: forward, loss, backward, clipping, AdamW."""
+        ...
+
+    @property
     def off_policy(self) -> Mapping[str, float]: ...
 
 
@@ -115,13 +122,20 @@ class TrainerLike(Protocol):
     def export_hf(self, out_dir: str | Path) -> Path | None: ...
 
 
+class SyncOutcomeLike(Protocol):
+    """What a sync reports (runtime/weight_sync's TransferStats)."""
+
+    @property
+    def times(self) -> SyncTimes: ...
+
+
 class SenderLike(Protocol):
     """runtime/weight_sync's WeightSender."""
 
     members: list[str]
     """The rollout servers in the group, in rank order."""
 
-    def sync(self, version: int, weights: TrainerLike) -> object: ...
+    def sync(self, version: int, weights: TrainerLike) -> SyncOutcomeLike: ...
     def set_members(self, urls: list[str]) -> None: ...
 
 
@@ -199,6 +213,8 @@ class Driver:
         # file, and its steps may follow on from the checkpoint with a clock no earlier than the last.
         self.run_id = uuid.uuid4().hex[:12]
         self._wait_seconds = 0.0
+        self.step_clock = StepClock(clock)
+        """The training side's timeline, cut into each step's phases (runtime/driver/phases.py)."""
         self._consumed = 0
         self._resumed_groups: list[SampleGroup] = []
 
@@ -265,23 +281,24 @@ class Driver:
     async def _on_trainer(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
 
-    def _sync_blocking(self, version: int, joiners: Sequence[str] = ()) -> None:
+    def _sync_blocking(self, version: int, joiners: Sequence[str] = ()) -> SyncTimes:
         if self.sender is None:
             raise RuntimeError("no weight sender: the weight-sync group is not formed")
         if joiners:  # the sync re-forms the group with them, so they start at this version
             self.sender.set_members([*self.sender.members, *(u for u in joiners if u not in self.sender.members)])
         # The trainer itself: the sender lays out the manifest from its metadata and draws the
         # gathered tensors bucket by bucket once every server is ready to receive.
-        self.sender.sync(version, self.trainer)
+        return self.sender.sync(version, self.trainer).times
 
     def _leave_group(self, url: str) -> None:
         if self.sender is not None and url in self.sender.members:
             self.sender.set_members([u for u in self.sender.members if u != url])
 
-    async def sync_weights(self, version: int) -> None:
-        t0 = self.clock()
+    async def sync_weights(self, version: int) -> SyncTimes:
+        """Sync the trainer's weights to every rollout server as `version`; returns the sender's
+        segments of it."""
         joiners = list(self.rollouts.ready)
-        await self._on_trainer(self._sync_blocking, version, joiners)
+        times = await self._on_trainer(self._sync_blocking, version, joiners)
         if joiners:
             self.rollouts.joined(joiners)
             for url in joiners:
@@ -290,7 +307,7 @@ class Driver:
         self.version = version
         self.status.weight_version = version
         await self.buffer.synced(version)
-        self._observe("sync", self.clock() - t0)
+        return times
 
     # ---- the run ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -305,6 +322,7 @@ class Driver:
             self._teacher = {u: servers.teacher(u) for u in self._teacher_urls}
             await self._wait_healthy([*self._rollout.values(), *self._teacher.values()])
             self._started = self.clock()
+            self.step_clock.start(self._started)
             for g in self._resumed_groups:
                 self._spawn(self._generate_group(g))
             self._resumed_groups = []
@@ -313,9 +331,11 @@ class Driver:
             watcher = asyncio.create_task(self._follow_rollouts()) if self.rollout_source is not None else None
             try:
                 while self.step < total:
-                    await self._train_one()
+                    line = await self._train_one()
                     if checkpoint_due(self.step, self.spec.checkpoint.every_steps, total):
                         await self._checkpoint()
+                        self.step_clock.lap("checkpoint")
+                    self._end_step(line)
             finally:
                 producer.cancel()
                 others = [watcher] if watcher is not None else []
@@ -371,19 +391,23 @@ class Driver:
         self.status.last_checkpoint = str(path) if path is not None else None
         log.info("checkpoint %s", path)
 
-    async def _train_one(self) -> None:
-        t0 = self.clock()
+    async def _train_one(self) -> HistoryLine:
+        """One train step (and the sync after it); returns its history line, which _end_step
+        writes once the step's checkpoint, if any, is done."""
+        clock = self.step_clock
+        clock.lap("driver")  # the previous step's history line and metrics, the loop around
         try:
             groups = await self.buffer.take(self.requirements.step_samples)
         except BufferClosed:
             raise self._error or RuntimeError("the sample buffer closed before totalSteps") from None
-        waited = self.clock() - t0
+        waited = clock.lap("wait")
         self._wait_seconds += waited
-        self._observe("wait", waited)
         trainer_version = self.version
         step_samples = assemble(groups, self.requirements, trainer_version)
         batches = step_samples.train_batches(self.requirements)
+        clock.lap("train_other")  # the batch's arrays and checks, on the loop
         stats = await self._on_trainer(lambda: self.trainer.train(batches))
+        clock.lap("train_other", {"train_compute": sum(mb.compute_seconds for mb in stats)})
         self.step += 1
         self.status.step = self.step
         self._consumed += len(step_samples.samples)
@@ -394,11 +418,13 @@ class Driver:
             self.step % self.staleness_policy.trigger_parameter_sync_step == 0
             and self.step < self.spec.trainer.total_steps
         ):
-            t_sync = self.clock()
-            await self.sync_weights(self.version + 1)
+            clock.lap("driver")
+            times = await self.sync_weights(self.version + 1)
             synced = True
             served = await self._served_versions(self.version)
-            sync_seconds = self.clock() - t_sync
+            # What the sender does not report (the driver's thread hop, the served versions and
+            # the buffer's new version) is the last of the resume.
+            sync_seconds = clock.lap("sync_resume", sync_parts(times))
         now = self.clock()
         elapsed = max(now - self._started, 1e-9)
         last = stats[-1]
@@ -416,37 +442,46 @@ class Driver:
             if st.reward_mean is not None:
                 self.metrics["reward_mean"].set(st.reward_mean)
             self.metrics["weight_version"].set(self.version)
-        self.history.write(
-            {
-                **st.to_json(),
-                "time": round(now - self._started, 3),
-                "runId": self.run_id,
-                "trainerVersion": trainer_version,
-                "synced": synced,
-                "rolloutVersions": served,
-                "lossTotal": sum(mb.loss_total for mb in stats) / len(stats),
-                "lossDistill": sum(mb.loss_distill for mb in stats) / len(stats),
-                "lossPg": sum(mb.loss_pg for mb in stats) / len(stats),
-                "gradNorm": last.grad_norm,
-                "lr": last.lr,
-                "stalenessMax": max(staleness) if staleness else 0,
-                "groups": [g.group_id for g in groups],
-                "resumedSamples": sum(sample.resumed for sample in step_samples.samples),
-                # [first, last] weight version of the tokens of each trained sample that was resumed
-                # across a sync (partialRollout: resume), and the run's samples_total counters.
-                "resumedVersionRanges": [
-                    [sample.min_version, sample.max_version] for sample in step_samples.samples if sample.resumed
-                ],
-                "samplesTotal": dict(self.buffer.counters),
-                "waitSeconds": round(waited, 4),
-                "trainSeconds": round(sum(mb.seconds for mb in stats), 4),
-                "syncSeconds": round(sync_seconds, 4),
-                "droppedStale": self.buffer.counters["dropped_stale"],
-                "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
-                "offPolicy": _mean_per_key([mb.off_policy for mb in stats]),
-                "rolloutRequests": dict(self.requests_by_server),
-            }
-        )
+        return {
+            **st.to_json(),
+            "runId": self.run_id,
+            "trainerVersion": trainer_version,
+            "synced": synced,
+            "rolloutVersions": served,
+            "lossTotal": sum(mb.loss_total for mb in stats) / len(stats),
+            "lossDistill": sum(mb.loss_distill for mb in stats) / len(stats),
+            "lossPg": sum(mb.loss_pg for mb in stats) / len(stats),
+            "gradNorm": last.grad_norm,
+            "lr": last.lr,
+            "stalenessMax": max(staleness) if staleness else 0,
+            "groups": [g.group_id for g in groups],
+            "resumedSamples": sum(sample.resumed for sample in step_samples.samples),
+            # [first, last] weight version of the tokens of each trained sample that was resumed
+            # across a sync (partialRollout: resume), and the run's samples_total counters.
+            "resumedVersionRanges": [
+                [sample.min_version, sample.max_version] for sample in step_samples.samples if sample.resumed
+            ],
+            "samplesTotal": dict(self.buffer.counters),
+            "waitSeconds": round(waited, 4),
+            "trainSeconds": round(sum(mb.seconds for mb in stats), 4),
+            "syncSeconds": round(sync_seconds, 4),
+            "droppedStale": self.buffer.counters["dropped_stale"],
+            "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
+            "offPolicy": _mean_per_key([mb.off_policy for mb in stats]),
+            "rolloutRequests": dict(self.requests_by_server),
+        }
+
+    def _end_step(self, line: HistoryLine) -> None:
+        """Close the step's time budget: its phases go into its history line (which is written
+        now, stamped with the step's end) and into kubedistill_step_seconds."""
+        self.step_clock.lap("driver")
+        phases = self.step_clock.close()
+        if self.metrics is not None:
+            for phase in STEP_PHASES:
+                self.metrics["step_seconds"].labels(phase=phase).observe(phases[phase])
+        line["time"] = round(self.step_clock.mark - self._started, 3)
+        line["phases"] = {phase: round(seconds, 4) for phase, seconds in phases.items()}
+        self.history.write(line)
 
     # ---- rollout servers joining and leaving -------------------------------------------------
     async def _follow_rollouts(self) -> None:

@@ -36,6 +36,9 @@ class StepStats:
     """Mean k1 = s - T over response tokens: the reverse KL(student || teacher) estimate
     (None when the batch has no teacher log-probs of the sampled tokens)."""
     seconds: float
+    compute_seconds: float
+    """Of `seconds` (and of a proximal pass before it): forward, loss, backward, clipping and
+    AdamW, the part a faster trainer would shrink. The rest is collation and statistics."""
     tokens_per_second: float
     off_policy: dict[str, float] = field(default_factory=dict)
     """How far the samples are from the policy trained (camelCase keys, see :meth:`StepSums.off_policy`)."""
@@ -163,7 +166,6 @@ class StepSums:
 
 def record_step(metrics: RoleMetrics, s: StepStats) -> None:
     metrics["step"].set(s.step)
-    metrics["step_seconds"].labels(phase="train").observe(s.seconds)
     metrics["loss"].labels(kind="total").set(s.loss_total)
     metrics["loss"].labels(kind="distill").set(s.loss_distill)
     metrics["loss"].labels(kind="pg").set(s.loss_pg)

@@ -135,6 +135,8 @@ class Trainer:
         # in slot "step" until the next step, a proximal pass's mini-batches in slots of their own.
         self.buffers = BatchBuffers()
         self._sending: list[Callable[[], None]] = []
+        self._proximal_seconds = 0.0
+        """The last proximal pass's compute, not yet reported in a step's stats."""
         self.state = TrainerState(spec, self.ranks, self.model, self.optimizer, self.scheduler, self.model_path)
 
     @property
@@ -220,6 +222,7 @@ class Trainer:
 
     def _recompute_proximal(self, batches: Sequence[TensorBatch]) -> None:
         self._proximal = []
+        start = time.perf_counter()
         self.model.eval()
         with torch.no_grad():
             for batch in batches:
@@ -232,6 +235,8 @@ class Trainer:
                     for i, part in zip((i for row in rows for i in row), torch.split(logprobs.float(), lens)):
                         mine[i] = part.cpu()
                 self._proximal.append(mine)
+        # Counted as compute of the step's first mini-batch (its forward passes, in effect).
+        self._proximal_seconds = time.perf_counter() - start
 
     def _micro_batches(
         self,
@@ -315,7 +320,9 @@ class Trainer:
         proximal = self._proximal.pop(0) if self._proximal else None
         sums = StepSums()
         self.model.train()
+        compute = 0.0  # forward, loss, backward and the optimiser; not collation or stats
         for rows, mb, filler in self._micro_batches(batch, weights, advantages):
+            tc = time.perf_counter()
             logprobs, topk_lp = self._forward(mb)
             old = None
             if proximal is not None and not filler:
@@ -334,7 +341,9 @@ class Trainer:
                 advantage_baseline=baseline,
             )
             (losses["total"] * mb.weights).sum().backward()
+            compute += time.perf_counter() - tc
             sums.add(mb, losses, logprobs, self.world, filler)
+        tc = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, spec.trainer.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -342,10 +351,12 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        compute += time.perf_counter() - tc
         self.step_count += 1
         total = sums.all_reduce(self.ranks.all_reduce_sum, self.ranks.all_reduce_max)
         seconds = time.perf_counter() - start
         tokens = int(total.tokens)
+        proximal_seconds, self._proximal_seconds = self._proximal_seconds, 0.0
         stats = StepStats(
             step=self.step_count,
             loss_total=total.loss_total,
@@ -358,6 +369,7 @@ class Trainer:
             response_tokens=int(total.response_tokens),
             kl=total.kl,
             seconds=seconds,
+            compute_seconds=compute + proximal_seconds,
             tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
             off_policy=total.off_policy(),
         )

@@ -37,6 +37,7 @@ from kubedistill.runtime.weight_sync.group import (
     resolve_backend,
 )
 from kubedistill.runtime.weight_sync.manifest import bucket_layout
+from kubedistill.runtime.weight_sync.times import SyncTimes
 from kubedistill.runtime.weight_sync.transfer import TransferStats, send, torch_dtype
 from kubedistill.runtime.wire.dtypes import dtype_name
 from kubedistill.runtime.wire.http import REQUEST_ERRORS, TRANSPORT_ERRORS, BlockingClient, ServerError, call, fetch
@@ -292,9 +293,12 @@ class WeightSender:
 
         answers = self._http.run(_each(begin(url) for url in self.members))
         refusals = [r for r in answers if r is not None]
+        t_begun = time.perf_counter()
         stats = send(self.group, manifest, _on_device(manifest, draw(), self.group.device))
+        t_sent = time.perf_counter()
         failed = self.group.all_reduce_sum(0)
-        stats.seconds = time.perf_counter() - t0
+        t_loaded = time.perf_counter()
+        stats.seconds = t_loaded - t0
         self.last_stats = stats
         if self.metrics is not None:
             self.metrics["weight_sync_seconds"].observe(stats.seconds)
@@ -305,6 +309,9 @@ class WeightSender:
         if failed:
             raise WeightSyncError(f"{failed} rollout worker(s) failed to load weight version {version}")
         self._await_served(version)
+        stats.times = SyncTimes(
+            pause=t_begun - t0, transfer=t_sent - t_begun, load=t_loaded - t_sent, resume=time.perf_counter() - t_loaded
+        )
         return stats
 
     def _await_served(self, version: int) -> None:

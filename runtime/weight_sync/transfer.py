@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kubedistill.runtime.weight_sync.group import WeightSyncGroup
+from kubedistill.runtime.weight_sync.times import SyncTimes
 from kubedistill.runtime.wire.dtypes import numel
 from kubedistill.runtime.wire.protocol import Bucket, Manifest
 
@@ -41,6 +42,8 @@ class TransferStats:
     consume_seconds: float = 0.0
     """Time spent unpacking/loading (receiver) or packing (sender)."""
     extra: dict[str, float] = field(default_factory=dict)
+    times: SyncTimes = field(default_factory=SyncTimes)
+    """A whole sync's segments on the trainer (WeightSender.sync fills it)."""
 
 
 class _InOrder:
