@@ -309,7 +309,7 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "fully-async-without-async.yaml": CEL,
     "gpus-on-cpu.yaml": CEL,
     "grpo-with-one-sample.yaml": CEL,
-    "hf-engine-on-cuda.yaml": CEL,
+    "hf-engine-tensor-parallel.yaml": CEL,
     "k1-without-policy-gradient.yaml": CEL,
     "lora-all-linear-with-other-modules.yaml": CEL,
     "mini-batch-not-multiple-of-n.yaml": CEL,

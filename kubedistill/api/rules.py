@@ -148,7 +148,7 @@ def _lora_cel(condition: str) -> str:
 LORA_MODULES = "self.trainer.lora.targetModules"
 
 
-HF_ON_CUDA_MESSAGE = "hf runs on the CPU; on device cuda use vllm"
+HF_TENSOR_PARALLEL_MESSAGE = "must be 1 with engine hf (it runs the whole model on one device)"
 GPU_MESSAGE = "must be > 0 on device cuda and 0 (or unset) on device cpu"
 
 SPEC_RULES: list[Rule] = [
@@ -290,20 +290,22 @@ SPEC_RULES: list[Rule] = [
         ".teachers",
         lambda s: all(_tp_ok(s.device, t.inference.tensor_parallel_size, t.gpus) for t in s.teachers),
     ),
-    # The hf engine (transformers) runs on the CPU: on a GPU pod it would leave the GPU idle.
+    # The hf engine (transformers) runs the whole model in one process on one device: a
+    # tensor-parallel size it cannot honour would size the weight-sync group for ranks that never
+    # join, and the first sync would wait for them until its timeout.
     Rule(
         "spec",
-        "self.device == 'cpu' || self.rollout.inference.engine != 'hf'",
-        HF_ON_CUDA_MESSAGE,
-        ".rollout.inference.engine",
-        lambda s: s.device is Device.cpu or s.rollout.inference.engine is not Engine.hf,
+        "self.rollout.inference.engine != 'hf' || self.rollout.inference.tensorParallelSize == 1",
+        HF_TENSOR_PARALLEL_MESSAGE,
+        ".rollout.inference.tensorParallelSize",
+        lambda s: s.rollout.inference.engine is not Engine.hf or s.rollout.inference.tensor_parallel_size == 1,
     ),
     Rule(
         "spec",
-        "self.device == 'cpu' || self.teachers.all(t, t.inference.engine != 'hf')",
-        "every teacher's inference.engine: " + HF_ON_CUDA_MESSAGE,
+        "self.teachers.all(t, t.inference.engine != 'hf' || t.inference.tensorParallelSize == 1)",
+        "every teacher's inference.tensorParallelSize: " + HF_TENSOR_PARALLEL_MESSAGE,
         ".teachers",
-        lambda s: s.device is Device.cpu or all(t.inference.engine is not Engine.hf for t in s.teachers),
+        lambda s: all(t.inference.engine is not Engine.hf or t.inference.tensor_parallel_size == 1 for t in s.teachers),
     ),
     # spec.scheduling: each setting only where the chosen gang scheduler reads it, so a setting
     # that would be ignored is refused rather than silently dropped.

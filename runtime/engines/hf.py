@@ -1,4 +1,6 @@
-"""transformers engine for small CPU runs and fast tests, with continuous batching.
+"""transformers engine for small CPU runs and fast tests, with continuous batching. It computes on
+the CPU, or on a cuda job on the server's GPU (where it stands in for vLLM when vLLM is absent:
+the GPU check, bench/gpu_check.sh).
 
 One scheduler task (asyncio, on the server's loop) owns the batch; each iteration runs in a
 worker thread and does at most one decode forward for every request in flight (one new token
@@ -43,7 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -136,10 +138,13 @@ class HFEngine(Engine):
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         max_num_seqs: int | None = None,
+        device: str = "cpu",
     ) -> None:
         super().__init__()
         self.model_path = model_path
         self.dtype = dtype
+        self.device = torch.device(device)
+        """Where the model computes: the CPU, or this process's GPU on a cuda job (a torch device)."""
         self._max_model_len = max_model_len  # the model's own limit caps it at start()
         self.trust_remote_code = trust_remote_code
         self.max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
@@ -189,7 +194,8 @@ class HFEngine(Engine):
         config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         # A vision-language model loads as its ...ForConditionalGeneration (tower + LM + head).
         cls = auto_model_class(config)
-        model = cls.from_pretrained(self.model_path, dtype=dtype, trust_remote_code=self.trust_remote_code).eval()
+        model = cls.from_pretrained(self.model_path, dtype=dtype, trust_remote_code=self.trust_remote_code)
+        model = model.to(self.device).eval()
         self.model = model
         self._load_vision(model)
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
@@ -534,7 +540,7 @@ class HFEngine(Engine):
     async def join_weight_group(self, addr: GroupAddress) -> None:
         self.weight_group_state = "joining"
         try:
-            self.group = await asyncio.to_thread(WeightSyncGroup, addr)
+            self.group = await asyncio.to_thread(WeightSyncGroup, member_address(addr, self.device))
         except Exception:
             self.weight_group_state = "failed"
             raise
@@ -670,6 +676,16 @@ class HFEngine(Engine):
                 name.replace(".default.", "."): p for name, p in model.named_parameters() if ".lora_" in name
             }
             self._adapter_layout = (lora.rank, frozenset(modules))
+
+
+def member_address(addr: GroupAddress, device: torch.device) -> GroupAddress:
+    """This engine's place in the weight-sync group: on NCCL the buckets land on the model's own
+    GPU (so the broadcast fills the parameters in place), on gloo in host memory."""
+    if addr.backend != "nccl":
+        return addr
+    if device.type != "cuda":
+        raise ValueError(f"an NCCL weight sync needs the hf engine on a GPU; it runs on {device}")
+    return replace(addr, device=str(device if device.index is not None else torch.device("cuda", 0)))
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

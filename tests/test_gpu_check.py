@@ -1,0 +1,95 @@
+"""bench/gpu_check.sh, the check a borrowed GPU runs (docs/gpu.md): its dry run, which runs every
+part at tiny shapes on the CPU with vLLM and Ray hidden, and the pure choices its GPU run and the
+hf engine on a GPU rest on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubedistill.api.spec import Device
+from kubedistill.runtime.engines.factory import hf_engine_device
+from kubedistill.runtime.engines.hf import member_address
+from kubedistill.runtime.weight_sync.group import GroupAddress
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+
+
+def _check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_dry_run_passes_every_part_without_vllm_or_ray(tmp_path: Path) -> None:
+    out = _run("--dry-run", "--out", str(tmp_path / "report.json"), "--workdir", str(tmp_path / "work"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("gpu_check: PASSED")
+    report = json.loads((tmp_path / "report.json").read_text())
+    parts = report["parts"]
+    assert report["ok"] and set(parts) == {"text", "lora", "vl"}, parts
+    text = parts["text"]
+    # The engine's samples trained on at once: the trainer's log-probs (bf16 compute) against the
+    # engine's (float32) on the same weights, before and after a sync of the trained weights.
+    tiny = _check_module().TINY
+    for key in ("logprobs_lag0_before_sync", "logprobs_lag0_after_sync"):
+        assert text[key]["tokens"] == tiny.gen_requests * tiny.gen_tokens
+        assert text[key]["abs_mean"] < 0.02, text[key]
+    assert text["group_backend"] == "gloo" and len(text["sync"]) == 2
+    assert text["checksums"]["differ"] == 0 and text["checksums"]["compared"] > 10
+    for name in ("text", "lora", "vl"):
+        train = parts[name]["train"]
+        assert len(train["step_seconds"]) == tiny.timed_steps and train["tokens_per_step"] > 0
+    # LoRA trains only its adapters; the VL batch carried images of grid x grid patches.
+    assert 0 < parts["lora"]["trainable_parameters"] < 100_000
+    assert parts["vl"]["image_tokens_per_image"] == tiny.image_grid**2 // 4
+    # The rollout server of the text part ran as its own process and is gone.
+    assert (tmp_path / "work" / "text" / "rollout.log").is_file()
+
+
+def test_unknown_parts_are_refused() -> None:
+    out = _run("--dry-run", "--parts", "text,sound")
+    assert out.returncode == 2 and "--parts: unknown ['sound'] (allowed: text, lora, vl)" in out.stderr
+
+
+def test_peak_and_flops() -> None:
+    gc = _check_module()
+    assert gc.peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert gc.peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gc.peak_bf16_tflops("NVIDIA GeForce RTX 4090") is None
+    # One layer of width 4, 1 head of 4, 1 KV head, MLP 8, vocab 10: per token 2 x (4x12 + 16 + 96)
+    # = 320 in the layer; attention 2 x 4 x n^2 per sample; the head 2 x 4 x 10 per response token.
+    shape = gc.TextShape(vocab=10, hidden=4, intermediate=8, layers=1, heads=1, kv_heads=1, head_dim=4)
+    assert gc.train_flops(shape, [3, 2], [1, 1]) == 3 * (320 * 5 + 8 * (9 + 4) + 80 * 2)
+
+
+def test_hf_engine_device_follows_the_job() -> None:
+    assert hf_engine_device(Device.cpu, {"LOCAL_RANK": "1"}) == "cpu"
+    assert hf_engine_device(Device.cuda, {}) == "cuda:0"
+    assert hf_engine_device(Device.cuda, {"LOCAL_RANK": "1"}) == "cuda:1"
+
+
+def test_hf_engine_joins_nccl_on_its_own_gpu() -> None:
+    gloo = GroupAddress("h", 1, 1, 2, "gloo")
+    assert member_address(gloo, torch.device("cpu")) is gloo
+    nccl = GroupAddress("h", 1, 1, 2, "nccl")
+    assert member_address(nccl, torch.device("cuda", 1)).device == "cuda:1"
+    assert member_address(nccl, torch.device("cuda")).device == "cuda:0"
+    with pytest.raises(ValueError, match="needs the hf engine on a GPU; it runs on cpu"):
+        member_address(nccl, torch.device("cpu"))
