@@ -16,6 +16,7 @@ from kubedistill.runtime.trainer.commands import Command, CommandChannel
 from kubedistill.runtime.trainer.distributed import (
     compute_dtype,
     needs_control_group,
+    needs_sharding,
     process_group_backend,
     rank_device,
 )
@@ -273,6 +274,38 @@ def test_gpu_decisions() -> None:
     assert compute_dtype(DType.auto, Device.cuda) is torch.bfloat16
     assert compute_dtype(DType.auto, Device.cpu) is torch.float32
     assert compute_dtype(DType.float16, Device.cuda) is torch.float16
+
+
+def test_only_several_ranks_or_mixed_precision_need_fsdp() -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert not needs_sharding(1, f32, {f32})
+    assert needs_sharding(2, f32, {f32})
+    assert needs_sharding(1, bf16, {f32})  # FSDP's mixed precision: bf16 compute, fp32 masters
+    assert needs_sharding(1, f32, {f32, bf16})
+
+
+def test_one_rank_learns_the_same_with_or_without_fsdp(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unsharded single-rank trainer takes the very steps FSDP2 on one rank takes."""
+    import kubedistill.runtime.trainer.distributed as distributed
+
+    results = []
+    for sharded in (False, True):
+        monkeypatch.setattr(distributed, "needs_sharding", lambda *_, answer=sharded: answer)
+        t = Trainer(make_spec(tiny_models["student"], tmp_path / "c"))
+        assert t.sharded == sharded
+        try:
+            stats = [t.step(make_batch(seed)) for seed in range(3)]
+            results.append((stats, {n: w.detach().clone() for n, w in t.named_full_weights()}))
+        finally:
+            t.close()
+    (plain, wp), (fsdp, wf) = results
+    for a, b in zip(plain, fsdp):
+        assert a.loss_total == pytest.approx(b.loss_total, rel=1e-6)
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
+    for name in wp:
+        assert torch.allclose(wp[name], wf[name], atol=1e-6), name
 
 
 def test_step_sums_add_by_name_and_reduce_over_ranks() -> None:

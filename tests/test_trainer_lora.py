@@ -72,7 +72,8 @@ def test_only_adapters_train_and_sync(trainer: Trainer, tiny_models: dict[str, P
     for name, p in trainer.model.named_parameters():
         if not p.requires_grad and name.endswith(".base_layer.weight"):
             hf = name.removeprefix("lm.base_model.model.").replace(".base_layer", "")
-            assert torch.equal(p.detach().full_tensor(), base[hf]), name
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # sharded only with mixed precision
+            assert torch.equal(full.detach(), base[hf]), name
     assert sum(p.numel() for p in trainer.trainable) == sum(t.numel() for t in after.values())
 
 

@@ -22,7 +22,7 @@ The ``Trainer`` holds the model, the optimiser and the step; its components, in 
 
 * distributed.py: process groups, this rank's device, FSDP2 sharding (a vision-language student's
   vision blocks and tower, each decoder layer, then the root; NCCL on GPU, gloo on CPU; a
-  single-rank group when none is initialised);
+  single-rank group when none is initialised; no FSDP on one rank computing in its weights' dtype);
 * commands.py: the rank-0-leads protocol (rank 0 broadcasts a command, followers dispatch it
   through a table);
 * model.py: the HF model wrapped to return log-probs, the packing check, full weights;
@@ -116,7 +116,8 @@ class Trainer:
         self.hf_config = self.model.lm.config
         self.pad_id = pad_token_id(self.hf_config)
         self.pack = use_packing(spec, self.model, self.device)
-        shard(self.model, self.ranks, compute_dtype(spec.trainer.mixed_precision, spec.device))
+        self.sharded = shard(self.model, self.ranks, compute_dtype(spec.trainer.mixed_precision, spec.device))
+        """Whether the model is under FSDP2 (several ranks, or mixed precision)."""
 
         o = spec.trainer.optim
         # With LoRA only the adapters train: AdamW keeps no state for the frozen base.
@@ -267,7 +268,8 @@ class Trainer:
                 vision=self.model.vision,
             )
             mb.touch_vision = vision is not None and vision[j] and not mb.has_images
-            self.model.set_requires_gradient_sync(j == n_micro - 1)
+            if self.sharded:
+                self.model.set_requires_gradient_sync(j == n_micro - 1)
             yield rows, mb.to(self.device), filler
 
     def _forward(self, mb: MicroBatch, top_k: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
