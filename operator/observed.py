@@ -95,6 +95,9 @@ class PodView:
     disruption: str = ""
     """Why the cluster took the pod away (a DISRUPTION_CONDITIONS reason, or Preempted/Evicted);
     empty when it did not."""
+    volume_problem: str = ""
+    """Why the scheduler cannot place the pod for want of a volume (a claim missing or unbound);
+    empty otherwise."""
 
     @property
     def group(self) -> str:
@@ -133,6 +136,7 @@ class PodView:
             http_port=port,
             reason=_failure_reason(status),
             disruption=_disruption(status),
+            volume_problem=_volume_problem(status) if phase is PodPhase.pending else "",
         )
 
 
@@ -150,6 +154,18 @@ def _failure_reason(status: Mapping[str, Any]) -> str:
             why = term.get("reason") or "Error"
             return f"{why}, exit code {term.get('exitCode')}"
     return status.get("reason") or status.get("message") or ""
+
+
+def _volume_problem(status: Mapping[str, Any]) -> str:
+    """The scheduler's message when a volume keeps the pod unscheduled: it names a
+    PersistentVolumeClaim ('persistentvolumeclaim "ckpt" not found', 'pod has unbound immediate
+    PersistentVolumeClaims')."""
+    for c in status.get("conditions") or []:
+        message = str(c.get("message") or "")
+        unscheduled = c.get("type") == "PodScheduled" and c.get("status") == "False"
+        if unscheduled and "persistentvolumeclaim" in message.lower():
+            return message
+    return ""
 
 
 def _disruption(status: Mapping[str, Any]) -> str:

@@ -178,6 +178,10 @@ def refusal_reason(http_status: int, message: str) -> str:
         return "QuotaRequiresResources"
     if "admission webhook" in text and "denied" in text:
         return "AdmissionWebhookDenied"
+    if "no priorityclass with name" in text:
+        # The Priority admission plugin's 403 for scheduling.priorityClassName naming no class:
+        # a plain Forbidden would point at the operator's RBAC.
+        return "PriorityClassNotFound"
     return {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 422: "Invalid"}.get(http_status, "Refused")
 
 
@@ -297,6 +301,7 @@ def plan(
         status.message = ""
         _hold_unscheduled(p, spec, missing_apis, now)
         _hold_refused(p, refusals or {}, now)
+        _blocked_by_volumes(p, observed, now)
     _conditions(p, spec, observed, now)
     _phase_event(p, previous)
     return p
@@ -348,6 +353,22 @@ def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime
     p.status.phase = Phase.blocked
     p.status.message = message[:4096]
     set_condition(p.status, ConditionType.created, False, first.reason, message, now)
+
+
+def _blocked_by_volumes(p: Plan, observed: Observed, now: datetime) -> None:
+    """A pod the scheduler cannot place for want of a volume (a claim missing or unbound) waits
+    for the user, not for time: the job is Blocked and says which pod and claim."""
+    if p.status.phase is Phase.blocked:
+        return  # a refused creation already says why
+    stuck = sorted((q.name, q.volume_problem) for q in observed.pods.values() if q.volume_problem and not q.deleting)
+    if not stuck:
+        return
+    name, why = stuck[0]
+    more = f" (and {len(stuck) - 1} more pods)" if len(stuck) > 1 else ""
+    message = f"pod {name} cannot be scheduled: {why}{more}"
+    p.status.phase = Phase.blocked
+    p.status.message = message[:4096]
+    set_condition(p.status, ConditionType.created, False, "VolumeUnavailable", message, now)
 
 
 def _run(

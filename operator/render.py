@@ -40,6 +40,8 @@ from kubedistill.api.roleconfig import (
     user_env,
 )
 from kubedistill.api.spec import DistillationJobSpec, EnvVar, GangScheduler, RoleOverrides
+from kubedistill.operator.requests import default_requests
+from kubedistill.operator.volumes import SCRATCH_DIR, scratch_volumes, user_volumes
 
 LABEL_JOB = "kubedistill.io/job"
 LABEL_ROLE = "kubedistill.io/role"
@@ -80,9 +82,6 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
 }
 """Pod Security Standards "restricted" plus a read-only root, merged under
 spec.containerSecurityContext."""
-SCRATCH_DIR = "/tmp"
-"""The writable emptyDir of every pod; HOME points here, so every cache (HF, vLLM, torch,
-triton) lands in it while the root filesystem stays read-only."""
 
 # Gang schedulers: the keys each project reads (Kueue plain pod groups, Volcano, scheduler-plugins).
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -374,9 +373,9 @@ def torchrun_launcher(nodes: int, per_node: int, node_rank: int, master_addr: st
 
 def _resources(spec: DistillationJobSpec, slot: PodSlot) -> dict[str, Any]:
     over = _overrides(spec, slot).resources
-    requests = dict(over.requests)
-    limits = dict(over.limits)
     gpus = _gpus(spec, slot)
+    requests = {**default_requests(slot.role, gpus), **over.requests}
+    limits = dict(over.limits)
     if gpus > 0:
         requests[GPU_RESOURCE] = str(gpus)
         limits[GPU_RESOURCE] = str(gpus)
@@ -399,37 +398,12 @@ def merged(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _covered(path: str, mounts: list[dict[str, Any]]) -> bool:
-    """Whether a user volumeMount holds `path`."""
-    for m in mounts:
-        root = str(m.get("mountPath", "")).rstrip("/")
-        if root and (path == root or path.startswith(root + "/")):
-            return True
-    return False
-
-
-def _scratch_volumes(spec: DistillationJobSpec, slot: PodSlot) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(volume, mount) pairs for what the runtime writes under a read-only root: the scratch
-    directory, and on trainer pods the checkpoint path when no user volume holds it (the
-    checkpoints then live as long as the pod, as they would on the container's own disk)."""
-    out = [({"name": "scratch", "emptyDir": {}}, {"name": "scratch", "mountPath": SCRATCH_DIR})]
-    ckpt = spec.checkpoint.path.rstrip("/") or "/"
-    if (
-        slot.role is Role.trainer
-        and ckpt.startswith("/")
-        and ckpt != SCRATCH_DIR
-        and not ckpt.startswith(SCRATCH_DIR + "/")
-        and not _covered(ckpt, spec.volume_mounts)
-    ):
-        out.append(({"name": "checkpoint", "emptyDir": {}}, {"name": "checkpoint", "mountPath": ckpt}))
-    return out
-
-
 def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot, attempt: int = 0) -> dict[str, Any]:
     lbl = labels(job, slot.role, slot.replica, slot.teacher)
     if in_gang(spec, slot.role):
         lbl[LABEL_ATTEMPT] = str(attempt)
-    scratch = _scratch_volumes(spec, slot)
+    scratch = scratch_volumes(spec, slot.role)
+    volumes, mounts = user_volumes(spec, slot.role, slot.replica, slot.teacher)
     ports = [{"name": "http", "containerPort": Ports.HTTP, "protocol": "TCP"}]
     if slot.role is Role.trainer:
         ports += [
@@ -447,7 +421,7 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
             {"name": "kubedistill-config", "mountPath": "/etc/kubedistill", "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             *(mount for _, mount in scratch),
-            *spec.volume_mounts,
+            *mounts,
         ],
         "resources": _resources(spec, slot),
         "securityContext": merged(CONTAINER_SECURITY_CONTEXT, spec.container_security_context),
@@ -471,7 +445,7 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
             {"name": "kubedistill-config", "configMap": {"name": config_map_name(job)}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             *(volume for volume, _ in scratch),
-            *spec.volumes,
+            *volumes,
         ],
     }
     if node_selector:

@@ -70,6 +70,11 @@ def test_crd_schema_is_structural() -> None:
         ".spec.teachers[].overrides.env[].valueFrom",
         ".spec.rollout.overrides.env[].valueFrom",
         ".spec.trainer.overrides.env[].valueFrom",
+        *(
+            f".spec.{role}.overrides.{field}[]"
+            for role in ("teachers[]", "rollout", "trainer")
+            for field in ("volumes", "volumeMounts")
+        ),
     }
 
 

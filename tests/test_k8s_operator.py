@@ -47,7 +47,8 @@ LIFE_NS = "op-life"
 PSA_NS = "op-psa"
 QUOTA_NS = "op-quota"
 CPU_QUOTA_NS = "op-quota-cpu"
-OPERATED = [LIFE_NS, PSA_NS, QUOTA_NS, CPU_QUOTA_NS]
+PRIORITY_NS = "op-priority"
+OPERATED = [LIFE_NS, PSA_NS, QUOTA_NS, CPU_QUOTA_NS, PRIORITY_NS]
 AUTH_NS = "op-auth"
 """Watched by the chart (the ServiceAccount has its Role there) but not by the operator process:
 the in-process Kube tests act as the operator there, and a running one would rewrite the status
@@ -487,27 +488,41 @@ def test_a_pod_quota_blocks_the_job_until_it_is_raised(cluster: Cluster) -> None
     assert_recovered(cluster, QUOTA_NS, job)
 
 
-def test_a_cpu_quota_blocks_pods_without_requests_until_a_limit_range_defaults_them(cluster: Cluster) -> None:
+def test_a_cpu_quota_below_the_jobs_requests_blocks_it_until_it_is_raised(cluster: Cluster) -> None:
     quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "cpu", "namespace": CPU_QUOTA_NS}}
-    cluster.plane.apply({**quota, "spec": {"hard": {"requests.cpu": "2"}}})
-    wait_quota(cluster, CPU_QUOTA_NS, "cpu", {"requests.cpu": "2"})
+    cluster.plane.apply({**quota, "spec": {"hard": {"requests.cpu": "3"}}})
+    wait_quota(cluster, CPU_QUOTA_NS, "cpu", {"requests.cpu": "3"})
     job = cluster.create_job(CPU_QUOTA_NS, "cpu")
-    server = assert_blocked_by_the_server(cluster, CPU_QUOTA_NS, job, "QuotaRequiresResources")
-    assert "must specify requests.cpu" in server
-    assert not cluster.pods(CPU_QUOTA_NS, "cpu")
+    # Every pod requests CPU by default (operator/requests.py: 2 on device cpu), so the quota
+    # counts them as they come, with no LimitRange, and refuses the second.
+    server = assert_blocked_by_the_server(cluster, CPU_QUOTA_NS, job, "QuotaExceeded")
+    assert "exceeded quota: cpu" in server
+    assert len(cluster.pods(CPU_QUOTA_NS, "cpu")) == 1
 
-    # LimitRanger admission fills in a request the job's pods leave out: the quota can count them.
-    cluster.plane.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "LimitRange",
-            "metadata": {"name": "defaults", "namespace": CPU_QUOTA_NS},
-            "spec": {"limits": [{"type": "Container", "defaultRequest": {"cpu": "100m"}}]},
-        }
-    )
+    cluster.plane.apply({**quota, "spec": {"hard": {"requests.cpu": "100"}}})
+    wait_quota(cluster, CPU_QUOTA_NS, "cpu", {"requests.cpu": "100"})
     children = assert_recovered(cluster, CPU_QUOTA_NS, job)
     pods = [p for (kind, _), p in children.items() if kind == "Pod"]
-    assert pods and all(p["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "100m" for p in pods)
+    assert pods and all(
+        p["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"} for p in pods
+    )
+
+
+def test_a_missing_priority_class_blocks_the_job_until_it_is_created(cluster: Cluster) -> None:
+    job = cluster.create_job(PRIORITY_NS, "prio", scheduling={"priorityClassName": "kd-test-training"})
+    server = assert_blocked_by_the_server(cluster, PRIORITY_NS, job, "PriorityClassNotFound")
+    assert "no PriorityClass with name kd-test-training was found" in server
+
+    cluster.plane.apply(
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": "kd-test-training"},
+            "value": 1000,
+        }
+    )
+    pods = [p for (kind, _), p in assert_recovered(cluster, PRIORITY_NS, job).items() if kind == "Pod"]
+    assert pods and all(p["spec"]["priority"] == 1000 for p in pods)
 
 
 # --- the in-cluster login ------------------------------------------------------------------

@@ -366,6 +366,8 @@ def test_refusal_reasons_and_backoff() -> None:
     )
     assert refusal_reason(400, 'admission webhook "v.kyverno.io" denied the request: no') == "AdmissionWebhookDenied"
     assert refusal_reason(422, "Pod is invalid: spec.affinity") == "Invalid"
+    prio = 'pods "x" is forbidden: no PriorityClass with name training was found'
+    assert refusal_reason(403, prio) == "PriorityClassNotFound"
     assert refusal_reason(403, "forbidden: User cannot create") == "Forbidden"
     assert [is_refusal(s) for s in (400, 403, 404, 409, 422, 429, 500, 0)] == [
         True,
@@ -495,3 +497,33 @@ def test_the_pod_group_follows_the_pod_count_unless_min_member_is_set() -> None:
     _as_rendered(world, before)
     p = plan(_job({"phase": "Running"}, scheduling=fixed, rollout={"replicas": 3}), world, T0)
     assert [o["kind"] for o in p.update] == ["ConfigMap"]
+
+
+def test_a_pod_waiting_for_a_missing_claim_blocks_the_job_until_it_is_scheduled() -> None:
+    from kubedistill.operator.observed import PodView as View
+
+    message = '0/3 nodes are available: persistentvolumeclaim "ckpt" not found. preemption: 0/3 nodes'
+    pod = {
+        "metadata": {"name": "j-trainer-0", "labels": {"kubedistill.io/role": "trainer"}},
+        "status": {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}],
+        },
+    }
+    assert View.of(pod).volume_problem == message
+    other = copy.deepcopy(pod)
+    other["status"]["conditions"][0]["message"] = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    assert View.of(other).volume_problem == ""  # waiting for capacity is not a volume problem
+
+    job = _job()
+    world = _with(_world(job, phase=PodPhase.pending, ready=False), "j-trainer-0", volume_problem=message)
+    p = plan(job, world, T0)
+    assert p.status.phase is Phase.blocked
+    assert p.status.message == f"pod j-trainer-0 cannot be scheduled: {message}"
+    created = condition(p.status, ConditionType.created)
+    assert (created.status, created.reason) == (ConditionStatus.false, "VolumeUnavailable")
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "Blocked")]
+
+    # The claim appears and the pod is scheduled: the job goes on.
+    later = plan(_next(job, p), _world(job, phase=PodPhase.pending, ready=False), T0 + timedelta(seconds=5))
+    assert later.status.phase is Phase.pending and later.status.message == ""

@@ -194,7 +194,14 @@ def test_pod_identity_env_and_resources() -> None:
     assert t1["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in t1["spec"]["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    assert {"name": "ckpt", "mountPath": "/ckpt"} in c["volumeMounts"]
+    # Only rank 0 writes checkpoints: the checkpoint claim stays off every other pod (ReadWriteOnce).
+    assert {"name": "ckpt", "mountPath": "/ckpt"} not in c["volumeMounts"]
+    assert "ckpt" not in {v["name"] for v in t1["spec"]["volumes"]}
+    t0 = pods[f"{job}-trainer-0"]
+    assert {"name": "ckpt", "mountPath": "/ckpt"} in t0["spec"]["containers"][0]["volumeMounts"]
+    assert "ckpt" in {v["name"] for v in t0["spec"]["volumes"]}
+    # Requests by role and GPU count (operator/requests.py), so no pod is BestEffort.
+    assert c["resources"]["requests"] == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
     assert c["ports"][0] == {"name": "http", "containerPort": Ports.HTTP, "protocol": "TCP"}
 
     teacher = pods[f"{job}-teacher-vision-0"]
@@ -204,6 +211,9 @@ def test_pod_identity_env_and_resources() -> None:
     assert tc["command"][:3] == ["kubedistill", "role", "teacher"]
     assert tc["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert teacher["spec"]["hostname"] == "vision-0" and teacher["spec"]["subdomain"] == f"{job}-t-vision"
+    assert "ckpt" not in {v["name"] for v in teacher["spec"]["volumes"]}
+    assert "models" in {v["name"] for v in teacher["spec"]["volumes"]}
+    assert tc["resources"]["requests"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}
 
 
 def test_config_map_holds_the_job_config_with_one_url_per_replica() -> None:

@@ -118,11 +118,21 @@ async def test_pod_group_is_owned_by_the_job_and_made_before_the_pods(
             True,
         )
         assert group["metadata"]["labels"]["kubedistill.io/job"] == job
-        # BASE_SPEC runs on cpu without resource requests: minMember only (and what was asked).
+        # BASE_SPEC runs on cpu: every pod requests 2 CPUs and 4Gi (operator/requests.py), and the
+        # group's minResources are what its minMember pods request.
         if gang == "volcano":
-            assert group["spec"] == {"minMember": ALL_PODS, "queue": "research", "priorityClassName": "training"}
+            assert group["spec"] == {
+                "minMember": ALL_PODS,
+                "minResources": {"cpu": str(2 * ALL_PODS), "memory": f"{4 * ALL_PODS}Gi"},
+                "queue": "research",
+                "priorityClassName": "training",
+            }
         else:
-            assert group["spec"] == {"minMember": 3, "scheduleTimeoutSeconds": 120}
+            assert group["spec"] == {
+                "minMember": 3,
+                "minResources": {"cpu": "6", "memory": "12Gi"},
+                "scheduleTimeoutSeconds": 120,
+            }
         for pod in (await cluster.pods(job)).values():
             assert pod_check(pod, job), pod.metadata.name
         # The scheduler places a pod by its group: the group came first.

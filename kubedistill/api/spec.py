@@ -126,6 +126,11 @@ class RoleOverrides(ApiModel):
     """Node labels this role's pods must run on, merged over spec.nodeSelector."""
     cpu_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
     """Torch/OpenMP threads for this role's process (OMP_NUM_THREADS). Unset: the runtime's choice."""
+    volumes: list[FreeForm] = Field(default_factory=list, max_length=64)
+    """Pod volumes (Kubernetes Volume objects) for this role's pods only, beside spec.volumes."""
+    volume_mounts: list[FreeForm] = Field(default_factory=list, max_length=64)
+    """Container volumeMounts for this role's pods only, beside spec.volumeMounts (those that hold
+    checkpoint.path are mounted only where checkpoints are written: docs/install.md#volumes-and-access-modes)."""
 
 
 class InferenceSpec(ApiModel):
