@@ -408,8 +408,9 @@ def run_trl(
     env.pop("PYTHONPATH", None)  # nothing of our venv leaks in
     with (run_dir / "command.log").open("w") as out:
         run.launch, run.load = time.time(), (os.getloadavg()[0], 0.0)
+        # -P: bench/ must not come first on sys.path there (bench/operator.py shadows the stdlib's).
         code = subprocess.run(
-            [str(python), str(TRL_SCRIPT), str(config)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+            [str(python), "-P", str(TRL_SCRIPT), str(config)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
         ).returncode
         run.exit, run.load = time.time(), (run.load[0], os.getloadavg()[0])
     if code != 0:
@@ -474,7 +475,7 @@ def bench_workload(w: Workload, args: argparse.Namespace, python: Path, log: Cal
     )
     runs: list[Run] = []
     for repeat in range(args.repeats):
-        for side in ordered_sides(repeat):
+        for side in (s for s in ordered_sides(repeat) if s in args.sides):
             run = Run(w.key, side, repeat)
             run_dir = root / f"{side.lower()}-{repeat}"
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -509,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="train steps (default: the workload's; fewer for a smoke run)")
     p.add_argument("--eval-every", type=int, default=25, help="steps between evaluated students (default %(default)s)")
     p.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process (default %(default)s)")
+    p.add_argument(
+        "--sides", type=lambda v: v.split(","), default=list(SIDES), help="comma-separated subset of kubedistill,TRL"
+    )
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and snapshots")
     args = p.parse_args(argv)
     log = lambda line: print(line, flush=True)  # noqa: E731
