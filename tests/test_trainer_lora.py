@@ -152,9 +152,12 @@ def test_adapter_export_is_a_peft_folder_naming_its_base(tiny_models: dict[str, 
 
 
 def test_two_ranks_match_one_rank(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """FSDP2 shards the PEFT model like any other: the same adapters, the same step."""
+    """FSDP2 shards the PEFT model like any other: the same adapters, the same step, with gradient
+    checkpointing on the two ranks (PEFT's frozen embedding then needs inputs that require grad)."""
     spec = lora_spec(tiny_models["student"], tmp_path / "ckpt")
+    spec.trainer.gradient_checkpointing = True
     two = run_ranks(2, spec.model_dump_json(by_alias=True), tmp_path, "step_resume")
+    assert two["checkpointing"]
     reference = Trainer(lora_spec(tiny_models["student"], tmp_path / "ckpt-1"))
     try:
         s1 = reference.step(make_batch())

@@ -271,7 +271,7 @@ def test_freeze_vision_on_a_text_student_is_refused_in_one_line(tiny_models: dic
 def test_two_ranks_match_one_rank_on_a_mixed_batch(student: Path, processor: Any, tmp_path: Path, freeze: bool) -> None:
     """Rank 0 broadcasts the pixel rows with the batch; at a micro-batch index where one rank has
     images and the other none, both run the (sharded) vision tower, and the step equals one
-    rank's, whether the tower trains or is frozen."""
+    rank's, whether the tower trains or is frozen, with gradient checkpointing on the two ranks."""
     batch, _ = mixed_batch(processor)
     overrides = {"trainer.microBatchTokens": 8, "trainer.freezeVision": freeze}
     # The split has such an index (sample 0 is text, 1 and 2 have images, 3 is text).
@@ -283,8 +283,9 @@ def test_two_ranks_match_one_rank_on_a_mixed_batch(student: Path, processor: Any
     assert [True, False] in has_images or [False, True] in has_images
     assert vision_lockstep(plans, [0, 1, 2, 0], 2) == [any(h) for h in has_images]
     torch.save(batch, saved_batch_path(tmp_path / "out-saved_batch-2.pt"))
-    spec_json = spec(student, tmp_path / "c2", **overrides).model_dump_json(by_alias=True)
-    two = run_ranks(2, spec_json, tmp_path, "saved_batch")
+    checkpointed = spec(student, tmp_path / "c2", **overrides, **{"trainer.gradientCheckpointing": True})
+    two = run_ranks(2, checkpointed.model_dump_json(by_alias=True), tmp_path, "saved_batch")
+    assert two["checkpointing"]
     one_stats, one = _step(Trainer(spec(student, tmp_path / "c1", **overrides)), batch)
     assert two["stats"].loss_total == pytest.approx(one_stats.loss_total, rel=1e-6, abs=1e-7)
     assert two["stats"].grad_norm == pytest.approx(one_stats.grad_norm, rel=1e-5)

@@ -121,7 +121,10 @@ def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario:
     if rank != 0:
         trainer.follow()
     else:
-        result: dict[str, Any] = {}
+        # What the run really did (a flag the model ignored would make a comparison vacuous).
+        result: dict[str, Any] = {
+            "checkpointing": bool(getattr(trainer.model.hf_model(), "is_gradient_checkpointing", False))
+        }
         if scenario == "step_resume":
             result["stats"] = trainer.step(make_batch())
             result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
