@@ -215,6 +215,25 @@ def test_worker_whose_transfer_outlives_the_abort_is_wedged(monkeypatch: pytest.
     trainer.close()
 
 
+def test_a_poll_that_waits_answers_as_the_transfer_ends() -> None:
+    """kd_ws_task_poll(wait) returns at the transfer's end, not at the end of its wait (a
+    sleep between polls saw the end of every sync up to 50 ms late)."""
+    trainer, member = _gloo_pair()
+    ext = WeightSyncWorkerExtension()
+    ext._kd_group, ext._kd_state = member, "ready"
+    release = threading.Event()
+    ext._kd_start("transfer", lambda group: {"ok": float(release.wait(30))})
+    t0 = time.monotonic()
+    assert ext.kd_ws_task_poll(0.2) == ("running", None)
+    assert time.monotonic() - t0 >= 0.2
+    threading.Timer(0.05, release.set).start()
+    t0 = time.monotonic()
+    assert ext.kd_ws_task_poll(10.0) == ("done", {"ok": 1.0})
+    assert time.monotonic() - t0 < 1.0
+    member.close()
+    trainer.close()
+
+
 class WedgedEngine(RecordingEngine):
     async def leave_weight_group(self) -> None:
         self.calls.append("leave")

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kubedistill.engines.vllm")
 
 WORKER_EXTENSION = "kubedistill.runtime.engines.vllm_worker.WeightSyncWorkerExtension"
+PAUSE_SETTLE_SECONDS = 0.02
+"""After pausing the engine, how long until generation outputs already made have reached their
+requests (vLLM's pause_generation sleeps as long); the version changes only after it."""
+TRANSFER_POLL_SECONDS = 0.05
+"""How long one poll of a weight transfer waits in the worker for its end. (Sleeping between
+instant polls instead, backing off to 50 ms, saw the end up to 50 ms late: a fixed cost of every
+sync.)"""
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -389,17 +397,16 @@ class VLLMEngine(Engine):
         self.weight_group_state = "none"
 
     async def _run_transfer(self, method: str, args: tuple[Any, ...]) -> dict[str, float]:
-        """Start a transfer on every worker and poll until all have ended. Polling keeps every
-        RPC short, so kd_ws_abort reaches a worker whose transfer is blocked on a dead trainer."""
+        """Start a transfer on every worker and poll until all have ended. Each poll waits in
+        the worker for the end, up to TRANSFER_POLL_SECONDS: the end is seen as it happens, and
+        every RPC stays short, so kd_ws_abort reaches a worker whose transfer is blocked on a
+        dead trainer."""
         await self.llm.collective_rpc(method, args=args)
-        delay = 0.002
         while True:
-            polls = await self.llm.collective_rpc("kd_ws_task_poll")
+            polls = await self.llm.collective_rpc("kd_ws_task_poll", args=(TRANSFER_POLL_SECONDS,))
             outcome = transfer_outcome(polls)
             if outcome is not None:
                 return outcome
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     async def probe_transport(self, nbytes: int) -> None:
         await self._run_transfer("kd_ws_probe_start", (nbytes,))
@@ -414,9 +421,14 @@ class VLLMEngine(Engine):
                 await self._retire_adapters()
                 self._adapter_ids += 1
                 args += (self._adapter_ids, self._adapters_in_use())
-            await self.llm.pause_generation(mode=pause, clear_cache=pause != "keep")
+            paused = time.monotonic()
+            await self._pause(pause)
             try:
                 stats = await self._run_transfer("kd_ws_receive_start", args)
+                # What vLLM's pause_generation sleeps after pausing, so that the last outputs of
+                # requests in flight reach their callers first, waited out here while the weights
+                # travel: those outputs still get the old version.
+                await asyncio.sleep(max(0.0, PAUSE_SETTLE_SECONDS - (time.monotonic() - paused)))
                 if loading is not None:
                     self._serve_adapter(self._adapter_ids, version)
                 if load:
@@ -430,6 +442,14 @@ class VLLMEngine(Engine):
                 self._adapter_loading = None
                 loading.set()
         return stats
+
+    async def _pause(self, mode: PauseMode) -> None:
+        """AsyncLLM.pause_generation (vLLM 0.32) without its closing sleep: receive_weights waits
+        that out while the transfer runs, not before it starts."""
+        clear_cache = mode != "keep"
+        if clear_cache:
+            await self.llm.renderer.clear_mm_cache_async()
+        await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
     async def _drop_stale_caches(self) -> None:
         """After a weight load (complete or broken off), before generation resumes: forget what

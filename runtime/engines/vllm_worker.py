@@ -170,12 +170,14 @@ class WeightSyncWorkerExtension:
 
         threading.Thread(target=run, name=f"kd-weight-sync-{name}", daemon=True).start()
 
-    def kd_ws_task_poll(self) -> tuple[str, dict[str, float] | str | None]:
-        """The last transfer: ("running", None), ("done", stats) or ("failed", error)."""
+    def kd_ws_task_poll(self, wait: float = 0.0) -> tuple[str, dict[str, float] | str | None]:
+        """The last transfer: ("running", None), ("done", stats) or ("failed", error); waits up to
+        `wait` seconds for it to end, so the engine learns of the end as it happens rather than
+        at its next poll (an abort RPC waits behind this one at most that long)."""
         task = self._kd_task
         if task is None:
             return "failed", "no weight transfer was started on this worker"
-        if not task.done.is_set():
+        if not task.done.wait(wait):
             return "running", None
         if task.error is not None:
             return "failed", task.error

@@ -36,6 +36,9 @@ from kubedistill.runtime.wire.protocol import (
 
 log = logging.getLogger("kubedistill.rollout")
 
+VERSION_WAIT_SECONDS = 30.0
+"""The longest GET /version?at_least=N waits for a weight load in progress."""
+
 
 def pause_mode(spec: DistillationJobSpec) -> PauseMode:
     """What a weight load does to requests in flight: finish them under the old weights (no
@@ -148,7 +151,14 @@ def build_rollout_app(
         return AbortResponse(aborted=list(outputs), outputs=outputs)
 
     @app.get("/version", response_model=VersionResponse)
-    async def version() -> VersionResponse:
+    async def version(at_least: int | None = None) -> VersionResponse:
+        """The weight version served. With `at_least` above it while a weight load is in
+        progress, first waits for that load to end (generation resumed): the trainer's end of a
+        sync, answered as it happens rather than at its next poll."""
+        task = syncs.task
+        if at_least is not None and engine.version < at_least and task is not None and not task.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), VERSION_WAIT_SECONDS)
         return VersionResponse(version=engine.version)
 
     @app.get("/weights/last")

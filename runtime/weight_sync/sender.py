@@ -318,14 +318,15 @@ class WeightSender:
         """Every engine has loaded the weights once the failure all-reduce completes, but a
         server bumps the version it serves (and tags new tokens with) only when its engine's
         load call returns, a moment later: wait for that as well, so generation requested after
-        sync() returns is tagged with the new version. One GET /version per server."""
+        sync() returns is tagged with the new version. One GET /version?at_least per server,
+        which the server answers once its load has ended."""
         deadline = time.monotonic() + self.timeout
 
         async def served(url: str) -> None:
             while True:
                 try:
                     now: int | None = (
-                        await call(self._http.session, "GET", _at(url, "/version"), VersionResponse)
+                        await call(self._http.session, "GET", _at(url, f"/version?at_least={version}"), VersionResponse)
                     ).version
                 except ServerError:
                     now = None
