@@ -228,3 +228,22 @@ def test_actor_lost_reads_rays_error() -> None:
     assert actor_lost(exceptions.ActorDiedError(context)).reason == "NodePreempted"
     assert actor_lost(exceptions.ActorDiedError()).detail == "The actor died unexpectedly before finishing this task."
     assert exit_text(ActorLost("RayActorDied", why)) == f"lost its Ray actor (RayActorDied: {why})"
+
+
+def test_servers_sharing_a_gpu_start_one_after_the_other_and_the_rest_at_once() -> None:
+    from kubedistill.api.roleconfig import Role
+    from kubedistill.runtime.entrypoints.gpu_share import Started, start_waves
+
+    def plan(gpus: float) -> list[Started]:
+        return [
+            Started(name="teacher-math-0", role=Role.teacher, num_gpus=gpus),
+            Started(name="rollout-0", role=Role.rollout, num_gpus=gpus),
+            Started(name="rollout-1", role=Role.rollout, num_gpus=gpus),
+            Started(name="trainer-0", role=Role.trainer, num_gpus=gpus),
+        ]
+
+    # CPU, or a GPU each: everything at once.
+    assert start_waves(plan(0)) == [["teacher-math-0", "rollout-0", "rollout-1", "trainer-0"]]
+    assert start_waves(plan(1)) == [["teacher-math-0", "rollout-0", "rollout-1", "trainer-0"]]
+    # One GPU for all (a quarter each): the trainer with the first server, then each server alone.
+    assert start_waves(plan(0.25)) == [["teacher-math-0", "trainer-0"], ["rollout-0"], ["rollout-1"]]

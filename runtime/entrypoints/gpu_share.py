@@ -3,7 +3,8 @@ rollout and teacher, as bench/gpu_smoke.sh does): Ray places each role process w
 of a GPU, each vLLM server is held to a share of the GPU's memory so the trainer keeps the rest,
 and processes in one NCCL group get distinct NCCL host ids, since NCCL refuses two ranks on the
 same GPU ("Duplicate GPU detected") unless they look like different hosts (it then connects them
-through its socket transport, over loopback). Pure: the caller applies the plan."""
+through its socket transport, over loopback), and servers sharing a GPU start one after the other
+(start_waves). Pure: the caller applies the plan."""
 
 from __future__ import annotations
 
@@ -66,3 +67,23 @@ def share_gpus(demands: Sequence[GpuDemand], available: int, nccl: bool) -> dict
         server = d.role in (Role.rollout, Role.teacher)
         out[d.name] = GpuShare(num_gpus=fraction, memory_utilization=memory if server else None, env=env)
     return out
+
+
+class Started(BaseModel):
+    """One process as the launcher starts it: its role and its share of a GPU (Ray's num_gpus)."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    role: Role
+    num_gpus: float
+
+
+def start_waves(processes: Sequence[Started]) -> list[list[str]]:
+    """The processes' names in waves: a wave starts once every server of the previous one answers
+    /health. vLLM sizes its KV cache from the GPU memory it finds free while it profiles, so
+    servers sharing a GPU (a fraction of one each) start one after the other, each after the
+    previous one is up; everything else (the trainer, servers with GPUs of their own or none, as
+    on CPU) starts at once, in the first wave, in the order given."""
+    sharing = [p.name for p in processes if p.role in (Role.rollout, Role.teacher) and 0 < p.num_gpus < 1]
+    first = [p.name for p in processes if p.name not in sharing[1:]]
+    return [first, *([name] for name in sharing[1:])]

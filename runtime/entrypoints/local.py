@@ -37,7 +37,7 @@ from kubedistill.api.progress import HISTORY_ENV, TrainerProgress
 from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.driver.history import read_history
-from kubedistill.runtime.entrypoints.gpu_share import GpuDemand, share_gpus
+from kubedistill.runtime.entrypoints.gpu_share import GpuDemand, Started, share_gpus, start_waves
 from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient
 
 HOST = "127.0.0.1"
@@ -381,6 +381,26 @@ def _poll_progress(http: BlockingClient, url: str) -> TrainerProgress | None:
         return None
 
 
+def _wait_healthy(
+    http: BlockingClient, wave: Sequence[ProcessPlan], actors: Mapping[str, Any], spec: DistillationJobSpec
+) -> bool:
+    """Wait until every server of `wave` answers /health (up to weightSync.timeoutSeconds); False
+    as soon as one of the wave's processes has ended."""
+    servers = [p for p in wave if p.identity.role is not Role.trainer]
+    deadline = time.monotonic() + float(spec.weight_sync.timeout_seconds)
+    while servers and time.monotonic() < deadline:
+        exits = _poll_exits({p.name: actors[p.name] for p in wave})
+        if any(code is not None for code in exits.values()):
+            return False
+        try:
+            for p in servers:
+                http.fetch("GET", f"http://{HOST}:{p.port}/health", timeout=2)
+            return True
+        except REQUEST_ERRORS:
+            time.sleep(0.5)
+    return True
+
+
 def _progress_line(progress: TrainerProgress | None, total: int, elapsed: float) -> str:
     parts = [f"step {progress.step if progress is not None else 0}/{total}", f"{elapsed:6.0f}s"]
     if progress is not None:
@@ -484,10 +504,22 @@ def run(
     http = BlockingClient(timeout=10.0, name="status-poll")
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        for p in processes:
-            actor = RoleProcess.options(num_cpus=p.cpus, num_gpus=p.gpus, name=None).remote()
-            ray.get(actor.start.remote(p.argv, p.env, str(run_dir / "logs" / f"{p.name}.log")))
-            actors[p.name] = actor
+        by_name = {p.name: p for p in processes}
+        waves = start_waves([Started(name=p.name, role=p.identity.role, num_gpus=p.gpus) for p in processes])
+        for i, wave in enumerate(waves):
+            if i and not _wait_healthy(http, [by_name[n] for n in waves[i - 1]], actors, job.spec):
+                break  # a process of the previous wave ended: the loop below reports it
+            # A wave's actors are placed and started together: each takes Ray a worker process.
+            wave_actors = {
+                n: RoleProcess.options(num_cpus=by_name[n].cpus, num_gpus=by_name[n].gpus).remote() for n in wave
+            }
+            ray.get(
+                [
+                    a.start.remote(by_name[n].argv, by_name[n].env, str(run_dir / "logs" / f"{n}.log"))
+                    for n, a in wave_actors.items()
+                ]
+            )
+            actors.update(wave_actors)
         log(
             f"kubedistill run: {len(processes)} processes for job {job.metadata.name} "
             f"({job.spec.mode.value}); logs in {run_dir / 'logs'}"
