@@ -1,9 +1,12 @@
 """Workload 2 of bench/peers.py: counting down, a task with long-tailed response lengths.
 
-Prompt `37>29=`, answer `37,36,35,34,33,32,31,30,29` then <eos>: every number from the first down
-to the second, two digits each. Each token follows from the few before it (decrement, borrow,
-stop at the second number), so a ~1 M-parameter teacher learns it on CPU in a couple of minutes,
-and the answer's length is 3 × (gap + 1) − 1 characters: 2 to 200 tokens (gaps up to 66). Gaps are drawn
+Prompt `37x03=`, answer `37.03,36.02,35.01,34.00` then <eos>: count down from the first number,
+for as many more steps as the second says, each item the number and the steps left. Each token
+follows from the prompt or the item before it (copy, decrement with borrow, stop after `.00`), so
+a ~1 M-parameter teacher learns it on CPU in minutes. (A first version, `37>34=` → `37,36,35,34`,
+had to compare every number with the prompt's to stop, and its teacher had not learnt to in 500
+steps; the counter makes stopping local.) The answer's length is 6 × (steps + 1) − 1
+characters: 5 to 203 tokens (steps up to 33). Steps are drawn
 log-uniformly, so most answers are a few tokens long and a few per batch run to hundreds: a
 lock-step batch waits for its longest answer, which is what overlapping generation with training
 and partial rollouts are for.
@@ -27,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-ALPHABET = "0123456789>=,"
+ALPHABET = "0123456789x=.,"
 DATA_SOURCE = "countdown"
-MAX_GAP = 66
-MAX_NEW_TOKENS = 3 * (MAX_GAP + 1)  # the longest answer (200 characters) and its <eos>
+MAX_GAP = 33
+MAX_NEW_TOKENS = 6 * (MAX_GAP + 1)  # the longest answer (203 characters) and its <eos>
 TEACHER = {"num_layers": 4, "intermediate_size": 512}
 STUDENT = {"num_layers": 2, "intermediate_size": 256}
 
@@ -38,31 +41,32 @@ STUDENT = {"num_layers": 2, "intermediate_size": 256}
 @dataclass(frozen=True)
 class Problem:
     start: int
-    stop: int
+    gap: int
+    """Steps to count down; the answer has gap + 1 items."""
 
     @property
     def prompt(self) -> str:
-        return f"{self.start:02d}>{self.stop:02d}="
+        return f"{self.start:02d}x{self.gap:02d}="
 
     @property
     def answer(self) -> str:
-        return ",".join(f"{n:02d}" for n in range(self.start, self.stop - 1, -1))
+        return ",".join(f"{self.start - i:02d}.{self.gap - i:02d}" for i in range(self.gap + 1))
 
 
-def split(seed: int = 0, held_out: int = 1000) -> tuple[list[Problem], list[Problem]]:
-    """All problems (start ≥ stop, gap ≤ MAX_GAP), shuffled; the last `held_out` never appear in
-    training."""
-    problems = [Problem(a, b) for a in range(100) for b in range(max(0, a - MAX_GAP), a + 1)]
+def split(seed: int = 0, held_out: int = 500) -> tuple[list[Problem], list[Problem]]:
+    """All problems (start − gap ≥ 0, gap ≤ MAX_GAP: 2,839), shuffled; the last `held_out` never
+    appear in training."""
+    problems = [Problem(a, g) for a in range(100) for g in range(min(a, MAX_GAP) + 1)]
     random.Random(seed).shuffle(problems)
     return problems[:-held_out], problems[-held_out:]
 
 
 def long_tailed(problems: Sequence[Problem], n: int, seed: int) -> list[Problem]:
-    """`n` problems (with repeats) whose gap start − stop is log-uniform in [0, MAX_GAP]: the
-    median answer is ~23 tokens, one in ten is over 130."""
+    """`n` problems (with repeats) whose gap is log-uniform in [0, MAX_GAP]: the median answer is
+    ~30 tokens, one in ten is over 130."""
     by_gap: dict[int, list[Problem]] = {}
     for p in problems:
-        by_gap.setdefault(p.start - p.stop, []).append(p)
+        by_gap.setdefault(p.gap, []).append(p)
     gaps = sorted(by_gap)
     rng = random.Random(seed)
     out = []
@@ -145,18 +149,18 @@ class Schedule:
 
 
 TEACHER_TRAINING = Schedule(steps=500, lr=2e-3, warmup=50, decay=True, seed=0)
-# Short counts only (gaps ≤ 12): the student has the format and the rule on short answers, and
+# Short counts only (gaps ≤ 6): the student has the format and the rule on short answers, and
 # the long ones are left for distillation, on its own long-tailed samples.
-STUDENT_WARM_START = Schedule(steps=120, lr=1e-3, warmup=20, decay=False, seed=1, max_gap=12)
+STUDENT_WARM_START = Schedule(steps=120, lr=1e-3, warmup=20, decay=False, seed=1, max_gap=6)
 
 
 def length_batch(problems: Sequence[Problem], tokens: int, max_gap: int, rng: random.Random) -> list[Problem]:
     """Problems of one log-uniformly drawn gap (±10 %), as many as `tokens` holds: every batch
     costs about the same whatever its length, with no padding to a long tail."""
     want = math.exp(rng.uniform(0.0, math.log(max_gap + 1))) - 1
-    near = [p for p in problems if abs((p.start - p.stop) - want) <= max(0.5, 0.1 * want)]
-    near = near or [min(problems, key=lambda p: abs((p.start - p.stop) - want))]
-    size = max(2, tokens // (3 * (round(want) + 1) + 8))
+    near = [p for p in problems if abs((p.gap) - want) <= max(0.5, 0.1 * want)]
+    near = near or [min(problems, key=lambda p: abs((p.gap) - want))]
+    size = max(2, tokens // (6 * (round(want) + 1) + 8))
     return [rng.choice(near) for _ in range(size)]
 
 
