@@ -118,3 +118,15 @@ def test_bf16_compute_on_two_ranks_keeps_float32_masters_and_tracks_float32(
         assert (w2 - w1).abs().max() <= 2.5e-3, name
         agree.append(((w2 - initial[name]).sign() == (w1 - initial[name]).sign()).flatten())
     assert torch.cat(agree).float().mean() > 0.95
+
+
+def test_two_ranks_exit_cleanly_run_after_run(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The end of a finished rank as the product ends it (Trainer.close / follow, every process
+    group destroyed, then runtime/entrypoints/roles.finish_process): exit code 0 on both ranks,
+    every time (an abort at exit once failed 1 run in ~20: a failed pod for a finished job)."""
+    spec_json = make_spec(tiny_models["student"], tmp_path / "ckpt").model_dump_json(by_alias=True)
+    for attempt in range(5):
+        work = tmp_path / f"run{attempt}"
+        work.mkdir()
+        out = run_ranks(2, spec_json, work, "exit")  # asserts exit code 0 on each rank
+        assert out["stats"].samples == len(make_batch())

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.runtime.entrypoints.roles import finish_process
 from kubedistill.runtime.wire.batch import TrainBatch
 
 HERE = Path(__file__).resolve().parent
@@ -113,6 +114,7 @@ def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario:
     import torch.distributed as dist
 
     from kubedistill.runtime.trainer import Trainer
+    from kubedistill.runtime.trainer.distributed import leave_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -139,21 +141,20 @@ def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario:
             # A batch the test saved beside `out` (e.g. image samples, tests/test_trainer_vl.py).
             result["stats"] = trainer.step(torch.load(saved_batch_path(out), weights_only=False))
             result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
+        elif scenario == "exit":
+            # One step, then the end of every rank as the product ends it (tests/test_trainer_dist.py).
+            result["stats"] = trainer.step(make_batch())
         elif scenario == "proximal":
             # Two mini-batches in one step: the proximal pass runs its forwards on every rank.
             result["stats"] = trainer.train([make_batch(), make_batch(seed=1)])
             result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
         trainer.close()
         torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
     rank, world, port = (int(a) for a in sys.argv[1:4])
     worker(rank, world, port, Path(sys.argv[4]).read_text(), sys.argv[5], sys.argv[6])
-    # The work is done and saved, the group destroyed. Skip the interpreter's teardown: a rank
-    # once aborted there ("terminate called without an active exception", 1 run in ~20), after
-    # its last collective had completed, which failed a test whose results were all written.
-    sys.stdout.flush()
-    os._exit(0)
+    # A rank ends as `kubedistill role trainer` ends one (runtime/entrypoints/roles.py).
+    finish_process(0)

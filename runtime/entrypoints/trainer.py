@@ -74,15 +74,20 @@ def run(args: argparse.Namespace) -> int:
 
     from kubedistill.runtime.metrics import RoleMetrics
     from kubedistill.runtime.trainer import Trainer
+    from kubedistill.runtime.trainer.distributed import leave_process_group
 
     metrics = RoleMetrics(config.job, "trainer", rank)
     if rank != 0:
         trainer = Trainer(spec, metrics=metrics)
         trainer.follow()
+        leave_process_group()
         return 0
     from kubedistill.api.roleconfig import CONFIG_PATH
 
-    return asyncio.run(_run_driver(config, args.host, port, metrics, Path(args.config or CONFIG_PATH)))
+    code = asyncio.run(_run_driver(config, args.host, port, metrics, Path(args.config or CONFIG_PATH)))
+    if code == 0:  # after a failure the other ranks may be gone: no collective, the exit code says it
+        leave_process_group()
+    return code
 
 
 def rollout_source(config_path: Path) -> Callable[[], list[str]]:
@@ -124,6 +129,10 @@ async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetr
             await driver.sync_weights(resumed.weight_version)
         driver.history = HistoryWriter.from_env()
         await driver.run()
+        # In order: the weight-sync group (the rollout servers are in it), then the trainer ranks
+        # (Trainer.close releases the followers and ends on their barrier).
+        if driver.sender is not None:
+            driver.sender.close()
         await asyncio.to_thread(trainer.close)
         return 0
     except Exception as e:

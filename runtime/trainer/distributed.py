@@ -117,6 +117,18 @@ class Ranks:
             dist.barrier(group=self._ctrl)
 
 
+def leave_process_group() -> None:
+    """The end of a rank whose work is done: destroy every process group (the default one, the
+    gloo control group), which joins their threads (NCCL's watchdog and heartbeat monitor, gloo's
+    workers) now. Left to the interpreter's teardown, a thread still joinable when its C++ owner is
+    destroyed aborts the process ("terminate called without an active exception"): a finished rank
+    would show as a failed pod, and the job would restart its gang and export again. Called by
+    every rank after Trainer.close() / follow(), which end on a barrier, so no rank destroys a
+    group another still uses."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def needs_sharding(world: int, compute: torch.dtype, params: set[torch.dtype]) -> bool:
     """Whether the model goes through FSDP2: with several ranks, or to compute in another dtype than
     its parameters (FSDP's mixed precision keeps fp32 masters). One rank computing in its
