@@ -156,3 +156,83 @@ def test_gather_ids_need_one_row_per_response_token() -> None:
         check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, top_k=2, gather_ids=[[12]]), 100, 10)
     with pytest.raises(BadRequest, match="top_k_ids \\(11\\) exceeds"):
         check_generate(GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=Sampling(top_k_ids=11)), 100, 10)
+
+
+def test_vllm_engine_arguments_on_cuda_and_cpu() -> None:
+    """What a GPU server starts vLLM with, decided where CI can see it: CUDA graphs on unless
+    asked off, one process per TP rank only with tensor parallelism; eager always on CPU."""
+    from kubedistill.runtime.engines.vllm_engine import WORKER_EXTENSION, engine_kwargs
+
+    def args(device: str, tp: int = 1, eager: bool = False) -> dict[str, Any]:
+        return engine_kwargs(
+            "/m",
+            device=device,
+            dtype="auto",
+            max_model_len=None,
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=0.85,
+            enforce_eager=eager,
+            max_logprobs=20,
+            trust_remote_code=False,
+            seed=0,
+            tokenizer=None,
+        )
+
+    gpu = args("cuda")
+    assert (gpu["enforce_eager"], gpu["distributed_executor_backend"]) == (False, "uni")
+    assert gpu["tokenizer"] == "/m" and gpu["worker_extension_cls"] == WORKER_EXTENSION
+    assert args("cuda", tp=2)["distributed_executor_backend"] == "mp"
+    assert args("cuda", eager=True)["enforce_eager"] is True
+    assert args("cpu")["enforce_eager"] is True
+
+
+def test_vllm_score_response_from_the_v1_and_v2_runners() -> None:
+    """/score from vLLM's RequestOutput as each model runner fills it (vllm/outputs.py): V1 puts
+    the gathered ids in each position's prompt_logprobs dict (the whole distribution), V2 returns
+    prompt_token_id_logprobs, one row per response position, padded columns -inf."""
+    from types import SimpleNamespace
+
+    from kubedistill.runtime.engines.vllm_engine import score_response
+
+    def lp(value: float, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(logprob=value, rank=rank)
+
+    ids = [1, 5, 6, 7]  # prompt [1, 5], response [6, 7]
+    req = ScoreRequest(token_ids=ids, prompt_len=2, top_k=1, gather_ids=[[6, 9], [3]])
+    v1 = SimpleNamespace(
+        prompt_token_ids=ids,
+        prompt_logprobs=[
+            None,
+            {5: lp(-0.5, 1)},
+            {6: lp(-0.1, 1), 9: lp(-3.0, 4), 2: lp(-2.0, 2)},
+            {7: lp(-0.7, 2), 3: lp(-0.2, 1)},
+        ],
+    )
+    got = score_response(v1, req, ids, v2=False)
+    assert got.logprobs == [-0.1, -0.7]
+    assert got.topk_ids == [[6], [3]] and got.topk_logprobs == [[-0.1], [-0.2]]
+    assert got.gather_logprobs == [[-0.1, -3.0], [-0.2]]
+    v2 = SimpleNamespace(
+        prompt_token_ids=ids,
+        prompt_logprobs=v1.prompt_logprobs,
+        prompt_token_id_logprobs=[[-0.1, -3.0], [-0.2, float("-inf")]],
+    )
+    assert score_response(v2, req, ids, v2=True).gather_logprobs == [[-0.1, -3.0], [-0.2]]
+    # An expansion that does not end in the response is refused rather than misread.
+    wrong = SimpleNamespace(prompt_token_ids=[1, 5, 6, 8], prompt_logprobs=v1.prompt_logprobs)
+    with pytest.raises(RuntimeError, match="scored other ids than the request's response"):
+        score_response(wrong, req, ids, v2=False)
+
+
+def test_vllm_worker_place_in_the_weight_sync_group() -> None:
+    """Under tensor parallelism each worker is its server's first rank plus its TP rank, on its own
+    GPU with NCCL; gloo needs no device; an unknown TP rank is refused where TP > 1."""
+    import torch
+
+    from kubedistill.runtime.engines.vllm_worker import worker_member
+
+    assert worker_member(3, 1, 2, "nccl", torch.device("cuda", 1)) == (4, "cuda:1")
+    assert worker_member(3, 0, 2, "nccl", "cuda:0") == (3, "cuda:0")
+    assert worker_member(1, None, 1, "gloo", torch.device("cpu")) == (1, None)
+    with pytest.raises(RuntimeError, match="cannot tell this worker's tensor-parallel rank"):
+        worker_member(1, None, 2, "nccl", "cuda:0")

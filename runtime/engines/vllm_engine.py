@@ -136,6 +136,74 @@ def gather_params(gather_ids: Sequence[Sequence[int]], prompt_len: int, top_k: i
     return {"prompt_logprobs": top_k, "prompt_logprob_token_ids": rows, "prompt_logprob_start": prompt_len - 1}
 
 
+def engine_kwargs(
+    model_path: str,
+    *,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    tensor_parallel_size: int,
+    gpu_memory_utilization: float,
+    enforce_eager: bool,
+    max_logprobs: int,
+    trust_remote_code: bool,
+    seed: int,
+    tokenizer: str | None,
+) -> dict[str, Any]:
+    """vLLM's engine arguments for a server (before start() resolves the dtype and the images).
+    CUDA graphs stay on unless asked off (they cut decode time; vLLM-CPU has none: eager there).
+    The executor follows the tensor-parallel size."""
+    return dict(
+        model=model_path,
+        tokenizer=tokenizer or model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager or device == "cpu",
+        max_logprobs=max_logprobs,
+        trust_remote_code=trust_remote_code,
+        seed=seed,
+        worker_extension_cls=WORKER_EXTENSION,
+        # TP 1 runs the model in the engine-core process ('uni'): the 'mp' executor's extra worker
+        # busy-polls its shared-memory queue (sched_yield) for a second after every step, which
+        # on a small CPU machine takes a core from the other roles (docs/servers.md, The vLLM
+        # engine). 'ray' is refused on CPU and the engine may itself run inside a Ray actor.
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
+        skip_tokenizer_init=False,
+    )
+
+
+def score_response(final: Any, req: ScoreRequest, token_ids: Sequence[int], v2: bool) -> ScoreResponse:
+    """A /score answer from vLLM's output for it (a RequestOutput: `prompt_logprobs`, one dict of
+    ids -> Logprob per position, `prompt_token_ids` as vLLM expanded them, and with the V2 model
+    runner (`v2`) `prompt_token_id_logprobs`, the gathered ids' log-probs per response position).
+    `token_ids`: the ids sent (before vLLM expanded any images)."""
+    plp = final.prompt_logprobs
+    ids = list(final.prompt_token_ids or token_ids)
+    # The response follows the prompt's images, so its positions are the last T of the ids
+    # vLLM scored, whatever it expanded the images to.
+    response = req.token_ids[req.prompt_len :]
+    start = len(ids) - len(response)
+    if ids[start:] != response:
+        raise RuntimeError(f"vLLM scored other ids than the request's response ({len(ids)} ids after expansion)")
+    logprobs, topk_ids, topk_lps = [], [], []
+    gathered: list[list[float]] | None = None if req.gather_ids is None else []
+    for i, t in enumerate(range(start, len(ids))):
+        entry = plp[t]
+        tok = ids[t]
+        logprobs.append(float(entry[tok].logprob))
+        best = ranked_ids(entry, req.top_k)
+        topk_ids.append(best)
+        topk_lps.append([float(entry[k].logprob) for k in best])
+        if gathered is not None and req.gather_ids is not None and not v2:
+            gathered.append([float(entry[k].logprob) for k in req.gather_ids[i]])
+    if gathered is not None and req.gather_ids is not None and v2:
+        scores = final.prompt_token_id_logprobs
+        gathered = [[float(x) for x in scores[i][: len(row)]] for i, row in enumerate(req.gather_ids)]
+    return ScoreResponse(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lps, gather_logprobs=gathered)
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """On CPU, 'auto' means float32: vLLM-CPU would pick bfloat16, whose AMX/AVX512-BF16 kernels
     kill the worker on machines (VMs) that advertise but do not enable those units. Set
@@ -172,24 +240,18 @@ class VLLMEngine(Engine):
         super().__init__()
         self.model_path = model_path
         self.device = device
-        self.kwargs: dict[str, Any] = dict(
-            model=model_path,
-            tokenizer=tokenizer or model_path,
+        self.kwargs = engine_kwargs(
+            model_path,
+            device=device,
             dtype=dtype,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager or device == "cpu",
+            enforce_eager=enforce_eager,
             max_logprobs=max_logprobs,
             trust_remote_code=trust_remote_code,
             seed=seed,
-            worker_extension_cls=WORKER_EXTENSION,
-            # TP 1 runs the model in the engine-core process ('uni'): the 'mp' executor's extra worker
-            # busy-polls its shared-memory queue (sched_yield) for a second after every step, which
-            # on a small CPU machine takes a core from the other roles (docs/servers.md, The vLLM
-            # engine). 'ray' is refused on CPU and the engine may itself run inside a Ray actor.
-            distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
-            skip_tokenizer_init=False,
+            tokenizer=tokenizer,
         )
         if max_num_seqs is not None:
             self.kwargs["max_num_seqs"] = max_num_seqs
@@ -326,29 +388,7 @@ class VLLMEngine(Engine):
         final: RequestOutput = None  # the stream yields at least one output
         async for out in self.llm.generate(build_prompt(token_ids, req.images), params, f"score-{self._counter}"):
             final = out
-        plp = final.prompt_logprobs
-        ids = list(final.prompt_token_ids or token_ids)
-        # The response follows the prompt's images, so its positions are the last T of the ids
-        # vLLM scored, whatever it expanded the images to.
-        response = req.token_ids[req.prompt_len :]
-        start = len(ids) - len(response)
-        if ids[start:] != response:
-            raise RuntimeError(f"vLLM scored other ids than the request's response ({len(ids)} ids after expansion)")
-        logprobs, topk_ids, topk_lps = [], [], []
-        gathered: list[list[float]] | None = None if req.gather_ids is None else []
-        for i, t in enumerate(range(start, len(ids))):
-            entry = plp[t]
-            tok = ids[t]
-            logprobs.append(float(entry[tok].logprob))
-            best = ranked_ids(entry, req.top_k)
-            topk_ids.append(best)
-            topk_lps.append([float(entry[k].logprob) for k in best])
-            if gathered is not None and req.gather_ids is not None and not v2:
-                gathered.append([float(entry[k].logprob) for k in req.gather_ids[i]])
-        if gathered is not None and req.gather_ids is not None and v2:
-            scores = final.prompt_token_id_logprobs
-            gathered = [[float(x) for x in scores[i][: len(row)]] for i, row in enumerate(req.gather_ids)]
-        return ScoreResponse(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lps, gather_logprobs=gathered)
+        return score_response(final, req, token_ids, v2)
 
     # --- weights ----------------------------------------------------------------------------
     def expected_tensors(self) -> Mapping[str, Sequence[int]]:

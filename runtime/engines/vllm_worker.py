@@ -45,6 +45,17 @@ class _Task:
     error: str | None = None
 
 
+def worker_member(
+    base_rank: int, tp_rank: int | None, tp_size: int, backend: str, device: torch.device | str | None
+) -> tuple[int, str | None]:
+    """A vLLM worker's (rank, device) in the weight-sync group: its server's first rank plus its
+    tensor-parallel rank, and on NCCL the worker's own GPU, named because the join runs in a new
+    thread whose current device is cuda:0 whatever GPU the worker drives."""
+    from kubedistill.runtime.weight_sync.group import sync_rank
+
+    return sync_rank(base_rank, tp_rank, tp_size), (str(device) if backend == "nccl" and device is not None else None)
+
+
 class WeightSyncWorkerExtension:
     if TYPE_CHECKING:
         # Attributes of the vLLM worker this class is merged into. Declared for the type checker
@@ -73,7 +84,7 @@ class WeightSyncWorkerExtension:
         epoch: str = "0",
     ) -> None:
         """Join in a thread: the rendezvous waits for the trainer, and the worker must keep serving."""
-        from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup, sync_rank
+        from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 
         tp_rank: int | None = None
         try:
@@ -83,19 +94,8 @@ class WeightSyncWorkerExtension:
         except (ImportError, AssertionError, AttributeError):
             pass  # no TP group: sync_rank allows that only without tensor parallelism
         tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
-        # The worker's own GPU, named here: the join runs in a new thread, whose current device
-        # is cuda:0 whatever GPU this worker drives.
-        device = getattr(self, "device", None)
-        addr = GroupAddress(
-            host,
-            port,
-            sync_rank(base_rank, tp_rank, tp_size),
-            world_size,
-            backend,
-            timeout_seconds,
-            epoch,
-            device=str(device) if backend == "nccl" and device is not None else None,
-        )
+        rank, device = worker_member(base_rank, tp_rank, tp_size, backend, getattr(self, "device", None))
+        addr = GroupAddress(host, port, rank, world_size, backend, timeout_seconds, epoch, device=device)
         self._kd_state = "joining"
         self._kd_error = None
         self._kd_epoch = epoch
