@@ -8,8 +8,8 @@ Workloads (`--workload 1|2|all`):
    addition, 200 steps × 64 samples (one per prompt), AdamW lr 1e-3, 5 warm-up steps then cosine,
    grad clip 1.0, float32, temperature 1.0, at most 8 new tokens, forward KL over the top-16 (the
    whole 16-token vocabulary), mean over generated tokens. Target: 80 % held-out accuracy.
-2. **countdown** (bench/peers_countdown.py): `37>29=` → `37,36,…,29`, answers 2 to 299 tokens,
-   log-uniform gaps (median ~30 tokens, one in ten over 180): generation-heavy with long tails.
+2. **countdown** (bench/peers_countdown.py): `37x03=` → `37.03,36.02,35.01,34.00`, 5 to 203 tokens,
+   log-uniform lengths (median ~35 tokens, one in ten over 140): generation-heavy, long tails.
    Its own teacher and warm-started student, made once (~minutes) under
    `.kubedistill/peers/countdown`. Same loss and optimiser, fewer steps (see `WORKLOAD2`).
 
@@ -54,7 +54,7 @@ How it is measured, the same on both sides:
 
 Repeats alternate the sides (ours, TRL, then TRL, ours, ...). Prints one table per workload:
 medians over repeats and the ratio ours ÷ TRL. The last line is the headline: ours ÷ TRL of the
-time to 80 % on workload 1. Results also go to `.kubedistill/peers/results.json`.
+time to 80 % on workload 1. Results also go to `.kubedistill/peers/results-w<workload>.json`.
 
     .venv/bin/python bench/peers.py                      # both workloads, 1 repeat
     .venv/bin/python bench/peers.py --workload 1 --repeats 2
@@ -206,7 +206,7 @@ def workload2(log: Callable[[str], object]) -> Workload:
     s["trainer"]["miniBatchSize"] = WORKLOAD2["miniBatchSize"]
     return Workload(
         "2",
-        "countdown (long-tailed answers, 2-299 tokens)",
+        "countdown (long-tailed answers, 5-203 tokens)",
         m,
         base / "student",
         base / "teacher",
@@ -535,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["workloads"][key] = [dict(asdict(r), time_to_target=r.time_to(w.target)) for r in runs]
         if key == "1":
             first = (w, runs)
-    (PEERS / "results.json").write_text(json.dumps(results, indent=2))
+    (PEERS / f"results-w{args.workload}.json").write_text(json.dumps(results, indent=2))
     print("\n\n".join(tables))
     if first is not None:
         print(headline(*first))
