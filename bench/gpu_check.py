@@ -16,6 +16,9 @@ random-weight student of a real size built on the spot and saved in bfloat16:
   4. log-probs at lag 0 again, from samples of the synced weights.
 * ``lora``: the same student with LoRA adapters (rank 16, all-linear): train steps.
 * ``vl``: a Qwen3-VL-2B-shaped student: train steps on image and text samples in one batch.
+* ``fixed``: what a step costs beyond its model work: a SmolLM2-135M-shaped student, steps of 64
+  short samples (the quickstart's shape), wall time against compute, and weight syncs into the
+  hf rollout server split into the sender's segments (pause, transfer, load, resume).
 
 What one GPU cannot cover: NCCL between GPUs (NVLink, InfiniBand) and between pods, vLLM's
 engines (not installed there), FSDP over several ranks.
@@ -36,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +90,16 @@ class Scale:
     gen_tokens: int
     image_grid: int  # patches per side of each image (merged 2x2 into tokens)
     timed_steps: int
+    small: TextShape  # the fixed-cost part's student
+    small_samples: int  # per step, each small_prompt + small_response tokens
+    small_prompt: int
+    small_response: int
+    small_steps: int  # timed steps and syncs of the fixed-cost part
 
 
 QWEN3_1_7B = TextShape(vocab=151936, hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8, head_dim=128)
+SMOLLM2_135M = TextShape(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
+"""The small student of the fixed-cost part: where a step's model work is small, the rest shows."""
 QWEN3_VL_2B_VISION = VisionShape(depth=24, hidden=1024, intermediate=4096, heads=16, deepstack=(5, 11, 17))
 GPU = Scale(
     text=QWEN3_1_7B,
@@ -103,6 +113,11 @@ GPU = Scale(
     gen_tokens=256,
     image_grid=32,
     timed_steps=3,
+    small=SMOLLM2_135M,
+    small_samples=64,
+    small_prompt=32,
+    small_response=16,
+    small_steps=8,
 )
 TINY = Scale(
     text=TextShape(vocab=512, hidden=128, intermediate=256, layers=2, heads=2, kv_heads=1, head_dim=64),
@@ -116,6 +131,11 @@ TINY = Scale(
     gen_tokens=8,
     image_grid=4,
     timed_steps=1,
+    small=TextShape(vocab=512, hidden=128, intermediate=256, layers=2, heads=2, kv_heads=1, head_dim=64),
+    small_samples=8,
+    small_prompt=8,
+    small_response=4,
+    small_steps=2,
 )
 
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -567,8 +587,70 @@ def part_vl(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str, 
     return out
 
 
-PARTS = {"text": part_text, "lora": part_lora, "vl": part_vl}
-BUDGET_SECONDS = {"text": 200, "lora": 100, "vl": 150}
+def part_fixed(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str, Any]:
+    """What a step costs beyond its model work, on the GPU (issue: a step's fixed costs stay host
+    work when the model's own work shrinks): a SmolLM2-135M-shaped student, steps of many short
+    samples (the quickstart's shape), each step's wall time against its compute, and weight syncs
+    into the hf rollout server, split into the sender's four segments."""
+    import statistics
+
+    from kubedistill.runtime.trainer import Trainer
+    from kubedistill.runtime.weight_sync.sender import WeightSender
+    from kubedistill.runtime.wire.http import BlockingClient
+
+    small = replace(
+        scale,
+        text=scale.small,
+        samples=scale.small_samples,
+        prompt=scale.small_prompt,
+        response=scale.small_response,
+    )
+    device = "cpu" if dry else "cuda"
+    model = build_model(text_config(scale.small), work / "student", device, "float32" if dry else "bfloat16")
+    spec = job_spec(model, work, small, dry)
+    server = RolloutServer(spec, work, work / "rollout.log")
+    http = BlockingClient(timeout=600)
+    out: dict[str, Any] = {}
+    try:
+        trainer = Trainer(spec)
+        server.wait_healthy(http, 300)
+        batches = [synthetic_batch(small, scale.small.vocab, seed=40 + i) for i in range(scale.small_steps + 1)]
+        trainer.train([batches[0]])  # warm-up
+        walls, computes = [], []
+        for b in batches[1:]:
+            t0 = time.perf_counter()
+            stats = trainer.train([b])[-1]
+            walls.append(time.perf_counter() - t0)
+            computes.append(stats.compute_seconds)
+        out["train_step"] = {
+            "tokens": sum(batches[1].lengths),
+            "wall_ms": round(1000 * statistics.median(walls), 1),
+            "compute_ms": round(1000 * statistics.median(computes), 1),
+            "other_ms": round(1000 * statistics.median(w - c for w, c in zip(walls, computes)), 1),
+        }
+        sender = WeightSender(spec, server.endpoints)
+        sender.sync(1, trainer)  # warm-up: NCCL's first collectives
+        segments: dict[str, list[float]] = {"total": [], "pause": [], "transfer": [], "load": [], "resume": []}
+        for version in range(2, 2 + scale.small_steps):
+            t0 = time.perf_counter()
+            stats = sender.sync(version, trainer)
+            segments["total"].append(time.perf_counter() - t0)
+            times = getattr(stats, "times", None)
+            for name in ("pause", "transfer", "load", "resume"):
+                if times is not None:
+                    segments[name].append(getattr(times, name))
+        out["sync_ms"] = {k: round(1000 * statistics.median(v), 1) for k, v in segments.items() if v}
+        out["sync_gib"] = round(stats.bytes / 2**30, 3)
+        sender.close()
+        trainer.close()
+    finally:
+        http.close()
+        server.stop()
+    return out
+
+
+PARTS = {"text": part_text, "lora": part_lora, "vl": part_vl, "fixed": part_fixed}
+BUDGET_SECONDS = {"text": 200, "lora": 100, "vl": 150, "fixed": 90}
 """Each part's limit on the GPU; together under the 8 minutes a borrowed GPU's command allows."""
 
 

@@ -43,7 +43,7 @@ def test_dry_run_passes_every_part_without_vllm_or_ray(tmp_path: Path) -> None:
     assert out.stdout.strip().splitlines()[-1].startswith("gpu_check: PASSED")
     report = json.loads((tmp_path / "report.json").read_text())
     parts = report["parts"]
-    assert report["ok"] and set(parts) == {"text", "lora", "vl"}, parts
+    assert report["ok"] and set(parts) == {"text", "lora", "vl", "fixed"}, parts
     text = parts["text"]
     # The engine's samples trained on at once: the trainer's log-probs (bf16 compute) against the
     # engine's (float32) on the same weights, before and after a sync of the trained weights.
@@ -59,13 +59,18 @@ def test_dry_run_passes_every_part_without_vllm_or_ray(tmp_path: Path) -> None:
     # LoRA trains only its adapters; the VL batch carried images of grid x grid patches.
     assert 0 < parts["lora"]["trainable_parameters"] < 100_000
     assert parts["vl"]["image_tokens_per_image"] == tiny.image_grid**2 // 4
+    # The fixed costs: a step's wall time holds its compute; a sync's segments add up to it.
+    fixed = parts["fixed"]
+    assert 0 < fixed["train_step"]["compute_ms"] <= fixed["train_step"]["wall_ms"]
+    sync = fixed["sync_ms"]
+    assert sum(sync[k] for k in ("pause", "transfer", "load", "resume")) <= sync["total"] + 0.5
     # The rollout server of the text part ran as its own process and is gone.
     assert (tmp_path / "work" / "text" / "rollout.log").is_file()
 
 
 def test_unknown_parts_are_refused() -> None:
     out = _run("--dry-run", "--parts", "text,sound")
-    assert out.returncode == 2 and "--parts: unknown ['sound'] (allowed: text, lora, vl)" in out.stderr
+    assert out.returncode == 2 and "--parts: unknown ['sound'] (allowed: text, lora, vl, fixed)" in out.stderr
 
 
 def test_peak_and_flops() -> None:
