@@ -346,6 +346,8 @@ class FakeSender:
         """(version, members) of every sync that succeeded."""
         self.segment_seconds = SyncTimes()
         """How long each segment of a sync takes (slept), beside the fake servers' own load."""
+        self.times: list[SyncTimes] = []
+        """The segments of every sync that succeeded, as measured (what the driver is told)."""
 
     def sync(self, version: int, weights: Any) -> FakeSyncOutcome:
         marks = [time.perf_counter()]
@@ -365,7 +367,9 @@ class FakeSender:
         time.sleep(self.segment_seconds.resume)
         marks.append(time.perf_counter())
         self.syncs.append((version, list(self.members)))
-        return FakeSyncOutcome(SyncTimes(*(b - a for a, b in zip(marks, marks[1:]))))
+        served = [s.weight_version if s.alive else None for s in servers]
+        self.times.append(SyncTimes(*(b - a for a, b in zip(marks, marks[1:]))))
+        return FakeSyncOutcome(self.times[-1], served)
 
     def set_members(self, urls: list[str]) -> None:
         if len(set(urls)) != len(urls) or not urls:
@@ -376,6 +380,7 @@ class FakeSender:
 @dataclass(frozen=True)
 class FakeSyncOutcome:
     times: SyncTimes
+    served: list[int | None]
 
 
 async def _load_all(servers: Sequence[FakeRolloutServer], version: int, pause: PauseMode) -> None:

@@ -252,7 +252,7 @@ async def test_a_replaced_server_is_back_only_once_a_sync_gave_it_the_current_we
     assert len(r.trainer.steps) == 5
     after = [v for out in replaced.answers if min(out.versions) > 0 for v in out.versions]
     assert after and min(after) >= 2, "the new pod generated before it had the current weights"
-    # It died right after sync 1: /version found it gone, which the history records.
+    # It died right after sync 1: the sender found it gone, which the history records.
     assert r.driver.history.lines[0]["rolloutVersions"] == [1, None]
 
 
@@ -321,15 +321,19 @@ async def test_a_steps_phases_add_up_to_its_wall_time_and_name_where_it_went(tmp
         wall = h["time"] - previous
         previous = h["time"]
         assert sum(phases.values()) == pytest.approx(wall, rel=0.05, abs=0.002), (h["step"], phases, wall)
-        # Each lap is charged to what ran in it: the trainer's reported compute, the sender's
-        # segments (the fake servers' load falls in `load`), the time blocked on the buffer.
-        assert phases["train_compute"] == pytest.approx(0.04, abs=0.015)
-        assert phases["wait"] == pytest.approx(h["waitSeconds"], abs=1e-3)
+        # Each lap is charged to what ran in it: the trainer's reported compute (the fake reports
+        # its sleep), the sender's segments (the fake servers' load falls in `load`, the driver's
+        # own part of the sync in `resume`), the time blocked on the buffer.
+        assert phases["train_compute"] == pytest.approx(h["trainSeconds"], abs=2e-4)
+        assert phases["train_compute"] >= 0.04
+        assert phases["wait"] == pytest.approx(h["waitSeconds"], abs=2e-4)
         if h["synced"]:
-            assert phases["sync_pause"] == pytest.approx(0.01, abs=0.008)
-            assert phases["sync_transfer"] == pytest.approx(0.02, abs=0.01)
-            assert phases["sync_load"] >= 0.015
-            assert phases["sync_resume"] >= 0.005
+            sent = r.sender.times[h["step"] - 1]
+            assert (phases["sync_pause"], phases["sync_transfer"], phases["sync_load"]) == pytest.approx(
+                (sent.pause, sent.transfer, sent.load), abs=2e-4
+            )
+            assert phases["sync_resume"] >= sent.resume - 2e-4
+            assert sent.pause >= 0.01 and sent.transfer >= 0.02 and sent.load >= 0.015 and sent.resume >= 0.005
         else:
             assert all(phases[p] == 0 for p in STEP_PHASES if p.startswith("sync_"))
         assert (phases["checkpoint"] > 0) == (h["step"] % every == 0)
