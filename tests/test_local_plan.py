@@ -71,9 +71,12 @@ def test_ports_avoid_the_ephemeral_and_ray_worker_ranges(tmp_path: Path) -> None
 
 
 def test_plan_cpu_threads_and_kv_cache(tmp_path: Path) -> None:
-    _, procs = local_processes(_job("quickstart-cpu.yaml"), tmp_path / "config.json")
+    raw = _job("quickstart-cpu.yaml").model_dump(by_alias=True, exclude_none=True, mode="json")
+    raw["spec"]["rollout"]["inference"] = {"engine": "vllm", "kvCacheGiB": 1}
+    _, procs = local_processes(DistillationJob.model_validate(raw), tmp_path / "config.json")
     by_name = {p.name: p for p in procs}
     assert by_name["rollout-0"].env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in by_name["teacher-arith-0"].env  # the hf engine's
     assert by_name["trainer-0"].env["OMP_NUM_THREADS"] == "1"
     assert all(p.gpus == 0 for p in procs)
 
