@@ -367,9 +367,8 @@ class FakeSender:
         time.sleep(self.segment_seconds.resume)
         marks.append(time.perf_counter())
         self.syncs.append((version, list(self.members)))
-        served = [s.weight_version if s.alive else None for s in servers]
         self.times.append(SyncTimes(*(b - a for a, b in zip(marks, marks[1:]))))
-        return FakeSyncOutcome(self.times[-1], served)
+        return FakeSyncOutcome(self.times[-1])
 
     def set_members(self, urls: list[str]) -> None:
         if len(set(urls)) != len(urls) or not urls:
@@ -380,7 +379,6 @@ class FakeSender:
 @dataclass(frozen=True)
 class FakeSyncOutcome:
     times: SyncTimes
-    served: list[int | None]
 
 
 async def _load_all(servers: Sequence[FakeRolloutServer], version: int, pause: PauseMode) -> None:

@@ -252,7 +252,7 @@ async def test_a_replaced_server_is_back_only_once_a_sync_gave_it_the_current_we
     assert len(r.trainer.steps) == 5
     after = [v for out in replaced.answers if min(out.versions) > 0 for v in out.versions]
     assert after and min(after) >= 2, "the new pod generated before it had the current weights"
-    # It died right after sync 1: the sender found it gone, which the history records.
+    # It died right after sync 1: /version found it gone, which the history records.
     assert r.driver.history.lines[0]["rolloutVersions"] == [1, None]
 
 

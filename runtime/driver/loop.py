@@ -127,10 +127,6 @@ class SyncOutcomeLike(Protocol):
 
     @property
     def times(self) -> SyncTimes: ...
-    @property
-    def served(self) -> Sequence[int | None]:
-        """The version each server in the group serves after the sync (None: it went away)."""
-        ...
 
 
 class SenderLike(Protocol):
@@ -285,24 +281,24 @@ class Driver:
     async def _on_trainer(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
 
-    def _sync_blocking(self, version: int, joiners: Sequence[str] = ()) -> SyncOutcomeLike:
+    def _sync_blocking(self, version: int, joiners: Sequence[str] = ()) -> SyncTimes:
         if self.sender is None:
             raise RuntimeError("no weight sender: the weight-sync group is not formed")
         if joiners:  # the sync re-forms the group with them, so they start at this version
             self.sender.set_members([*self.sender.members, *(u for u in joiners if u not in self.sender.members)])
         # The trainer itself: the sender lays out the manifest from its metadata and draws the
         # gathered tensors bucket by bucket once every server is ready to receive.
-        return self.sender.sync(version, self.trainer)
+        return self.sender.sync(version, self.trainer).times
 
     def _leave_group(self, url: str) -> None:
         if self.sender is not None and url in self.sender.members:
             self.sender.set_members([u for u in self.sender.members if u != url])
 
-    async def sync_weights(self, version: int) -> SyncOutcomeLike:
-        """Sync the trainer's weights to every rollout server as `version`; returns what the sender
-        reports of it (its segments, the versions served)."""
+    async def sync_weights(self, version: int) -> SyncTimes:
+        """Sync the trainer's weights to every rollout server as `version`; returns the sender's
+        segments of it."""
         joiners = list(self.rollouts.ready)
-        outcome = await self._on_trainer(self._sync_blocking, version, joiners)
+        times = await self._on_trainer(self._sync_blocking, version, joiners)
         if joiners:
             self.rollouts.joined(joiners)
             for url in joiners:
@@ -311,7 +307,7 @@ class Driver:
         self.version = version
         self.status.weight_version = version
         await self.buffer.synced(version)
-        return outcome
+        return times
 
     # ---- the run ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -353,6 +349,25 @@ class Driver:
             log.info("exported the student to %s", out)
         self._trainer_thread.shutdown(wait=True)
         self.status.set_phase("done")
+
+    async def _served_versions(self, version: int, wait: float = 10.0) -> list[int | None]:
+        """GET /version of every rollout server, waiting briefly until each reports `version`
+        (an engine may finish bookkeeping just after the sync's last collective). None for a
+        server that does not answer: it went away after the sync, which its requests will find."""
+
+        async def served_by(client: RolloutClientLike) -> int | None:
+            try:
+                return await client.version()
+            except TRANSPORT_ERRORS:
+                return None
+
+        deadline = self.clock() + wait
+        while True:
+            clients = [self._rollout[u] for u in self.rollouts.members]
+            served = list(await asyncio.gather(*(served_by(c) for c in clients)))
+            if all(v is None or v >= version for v in served) or self.clock() > deadline:
+                return served
+            await asyncio.sleep(0.05)
 
     async def _wait_healthy(self, clients: Sequence[RolloutClientLike | TeacherClientLike]) -> None:
         """Every server answers /health (teachers may still be loading when the rollout servers
@@ -404,14 +419,12 @@ class Driver:
             and self.step < self.spec.trainer.total_steps
         ):
             clock.lap("driver")
-            outcome = await self.sync_weights(self.version + 1)
+            times = await self.sync_weights(self.version + 1)
             synced = True
-            # The versions the sender saw served: asking again costs a round trip through two
-            # event loops busy with the generations resuming at this very moment.
-            served = list(outcome.served)
-            # What the sender does not report (the driver's thread hop and the buffer's new
-            # version) is the last of the resume.
-            sync_seconds = clock.lap("sync_resume", sync_parts(outcome.times))
+            served = await self._served_versions(self.version)
+            # What the sender does not report (the driver's thread hop, the served versions and
+            # the buffer's new version) is the last of the resume.
+            sync_seconds = clock.lap("sync_resume", sync_parts(times))
         now = self.clock()
         elapsed = max(now - self._started, 1e-9)
         last = stats[-1]

@@ -308,21 +308,21 @@ class WeightSender:
             raise WeightSyncError("; ".join(refusals))
         if failed:
             raise WeightSyncError(f"{failed} rollout worker(s) failed to load weight version {version}")
-        stats.served = list[int | None](self._await_served(version))
+        self._await_served(version)
         stats.times = SyncTimes(
             pause=t_begun - t0, transfer=t_sent - t_begun, load=t_loaded - t_sent, resume=time.perf_counter() - t_loaded
         )
         return stats
 
-    def _await_served(self, version: int) -> list[int]:
+    def _await_served(self, version: int) -> None:
         """Every engine has loaded the weights once the failure all-reduce completes, but a
         server bumps the version it serves (and tags new tokens with) only when its engine's
         load call returns, a moment later: wait for that as well, so generation requested after
         sync() returns is tagged with the new version. One GET /version?at_least per server,
-        which the server answers once its load has ended; returns the versions they serve."""
+        which the server answers once its load has ended."""
         deadline = time.monotonic() + self.timeout
 
-        async def served(url: str) -> int:
+        async def served(url: str) -> None:
             while True:
                 try:
                     now: int | None = (
@@ -333,12 +333,12 @@ class WeightSender:
                 except TRANSPORT_ERRORS as e:
                     raise WeightSyncError(f"{url} loaded weight version {version}, then did not answer: {e!r}") from e
                 if now is not None and now >= version:
-                    return now
+                    return
                 if time.monotonic() > deadline:
                     raise WeightSyncError(f"{url} loaded weight version {version} but still serves {now}")
                 await asyncio.sleep(0.005)
 
-        return self._http.run(_each(served(url) for url in self.members))
+        self._http.run(_each(served(url) for url in self.members))
 
 
 FLOATING = ("float32", "float16", "bfloat16")

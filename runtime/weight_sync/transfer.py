@@ -44,8 +44,6 @@ class TransferStats:
     extra: dict[str, float] = field(default_factory=dict)
     times: SyncTimes = field(default_factory=SyncTimes)
     """A whole sync's segments on the trainer (WeightSender.sync fills it)."""
-    served: list[int | None] = field(default_factory=list)
-    """The weight version each rollout server serves once the sync is done, in member order."""
 
 
 class _InOrder:
