@@ -81,7 +81,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Appended, not prepended: bench/'s module names (operator, trainer, servers) must not shadow others
+# in a process that imports this file (tests/test_bench_peers.py).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 from _common import REPO, checkpoints, fmt, load_checkpoint_student, table  # noqa: E402
 
