@@ -68,6 +68,12 @@ def main() -> int:
     ap.add_argument("--model", type=Path, help="an HF model directory instead (e.g. .kubedistill/quickstart/student)")
     ap.add_argument("--lora", default="", help="LoRA ranks to measure against full syncs, e.g. 8,64")
     ap.add_argument("--serve-as", choices=["merged", "adapter"], default="merged", help="how servers apply adapters")
+    ap.add_argument(
+        "--layouts",
+        default="chosen",
+        help="bucket layouts, interleaved per repeat: chosen (the sender's: large tensors alone only when "
+        "every server receives in place), alone (large tensors alone always: the layout before), packed",
+    )
     args = ap.parse_args()
 
     import httpx
@@ -91,38 +97,72 @@ def main() -> int:
     ranks = [int(r) for r in args.lora.split(",") if r]
     if ranks:
         return lora_rows(mdir, work, model, named, ranks, args)
+    layouts = args.layouts.split(",")
     with rollout_servers(mdir, work, args) as (sender, urls):
         version = 0
         rows = []
         print(
-            f"{'bucketMB':>8} {'raw_s':>8} {'sync_s':>8} {'ratio':>6} {'recv_wait_s':>11} {'load_s':>7} {'repack_s':>8}"
+            f"{'layout':>7} {'bucketMB':>8} {'buckets':>7} {'raw_s':>8} {'sync_s':>8} {'ratio':>6} "
+            f"{'recv_wait_s':>11} {'load_s':>7} {'repack_s':>8}"
         )
         for mb in [int(x) for x in args.buckets_mb.split(",")]:
-            raw, ours, waits, loads, repacks = [], [], [], [], []
+            runs: dict[str, dict[str, list[float]]] = {
+                name: {k: [] for k in ("raw", "ours", "waits", "loads", "repacks", "buckets")} for name in layouts
+            }
             for _ in range(args.repeats):
-                raw.append(sender.probe(nbytes))
-                version += 1
-                t = time.perf_counter()
-                sender.sync(version, named, bucket_bytes=mb * 2**20)
-                ours.append(time.perf_counter() - t)
-                last = [httpx.get(u + "/weights/last", timeout=60).json() for u in urls]
-                waits.append(max(x["transport_wait_seconds"] for x in last))
-                loads.append(max(x["load_seconds"] for x in last))
-                repacks.append(max(x.get("repack_seconds", 0.0) for x in last))
+                for name in layouts:
+                    r = runs[name]
+                    r["raw"].append(sender.probe(nbytes))
+                    version += 1
+                    with layout_as(name):
+                        t = time.perf_counter()
+                        sender.sync(version, named, bucket_bytes=mb * 2**20)
+                        r["ours"].append(time.perf_counter() - t)
+                    last = [httpx.get(u + "/weights/last", timeout=60).json() for u in urls]
+                    r["waits"].append(max(x["transport_wait_seconds"] for x in last))
+                    r["loads"].append(max(x["load_seconds"] for x in last))
+                    r["repacks"].append(max(x.get("repack_seconds", 0.0) for x in last))
+                    r["buckets"].append(len(layout_of(sender, named, mb).buckets))
             med = statistics.median
-            ratio = med([b / a for a, b in zip(raw, ours)])
-            rows.append((mb, ratio))
-            print(
-                f"{mb:>8} {med(raw):>8.3f} {med(ours):>8.3f} {ratio:>6.2f} {med(waits):>11.3f} "
-                f"{med(loads):>7.3f} {med(repacks):>8.3f}",
-                flush=True,
-            )
-        mb, ratio = rows[-1]
+            for name in layouts:
+                r = runs[name]
+                ratio = med([b / a for a, b in zip(r["raw"], r["ours"])])
+                rows.append((name, mb, ratio))
+                print(
+                    f"{name:>7} {mb:>8} {int(med(r['buckets'])):>7} {med(r['raw']):>8.3f} {med(r['ours']):>8.3f} "
+                    f"{ratio:>6.2f} {med(r['waits']):>11.3f} {med(r['loads']):>7.3f} {med(r['repacks']):>8.3f}",
+                    flush=True,
+                )
+        name, mb, ratio = rows[len(rows) - len(layouts)]
         print(
-            f"weight sync b/a (median ratio, {nbytes / 2**20:.0f} MiB, bucket {mb} MB, "
+            f"weight sync b/a (median ratio, {nbytes / 2**20:.0f} MiB, bucket {mb} MB, layout {name}, "
             f"{args.receivers} {args.engine} receivers): {ratio:.3f}"
         )
     return 0
+
+
+@contextlib.contextmanager
+def layout_as(name: str) -> Iterator[None]:
+    """The sender's bucket layout for the syncs inside: its own choice, or large tensors alone
+    ("alone", what it always did before), or every tensor packed ("packed")."""
+    from kubedistill.runtime.weight_sync import sender as module
+
+    chosen = module.direct_bytes
+    forced = {"alone": module.DIRECT_BYTES, "packed": None}
+    if name != "chosen":
+        module.direct_bytes = lambda _in_place: forced[name]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module.direct_bytes = chosen
+
+
+def layout_of(sender: Any, named: list[Any], mb: int) -> Any:
+    """The manifest the sender laid out for `named` in its last sync (bucket count for the table)."""
+    from kubedistill.runtime.weight_sync.sender import as_wire_dtype, layout, tensor_meta
+
+    metas = [as_wire_dtype(tensor_meta(n, t), sender.wire_dtype) for n, t in named]
+    return layout(metas, mb * 2**20, sender.direct_bytes)
 
 
 @contextlib.contextmanager

@@ -202,13 +202,17 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
     new = WeightSender(vllm_servers.config.spec, vllm_servers.config.endpoints)
     vllm_servers.sender = new  # later tests sync through the new group
     assert new.epoch != old.epoch
+    in_place = []
     for url in urls:
         # The sender returns when the collective rendezvous completes; the server marks itself
         # ready a moment later (its engine polls the workers' join state).
         deadline = time.monotonic() + 10
         while (group := httpx.get(url + "/weights/group").json())["state"] != "ready" and time.monotonic() < deadline:
             time.sleep(0.05)
+        in_place.append(group.pop("in_place"))
         assert group == {"epoch": new.epoch, "state": "ready", "error": None, "dtype": "float32"}
+    # The hf server receives large tensors in place, vLLM does not: the syncs pack them for both.
+    assert sorted(in_place) == [False, True]
     v = max(httpx.get(u + "/version").json()["version"] for u in urls) + 1
     named = perturbed(tiny_models["student"], seed=13)
     new.sync(v, named)

@@ -28,6 +28,9 @@ class RecordingEngine:
     def weight_dtype(self) -> str | None:
         return "bfloat16"
 
+    def receives_in_place(self) -> bool:
+        return False
+
     def abort_weight_group(self) -> None:
         self.calls.append("abort")
 
@@ -66,7 +69,13 @@ async def test_switch_waits_for_the_old_sync_then_leaves_then_joins() -> None:
     assert m.status().state == "joining" and m.status().epoch == "e1"
     await m.wait_switched(5)
     assert engine.calls == ["abort", "old sync ended", "leave", "join e1", "joined e1"]
-    assert m.status().model_dump() == {"epoch": "e1", "state": "ready", "error": None, "dtype": "bfloat16"}
+    assert m.status().model_dump() == {
+        "epoch": "e1",
+        "state": "ready",
+        "error": None,
+        "dtype": "bfloat16",
+        "in_place": False,
+    }
     m.switch("e1")  # the trainer retrying its request: nothing to do
     assert not m.switching and m.switches == 1
 
@@ -103,6 +112,7 @@ async def test_a_failed_join_is_reported_and_the_same_epoch_can_retry() -> None:
         "state": "failed",
         "error": "TimeoutError: rendezvous timed out",
         "dtype": "bfloat16",
+        "in_place": False,
     }
     engine.join_error = None
     m.switch("e1")

@@ -110,6 +110,7 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "state": "ready",
             "error": None,
             "dtype": "float32",
+            "in_place": True,  # the hf engine: large tensors travel alone, straight into its parameters
         }
         os.kill(sender_proc.pid, signal.SIGKILL)
         sender_proc.wait(30)
@@ -126,6 +127,7 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "state": "ready",
             "error": None,
             "dtype": "float32",
+            "in_place": True,
         }
         # The interrupted version-2 sync failed on the server; it never loaded.
         last = httpx.get(url + "/weights/last").json()
@@ -179,6 +181,7 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "state": "ready",
             "error": None,
             "dtype": "float32",
+            "in_place": True,
         }
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(named)
         sender.close()

@@ -296,3 +296,20 @@ def test_weights_travel_in_the_dtype_the_servers_keep() -> None:
     for name, x in named:
         expected = x.to(torch.bfloat16) if x.is_floating_point() else x
         assert tensor_checksum(got[name]) == tensor_checksum(expected), name
+
+
+def test_large_tensors_travel_alone_only_where_every_server_receives_in_place() -> None:
+    """The hf engine receives a one-tensor bucket straight into its parameter; vLLM loads every
+    bucket through a loader call. Large tensors go alone only when every server is of the first
+    kind; otherwise they are packed into buckets of bucketMB (a few loader calls per layer)."""
+    from kubedistill.runtime.weight_sync.sender import DIRECT_BYTES, direct_bytes, layout
+
+    assert direct_bytes([True, True]) == DIRECT_BYTES
+    assert direct_bytes([True, False]) is None  # one vLLM server among hf ones
+    assert direct_bytes([False]) is None
+    layer = [TensorMeta(name=f"model.layers.0.{n}.weight", dtype="bfloat16", shape=[1024, 1024]) for n in "qkvo"]
+    alone = layout(layer, bucket_bytes=16 << 20, direct_bytes=direct_bytes([True]))
+    packed = layout(layer, bucket_bytes=16 << 20, direct_bytes=direct_bytes([False]))
+    assert [len(b.entries) for b in alone.buckets] == [1, 1, 1, 1]
+    assert [len(b.entries) for b in packed.buckets] == [4]  # 8 MiB in one 16 MiB bucket
+    check_layout(packed)

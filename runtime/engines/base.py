@@ -214,6 +214,11 @@ class Engine(ABC):
         """The dtype the engine's weights are stored in (None: not known yet, or mixed)."""
         return None
 
+    def receives_in_place(self) -> bool:
+        """Whether a bucket of one whole tensor lands straight in the engine's parameter (no
+        loader call): then the sender sends large tensors alone, with no packing copy."""
+        return False
+
     def abort_weight_group(self) -> None:
         """Break a weight receive blocked on the current group (its trainer is gone). Engines that
         hold the group in this process keep it in `self.group`; others override."""

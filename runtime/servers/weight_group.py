@@ -71,7 +71,13 @@ class WeightGroupMembership:
         state = self.engine.weight_group_state
         if self.epoch is not None and self.switching:
             state = "joining"
-        return WeightsGroupResponse(epoch=self.epoch, state=state, error=self.error, dtype=self.engine.weight_dtype())
+        return WeightsGroupResponse(
+            epoch=self.epoch,
+            state=state,
+            error=self.error,
+            dtype=self.engine.weight_dtype(),
+            in_place=self.engine.receives_in_place(),
+        )
 
     @property
     def switching(self) -> bool:

@@ -89,7 +89,8 @@ class WeightSource(Protocol):
 
 
 DIRECT_BYTES = 1 << 20
-"""Tensors of at least 1 MiB travel in buckets of their own, without packing copies."""
+"""Tensors of at least 1 MiB travel in buckets of their own, without packing copies, when every
+server receives them in place (direct_bytes)."""
 
 
 def build_manifest(
@@ -145,6 +146,9 @@ class WeightSender:
         self._addr = addr
         self.reforms = 0
         """Times the group was re-formed because a rollout server had left it (e.g. replaced)."""
+        self.direct_bytes: int | None = None
+        """Tensors of at least this size travel alone (every server receives them in place), or
+        None: every tensor is packed. Learnt from GET /weights/group before each sync."""
         self.wire_dtype: str | None = None
         """The dtype floating weights travel in: what every rollout engine keeps them in (None:
         as the trainer holds them). Learnt from GET /weights/group before each sync."""
@@ -205,18 +209,19 @@ class WeightSender:
         switches, and the sync goes on without a trainer restart. One GET /weights/group per
         server."""
 
-        async def member(url: str) -> tuple[bool, str | None]:
-            """(in this group and ready, the dtype its engine keeps weights in)."""
+        async def member(url: str) -> tuple[bool, WeightsGroupResponse | None]:
+            """(in this group and ready, its answer)."""
             try:
                 doc = await call(
                     self._http.session, "GET", _at(url, "/weights/group"), WeightsGroupResponse, timeout=30
                 )
             except REQUEST_ERRORS:
                 return False, None  # not in the group as far as this sync can tell: re-form it
-            return doc.epoch == self.epoch and doc.state == "ready", doc.dtype
+            return doc.epoch == self.epoch and doc.state == "ready", doc
 
         answers = self._http.run(_each(member(url) for url in self.members))
-        self.wire_dtype = wire_dtype(dtype for _, dtype in answers)
+        self.wire_dtype = wire_dtype(doc.dtype if doc is not None else None for _, doc in answers)
+        self.direct_bytes = direct_bytes(doc.in_place if doc is not None else False for _, doc in answers)
         if self.members == self._formed and all(ok for ok, _ in answers):
             return
         self.group.close()
@@ -268,7 +273,7 @@ class WeightSender:
             draw = named.__iter__
         if adapter is None:
             metas = [as_wire_dtype(m, self.wire_dtype) for m in metas]
-        manifest = layout(metas, budget)
+        manifest = layout(metas, budget, self.direct_bytes)
         manifest.lora = adapter
         manifest.frozen = frozen
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch)
@@ -342,6 +347,14 @@ class WeightSender:
 
 
 FLOATING = ("float32", "float16", "bfloat16")
+
+
+def direct_bytes(in_place: Iterable[bool]) -> int | None:
+    """Large tensors travel in buckets of their own only when every server receives such a bucket
+    straight into its parameter (no packing or unpacking copy on either side); an engine that
+    loads each bucket through a loader call (vLLM) gets them packed into buckets of bucketMB, a
+    few calls per layer rather than one per tensor, as vLLM's own NCCL weight transfer packs."""
+    return DIRECT_BYTES if all(in_place) else None
 
 
 def wire_dtype(served: Iterable[str | None]) -> str | None:

@@ -173,6 +173,11 @@ class WeightsGroupResponse(Wire):
     dtype: str | None = None
     """The dtype the engine keeps its weights in (e.g. bfloat16): the sender casts floating
     weights to it, so they travel in the fewest bytes and load without a conversion."""
+    in_place: bool = False
+    """Whether the engine receives a bucket of one whole tensor straight into its parameter (the
+    hf engine). The sender gives large tensors buckets of their own only when every server does;
+    otherwise it packs them, so an engine that loads through a loader call per bucket (vLLM)
+    makes few calls."""
 
 
 class WeightsBeginResponse(Wire):
