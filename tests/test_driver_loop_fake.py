@@ -167,9 +167,9 @@ async def test_a_probe_whose_health_is_refused_as_the_run_ends_is_cancelled(tmp_
         pool.failed(url)
     assert pool.out_of_rotation() == [url]
     server = _GatedHealth(url)
-    clients: dict[str, Any] = r.driver._rollout if role == "rollout" else r.driver._teacher
+    clients: dict[str, Any] = r.driver.fleet.rollout if role == "rollout" else r.driver.fleet.teacher
     clients[url] = server
-    probe = asyncio.create_task(r.driver._bring_back(pool, url))
+    probe = asyncio.create_task(r.driver.fleet.bring_back(pool, url))
     try:
         await until(lambda: server.health_checks == 1, "the driver probes it")
         server.gate.set()  # refused ...

@@ -11,7 +11,7 @@ Two sides share a SampleBuffer:
   thread (generation and scoring continue meanwhile), syncs weights every
   `triggerParameterSyncStep` steps and tells the buffer, checkpoints;
 * rollout membership — while the job scales, follows the servers the job wants: a new one joins
-  the weight-sync group at a sync, a removed one is drained first (runtime/driver/membership.py);
+  the weight-sync group at a sync, a removed one is drained first (runtime/driver/fleet.py);
 * failures — a request whose connection fails or times out (runtime/wire/http.py's
   TRANSPORT_ERRORS) is sent again. Failures are counted per server: MAX_TRANSPORT_FAILURES in a
   row take a server out of rotation (its role's other servers take the requests) until a probe
@@ -38,7 +38,7 @@ import logging
 import pickle
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -49,13 +49,14 @@ from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, prep
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
-from kubedistill.runtime.driver.history import HistoryLine, HistoryWriter
+from kubedistill.runtime.driver.fleet import PROBE_SECONDS, ROLLOUT_POLL_SECONDS, Fleet
+from kubedistill.runtime.driver.history import HistoryWriter
 from kubedistill.runtime.driver.membership import RolloutMembership
 from kubedistill.runtime.driver.multimodal import load_student_processor, reads_images
-from kubedistill.runtime.driver.phases import STEP_PHASES, StepClock, sync_parts
+from kubedistill.runtime.driver.phases import StepClock, sync_parts
+from kubedistill.runtime.driver.report import StepReporter, StepStatsLike, TrainedStep
 from kubedistill.runtime.driver.rewards import RewardRegistry
 from kubedistill.runtime.driver.routing import (
-    AllEndpointsDown,
     EndpointPool,
     ImagesToTextTeacher,
     TeacherRouter,
@@ -72,42 +73,10 @@ from kubedistill.runtime.wire.protocol import LoraAdapter, TensorMeta
 log = logging.getLogger("kubedistill.driver")
 
 DRIVER_STATE_FORMAT = 1
-ROLLOUT_POLL_SECONDS = 2.0
-"""How often the driver re-reads the rollout servers the job wants, and re-probes a new one."""
-PROBE_SECONDS = 2.0
-"""How often the driver checks /health of a server out of rotation."""
-PROBE_TIMEOUT_SECONDS = 10.0
-"""A probe's wait for /health: a connect to a vanished pod's address may hang far longer."""
 EXPORT_DIR = "student-hf"
 
 
 T = TypeVar("T")
-
-
-class StepStatsLike(Protocol):
-    """What the driver reads of one trainer step's stats (runtime/trainer's StepStats)."""
-
-    @property
-    def loss_total(self) -> float: ...
-    @property
-    def loss_distill(self) -> float: ...
-    @property
-    def loss_pg(self) -> float: ...
-    @property
-    def grad_norm(self) -> float: ...
-    @property
-    def lr(self) -> float: ...
-    @property
-    def kl(self) -> float | None: ...
-    @property
-    def seconds(self) -> float: ...
-    @property
-    def compute_seconds(self) -> float:
-        """Of the step, the optimiser's compute: forward, loss, backward, clipping, AdamW."""
-        ...
-
-    @property
-    def off_policy(self) -> Mapping[str, float]: ...
 
 
 class TrainerLike(Protocol):
@@ -182,17 +151,24 @@ class Driver:
         """The student's processor when it is a vision-language model (None: a text student)."""
         self.src = PromptSource.from_spec(spec, tokenizer, processor=self.processor)
         self.rewards = RewardRegistry.for_spec(spec)
-        self.pool = EndpointPool("rollout", rollout_urls)
-        self.rollouts = RolloutMembership(list(rollout_urls))
-        self.rollout_source = rollout_source
-        """The rollout servers the job wants now (the re-read config's endpoints.rollout): the
-        driver follows it while it runs. None: the servers it started with, for good."""
-        self.rollout_poll_seconds = rollout_poll_seconds
-        self.probe_seconds = probe_seconds
+        self.fleet = Fleet(
+            pool=EndpointPool("rollout", rollout_urls),
+            rollouts=RolloutMembership(list(rollout_urls)),
+            status=self.status,
+            spawn=self._spawn,
+            leave_group=lambda url: self._on_trainer(self._leave_group, url),
+            version=lambda: self.version,
+            partial_rollout=self.staleness_policy.partial_rollout,
+            rollout_source=rollout_source,
+            rollout_poll_seconds=rollout_poll_seconds,
+            probe_seconds=probe_seconds,
+        )
+        """The servers: rollout membership while the job scales, probing (runtime/driver/fleet.py)."""
+        self.pool = self.fleet.pool
+        self.rollouts = self.fleet.rollouts
         self.status.rollout_servers = self.rollouts.held()
         self.clients = clients
         """Makes the clients of the servers; None: HTTP over the run's aiohttp session."""
-        self._servers: ServerClients | None = None
         self.router = TeacherRouter(spec, teacher_urls, {t.name: reads_images(t.model) for t in spec.teachers})
         self._check_image_rows()
         self._teacher_urls = [u for urls in teacher_urls.values() for u in urls]
@@ -201,21 +177,15 @@ class Driver:
         self._pending_cursor: dict[str, Any] | None = None
         """Data cursor before a prompt drawn but not yet reserved in the buffer (a checkpoint
         taken then must not skip it)."""
-        self._rollout: dict[str, RolloutClientLike] = {}
-        self._teacher: dict[str, TeacherClientLike] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests_by_server: dict[str, int] = {}
         """/generate calls answered, per rollout server (this driver process)."""
         self._error: BaseException | None = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
-        self._started = clock()
-        # Names the driver process in every history line: a restarted trainer appends to the same
-        # file, and its steps may follow on from the checkpoint with a clock no earlier than the last.
         self.run_id = uuid.uuid4().hex[:12]
-        self._wait_seconds = 0.0
+        """Names the driver process in every history line (runtime/driver/report.py)."""
         self.step_clock = StepClock(clock)
         """The training side's timeline, cut into each step's phases (runtime/driver/phases.py)."""
-        self._consumed = 0
         self._resumed_groups: list[SampleGroup] = []
 
     def _check_image_rows(self) -> None:
@@ -299,11 +269,7 @@ class Driver:
         segments of it."""
         joiners = list(self.rollouts.ready)
         times = await self._on_trainer(self._sync_blocking, version, joiners)
-        if joiners:
-            self.rollouts.joined(joiners)
-            for url in joiners:
-                self.pool.add(url)
-            log.info("rollout servers %s joined at weight version %d; now %d", joiners, version, len(self.pool.urls))
+        self.fleet.joined(joiners, version)
         self.version = version
         self.status.weight_version = version
         await self.buffer.synced(version)
@@ -313,29 +279,32 @@ class Driver:
     async def run(self) -> None:
         """Train until totalSteps, then the final checkpoint and the HF export."""
         total = self.spec.trainer.total_steps
-        self._started = self.clock()
         self.status.set_phase("running")
+        reporter = StepReporter(self.status, self.metrics, self.history, self.run_id)
         # A generation may wait out a weight sync (and its timeout) before it is aborted.
         async with new_session(timeout=float(self.spec.weight_sync.timeout_seconds) + 600.0) as http:
-            servers = self._servers = self.clients if self.clients is not None else HttpClients(http)
-            self._rollout = {u: servers.rollout(u) for u in self.rollouts.members}
-            self._teacher = {u: servers.teacher(u) for u in self._teacher_urls}
-            await self._wait_healthy([*self._rollout.values(), *self._teacher.values()])
-            self._started = self.clock()
-            self.step_clock.start(self._started)
+            servers = self.fleet.servers = self.clients if self.clients is not None else HttpClients(http)
+            self.fleet.rollout = {u: servers.rollout(u) for u in self.rollouts.members}
+            self.fleet.teacher = {u: servers.teacher(u) for u in self._teacher_urls}
+            await self._wait_healthy([*self.fleet.rollout.values(), *self.fleet.teacher.values()])
+            reporter.started = self.clock()
+            self.step_clock.start(reporter.started)
             for g in self._resumed_groups:
                 self._spawn(self._generate_group(g))
             self._resumed_groups = []
             producer = asyncio.create_task(self._produce())
             producer.add_done_callback(functools.partial(self._task_done, "generation"))
-            watcher = asyncio.create_task(self._follow_rollouts()) if self.rollout_source is not None else None
+            watcher = (
+                asyncio.create_task(self.fleet.follow_rollouts()) if self.fleet.rollout_source is not None else None
+            )
             try:
                 while self.step < total:
-                    line = await self._train_one()
+                    line = reporter.report(await self._train_one(), self.clock(), *self._counts())
                     if checkpoint_due(self.step, self.spec.checkpoint.every_steps, total):
                         await self._checkpoint()
                         self.step_clock.lap("checkpoint")
-                    self._end_step(line)
+                    self.step_clock.lap("driver")
+                    reporter.end_step(line, self.step_clock.close(), self.step_clock.mark)
             finally:
                 producer.cancel()
                 others = [watcher] if watcher is not None else []
@@ -363,7 +332,7 @@ class Driver:
 
         deadline = self.clock() + wait
         while True:
-            clients = [self._rollout[u] for u in self.rollouts.members]
+            clients = [self.fleet.rollout[u] for u in self.rollouts.members]
             served = list(await asyncio.gather(*(served_by(c) for c in clients)))
             if all(v is None or v >= version for v in served) or self.clock() > deadline:
                 return served
@@ -391,9 +360,9 @@ class Driver:
         self.status.last_checkpoint = str(path) if path is not None else None
         log.info("checkpoint %s", path)
 
-    async def _train_one(self) -> HistoryLine:
-        """One train step (and the sync after it); returns its history line, which _end_step
-        writes once the step's checkpoint, if any, is done."""
+    async def _train_one(self) -> TrainedStep:
+        """One train step (and the sync after it); the run reports it (runtime/driver/report.py)
+        once the step's checkpoint, if any, is done."""
         clock = self.step_clock
         clock.lap("driver")  # the previous step's history line and metrics, the loop around
         try:
@@ -401,7 +370,6 @@ class Driver:
         except BufferClosed:
             raise self._error or RuntimeError("the sample buffer closed before totalSteps") from None
         waited = clock.lap("wait")
-        self._wait_seconds += waited
         trainer_version = self.version
         step_samples = assemble(groups, self.requirements, trainer_version)
         batches = step_samples.train_batches(self.requirements)
@@ -410,9 +378,6 @@ class Driver:
         clock.lap("train_other", {"train_compute": sum(mb.compute_seconds for mb in stats)})
         self.step += 1
         self.status.step = self.step
-        self._consumed += len(step_samples.samples)
-        staleness = step_samples.staleness()
-        rewards = [sample.reward for sample in step_samples.samples if sample.reward is not None]
         synced, served, sync_seconds = False, None, 0.0
         if (
             self.step % self.staleness_policy.trigger_parameter_sync_step == 0
@@ -425,127 +390,23 @@ class Driver:
             # What the sender does not report (the driver's thread hop, the served versions and
             # the buffer's new version) is the last of the resume.
             sync_seconds = clock.lap("sync_resume", sync_parts(times))
-        now = self.clock()
-        elapsed = max(now - self._started, 1e-9)
-        last = stats[-1]
-        st = self.status
-        st.step = self.step
-        st.samples_per_second = self._consumed / elapsed
-        st.reward_mean = sum(rewards) / len(rewards) if rewards else None
-        kls = [mb.kl for mb in stats if mb.kl is not None]
-        st.kl_student_teacher = sum(kls) / len(kls) if kls else None
-        st.staleness_mean = sum(staleness) / len(staleness) if staleness else 0.0
-        st.trainer_idle_ratio = self._wait_seconds / elapsed
-        if self.metrics is not None:
-            self.metrics["step"].set(self.step)
-            self.metrics["trainer_idle_ratio"].set(st.trainer_idle_ratio)
-            if st.reward_mean is not None:
-                self.metrics["reward_mean"].set(st.reward_mean)
-            self.metrics["weight_version"].set(self.version)
-        return {
-            **st.to_json(),
-            "runId": self.run_id,
-            "trainerVersion": trainer_version,
-            "synced": synced,
-            "rolloutVersions": served,
-            "lossTotal": sum(mb.loss_total for mb in stats) / len(stats),
-            "lossDistill": sum(mb.loss_distill for mb in stats) / len(stats),
-            "lossPg": sum(mb.loss_pg for mb in stats) / len(stats),
-            "gradNorm": last.grad_norm,
-            "lr": last.lr,
-            "stalenessMax": max(staleness) if staleness else 0,
-            "groups": [g.group_id for g in groups],
-            "resumedSamples": sum(sample.resumed for sample in step_samples.samples),
-            # [first, last] weight version of the tokens of each trained sample that was resumed
-            # across a sync (partialRollout: resume), and the run's samples_total counters.
-            "resumedVersionRanges": [
-                [sample.min_version, sample.max_version] for sample in step_samples.samples if sample.resumed
-            ],
-            "samplesTotal": dict(self.buffer.counters),
-            "waitSeconds": round(waited, 4),
-            "trainSeconds": round(sum(mb.seconds for mb in stats), 4),
-            "syncSeconds": round(sync_seconds, 4),
-            "droppedStale": self.buffer.counters["dropped_stale"],
-            "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
-            "offPolicy": _mean_per_key([mb.off_policy for mb in stats]),
-            "rolloutRequests": dict(self.requests_by_server),
-        }
+        return TrainedStep(
+            step=self.step,
+            trainer_version=trainer_version,
+            version=self.version,
+            groups=groups,
+            samples=step_samples.samples,
+            staleness=step_samples.staleness(),
+            stats=stats,
+            waited=waited,
+            synced=synced,
+            served=served,
+            sync_seconds=sync_seconds,
+        )
 
-    def _end_step(self, line: HistoryLine) -> None:
-        """Close the step's time budget: its phases go into its history line (which is written
-        now, stamped with the step's end) and into kubedistill_step_seconds."""
-        self.step_clock.lap("driver")
-        phases = self.step_clock.close()
-        if self.metrics is not None:
-            for phase in STEP_PHASES:
-                self.metrics["step_seconds"].labels(phase=phase).observe(phases[phase])
-        line["time"] = round(self.step_clock.mark - self._started, 3)
-        line["phases"] = {phase: round(seconds, 4) for phase, seconds in phases.items()}
-        self.history.write(line)
-
-    # ---- rollout servers joining and leaving -------------------------------------------------
-    async def _follow_rollouts(self) -> None:
-        """Follow the desired rollout servers while the job runs (it scales): admit new ones,
-        drain the ones no longer wanted. A config that cannot be read keeps the current set."""
-        assert self.rollout_source is not None
-        failing: str | None = None
-        while True:
-            try:
-                desired = await asyncio.to_thread(self.rollout_source)
-                admit, drain = self.rollouts.update(desired)
-                failing = None
-            except Exception as e:
-                message = f"{type(e).__name__}: {e}"
-                if message != failing:
-                    log.warning("cannot read the wanted rollout servers (%s); keeping %s", message, self.pool.urls)
-                failing, admit, drain = message, [], []
-            for url in admit:
-                log.info("rollout server %s wanted: it joins once healthy, at the next weight sync", url)
-                self._spawn(self._admit(url), "admitting a rollout server")
-            for url in drain:
-                log.info("rollout server %s no longer wanted: draining it", url)
-                self._spawn(self._drain(url), "draining a rollout server")
-            # /status follows here only: a server let go stays listed until the next poll, which
-            # only delays its pod's deletion.
-            self.status.rollout_servers = self.rollouts.held()
-            await asyncio.sleep(self.rollout_poll_seconds)
-
-    async def _admit(self, url: str) -> None:
-        """Wait until a new server answers /health (its engine is loaded), then mark it ready:
-        the next weight sync takes it into the group, and the pool after that sync."""
-        assert self._servers is not None, "rollout servers are admitted while the driver runs"
-        client = self._servers.rollout(url)
-        while self.rollouts.wanted(url):
-            try:
-                await client.health()
-            except Exception:
-                await asyncio.sleep(self.rollout_poll_seconds)
-                continue
-            self._rollout[url] = client
-            if self.rollouts.healthy(url):
-                log.info("rollout server %s is healthy: it joins the weight-sync group at the next sync", url)
-            return
-
-    async def _drain(self, url: str) -> None:
-        """No new requests to `url`; the ones in flight finish there, or, with partial rollouts,
-        are aborted and resumed on the other servers (their tokens kept). Then it leaves the
-        group's next epoch and the driver lets it go."""
-        while not any(u != url for u in self.pool.serving()):
-            await asyncio.sleep(self.rollout_poll_seconds)  # never drain the last server taking requests
-        self.pool.drain(url)
-        in_flight = self.pool.outstanding(url)
-        if in_flight and self.staleness_policy.partial_rollout:
-            try:
-                await self._rollout[url].abort()
-            except Exception as e:  # it may be gone already: its requests fail over as transport errors
-                log.warning("abort on draining %s: %r", url, e)
-        while self.pool.outstanding(url):
-            await asyncio.sleep(0.05)
-        await self._on_trainer(self._leave_group, url)
-        self.pool.remove(url)
-        self.rollouts.drained(url)
-        self._rollout.pop(url, None)
-        log.info("rollout server %s drained (%d requests were in flight) and let go", url, in_flight)
+    def _counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The run's sample counters and /generate calls per rollout server, for the step's report."""
+        return dict(self.buffer.counters), dict(self.requests_by_server)
 
     # ---- generation ------------------------------------------------------------------------
     async def _produce(self) -> None:
@@ -602,11 +463,11 @@ class Driver:
             )
             url = self.pool.acquire()
             try:
-                out = await self._rollout[url].generate(req)
+                out = await self.fleet.rollout[url].generate(req)
             except TRANSPORT_ERRORS as e:
                 # A connection the server closed as the request went out, or a server gone: the
                 # sample is unchanged, so send it again (under a new request id).
-                self._transport_failure(self.pool, url, f"generate on {url}", e)
+                self.fleet.transport_failure(self.pool, url, f"generate on {url}", e)
                 continue
             finally:
                 self.pool.release(url)
@@ -639,9 +500,9 @@ class Driver:
             name, url = self.router.acquire(s.route_value)
             replicas = self.router.pools[name]
             try:
-                out = await self._teacher[url].score(req)
+                out = await self.fleet.teacher[url].score(req)
             except TRANSPORT_ERRORS as e:
-                self._transport_failure(replicas, url, f"score on {url}", e)
+                self.fleet.transport_failure(replicas, url, f"score on {url}", e)
                 continue
             except ServerError as e:
                 if req.images and e.status == 400 and "text-only" in e.message:
@@ -657,69 +518,6 @@ class Driver:
         s.set_scores(name, out)
         self._observe("score", self.clock() - t0)
 
-    def _transport_failure(self, pool: EndpointPool, url: str, what: str, e: Exception) -> None:
-        """Count a failed connection against `url`. Too many in a row take it out of rotation and
-        start probing it, unless none of its role would be left: then the run fails (a server that
-        stays down needs its pod replaced)."""
-        try:
-            taken_out = pool.failed(url)
-        except AllEndpointsDown as down:
-            raise AllEndpointsDown(f"{what}: {e!r}; {down}") from e
-        if not taken_out:
-            log.warning("%s: %r; retrying", what, e)
-            return
-        log.warning(
-            "%s: %r; %d failures in a row: %s is out of rotation until it answers /health (serving: %s)",
-            what,
-            e,
-            pool.max_failures,
-            url,
-            pool.serving(),
-        )
-        self._spawn(self._bring_back(pool, url), f"probing {url}")
-
-    async def _bring_back(self, pool: EndpointPool, url: str) -> None:
-        """Probe a server out of rotation every probe_seconds; put it back once /health answers.
-        A rollout server must also serve the current weights: a replaced pod starts with its
-        initial ones, and the next sync (which re-forms the group with it) brings it up to date.
-        Ends as well when the server is drained and let go meanwhile.
-
-        The probe's deadline is asyncio.timeout, not asyncio.wait_for: on Python 3.11, a task
-        cancelled by the end of the run just as wait_for's /health is refused gets that refusal
-        instead of its CancelledError (wait_for returns the inner result when both are ready), and
-        the `except` below would swallow it: the probe would go on forever and the run's end,
-        which waits for its background tasks, would hang."""
-        rollout = pool is self.pool
-        client: RolloutClientLike | TeacherClientLike = self._rollout[url] if rollout else self._teacher[url]
-        told_stale = False
-        while url in pool.out_of_rotation():
-            await asyncio.sleep(self.probe_seconds)
-            try:
-                async with asyncio.timeout(PROBE_TIMEOUT_SECONDS):
-                    health = await client.health()
-            except Exception:  # refused, no answer, or 503 while its engine loads (never a cancellation)
-                continue
-            if url not in pool.out_of_rotation():
-                return
-            if rollout and health.version < self.version:
-                if not told_stale:
-                    log.info(
-                        "%s answers again but serves weight version %d, not %d: back in rotation after the next sync",
-                        url,
-                        health.version,
-                        self.version,
-                    )
-                    told_stale = True
-                continue
-            pool.restore(url)
-            log.info("%s answers /health again: back in rotation", url)
-
     def _observe(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics["step_seconds"].labels(phase=phase).observe(seconds)
-
-
-def _mean_per_key(dicts: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Each key's mean over the dicts holding it (one per mini-batch of a step)."""
-    keys = {k for d in dicts for k in d}
-    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in sorted(keys)}
