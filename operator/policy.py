@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from kubedistill.api.failures import GangFailure, GangOutcome, decide_gang_failure
+from kubedistill.api.failures import GangOutcome
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.roleconfig import Role
@@ -51,11 +51,10 @@ from kubedistill.api.status import (
     RoleStatus,
 )
 from kubedistill.api.validate import problems_of
-from kubedistill.operator import render
+from kubedistill.operator import render, running
 from kubedistill.operator.observed import (
     ChildRef,
     Observed,
-    PodPhase,
     PodView,
     condition,
     parse_time,
@@ -63,6 +62,12 @@ from kubedistill.operator.observed import (
     rfc3339,
     role_counts,
     set_condition,
+)
+from kubedistill.operator.running import (
+    Event,
+    base_url,
+    is_surplus,
+    rollout_drain_seconds,
 )
 
 TERMINAL = (Phase.succeeded, Phase.failed)
@@ -88,29 +93,9 @@ GANG_APIS: dict[GangScheduler, GangApi] = {
 }
 
 
-ROLLOUT_DRAIN_SECONDS = 300.0
-"""The shortest drain deadline: see rollout_drain_seconds."""
-
-
-def rollout_drain_seconds(spec: DistillationJobSpec) -> float:
-    """How long after a scale-down a rollout pod beyond spec.rollout.replicas is kept while the
-    trainer still holds it (or does not say whether it does): ROLLOUT_DRAIN_SECONDS, or one weight
-    sync's timeout if longer. A server leaves the trainer's weight-sync group at a sync, and a
-    server deleted during one would hold that sync up until its timeout."""
-    return max(ROLLOUT_DRAIN_SECONDS, float(spec.weight_sync.timeout_seconds))
-
-
 def gang_attempt(status: DistillationJobStatus) -> int:
     """The current gang attempt: every restart, counted (restarts) or not (disruptions)."""
     return status.restarts + status.disruptions
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str
-    """Normal or Warning."""
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -133,12 +118,8 @@ class TrainerReport:
         """Raises ValueError (pydantic's ValidationError) on a malformed document."""
         reported = TrainerProgress.from_json(doc)
         servers = reported.rollout_servers
-        held = None if servers is None else tuple(sorted({_base_url(u) for u in servers}))
+        held = None if servers is None else tuple(sorted({base_url(u) for u in servers}))
         return cls(reported.step, reported.weight_version, reported.last_checkpoint or None, held, attempt)
-
-
-def _base_url(url: str) -> str:
-    return url.strip().rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -374,45 +355,27 @@ def _blocked_by_volumes(p: Plan, observed: Observed, now: datetime) -> None:
 def _run(
     p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed, now: datetime, report: TrainerReport | None
 ) -> None:
+    """Apply the phases of kubedistill.operator.running, in order, to the plan."""
     st = p.status
-    started = parse_time(st.start_time)
-    if spec.active_deadline_seconds is not None and started is not None:
-        left = (started + timedelta(seconds=spec.active_deadline_seconds) - now).total_seconds()
-        if left <= 0:
-            msg = f"the job ran longer than activeDeadlineSeconds ({spec.active_deadline_seconds} s)"
-            _finish(p, observed, Phase.failed, "DeadlineExceeded", msg, now)
-            return
+    left = running.deadline_left(spec, st.start_time, now)
+    if left is not None and left <= 0:
+        msg = f"the job ran longer than activeDeadlineSeconds ({spec.active_deadline_seconds} s)"
+        _finish(p, observed, Phase.failed, "DeadlineExceeded", msg, now)
+        return
+    if left is not None:
         p.wake_after = left
 
-    attempt = gang_attempt(st)
-    live = [q for q in observed.pods.values() if not q.deleting]
-    gang = [q for q in live if q.role is not None and render.in_gang(spec, q.role)]
-    current = [q for q in gang if q.attempt == attempt]
-    stale = [q for q in gang if q.attempt != attempt]
-
-    rank0 = next((q for q in current if q.replica == 0), None)
-    if rank0 is not None and rank0.phase is PodPhase.succeeded:
-        # The trainer exits 0 only after its last step, usually between two /status polls: the
-        # last steps it reported may lag (36 of 40 was seen).
+    gang = running.gang_of(spec, observed, gang_attempt(st))
+    done = running.succeeded_rank0(gang)
+    if done is not None:
+        # The trainer exits 0 right after its last step, usually before the next /status poll:
+        # the step it last reported may lag behind.
         st.step = max(st.step or 0, spec.trainer.total_steps)
-        _finish(p, observed, Phase.succeeded, "TrainerSucceeded", f"trainer pod {rank0.name} completed", now)
+        _finish(p, observed, Phase.succeeded, "TrainerSucceeded", f"trainer pod {done.name} completed", now)
         return
 
-    failed = sorted(
-        (q for q in current if q.role is Role.trainer and q.phase is PodPhase.failed), key=lambda q: q.replica
-    )
-    lost = _lost_trainers(job, spec, observed, st.phase)
-    # The job's own failure (non-zero exit, OOM, a pod deleted by hand) counts against
-    # backoffLimit; the cluster taking a pod away (preemption, eviction, drain) does not.
-    causes = [GangFailure("trainer pod", q.name, _failed_why(q), q.disruption) for q in failed]
-    causes += [GangFailure("trainer pod", n, "is gone", _disruption_of(n, observed, attempt)) for n in lost]
-    decision = decide_gang_failure(
-        causes,
-        restarts=st.restarts,
-        disruptions=st.disruptions,
-        backoff_limit=spec.backoff_limit,
-        last_checkpoint=st.last_checkpoint,
-    )
+    check = running.check_gang(job.name, spec, observed, gang, st)
+    decision = check.decision
     if decision is not None:
         if decision.outcome is GangOutcome.failed:
             _finish(p, observed, Phase.failed, decision.reason, decision.message, now)
@@ -421,88 +384,28 @@ def _run(
         if decision.outcome is GangOutcome.disrupted:
             set_condition(st, ConditionType.disrupted, True, decision.cause.disruption, decision.message, now)
         p.events.append(Event("Warning", decision.reason, decision.message))
-        attempt = gang_attempt(st)
-        stale = gang
-    _delete_pods(p, stale)
+        gang = gang.restarted(gang_attempt(st))
+    _delete_pods(p, gang.stale)
 
-    for q in live:
-        if q.role is not Role.trainer and q.phase is PodPhase.failed and ChildRef("Pod", q.name) not in p.delete:
-            p.delete.append(ChildRef("Pod", q.name))
-            why = f" ({q.reason})" if q.reason else ""
-            if is_surplus(spec, q):
-                msg = (
-                    f"rollout pod {q.name} failed{why} while draining; deleted, not replaced "
-                    f"(spec.rollout.replicas is {spec.rollout.replicas})"
-                )
-                p.events.append(Event("Normal", "RolloutScaled", msg))
-            else:
-                p.events.append(Event("Warning", "ServerReplaced", f"{q.group} pod {q.name} failed{why}; replacing it"))
-    _drain_surplus(p, job, spec, live, attempt, report, now)
+    for ref, event in running.replacements(spec, gang.live, p.delete):
+        p.delete.append(ref)
+        p.events.append(event)
 
-    # Pods to (re)create: missing ones; a restarted gang starts only once the old one is gone.
-    gang_gone = not stale and not any(
-        q.role is not None and render.in_gang(spec, q.role) and q.deleting for q in observed.pods.values()
-    )
-    pod_group_ready = _pod_group_ready(job, spec, observed)
-    for slot in render.slots(spec):
-        name = slot.pod_name(job.name)
-        if name in observed.pods:
-            continue
-        if render.in_gang(spec, slot.role) and not gang_gone:
-            continue
-        if not pod_group_ready:
-            continue
-        p.create.append(render.render_pod(job.name, job.namespace, spec, slot, attempt=attempt))
+    held = report.rollout_servers if report is not None and report.attempt == gang.attempt else None
+    drain = running.drain(job.name, job.namespace, spec, gang, held, st.rollout_drain_start_time, p.delete, now)
+    p.delete += drain.delete
+    p.events += drain.events
+    st.rollout_drain_start_time = drain.start_time
+    if drain.wake_after is not None:
+        p.wake_after = drain.wake_after if p.wake_after is None else min(p.wake_after, drain.wake_after)
+
+    gone = running.gang_gone(spec, observed, gang)
+    p.create += running.creates(job.name, job.namespace, spec, observed, gang.attempt, gone)
     if p.create and st.start_time is None:
         st.start_time = rfc3339(now)
 
-    desired = render.slots(spec)
-    pods = [observed.pods.get(s.pod_name(job.name)) for s in desired]
-    present = [q for q in pods if q is not None and not q.deleting]
-    current_trainers_running = all(
-        q is not None and not q.deleting and q.attempt == attempt and q.phase is PodPhase.running
-        for s, q in zip(desired, pods)
-        if s.role is Role.trainer
-    )
-    restarting = (
-        bool(stale)
-        or not gang_gone
-        or (st.phase in (Phase.restarting,) and not current_trainers_running)
-        or bool(failed)
-        or bool(lost)
-    )
-    # A running job stays Running while a server is added (a scale-up) or replaced, as long as
-    # every role still has a ready pod: the trainer goes on with the others meanwhile. So it does
-    # while its trainer ranks exit: each pod's kubelet reports on its own, a rank > 0 may show
-    # Succeeded before rank 0 does, and that is the job finishing, not a job back to Pending.
-    trainers_on = all(
-        q is not None and not q.deleting and q.attempt == attempt and q.phase in (PodPhase.running, PodPhase.succeeded)
-        for s, q in zip(desired, pods)
-        if s.role is Role.trainer
-    )
-    serving = st.phase is Phase.running and trainers_on and _every_group_ready(desired, pods)
-    if restarting:
-        st.phase = Phase.restarting
-    elif serving or (len(present) == len(desired) and all(q.ready for q in present)):
-        st.phase = Phase.running
-    elif len(present) == len(desired) and all(q.phase is PodPhase.running for q in present):
-        st.phase = Phase.initializing
-    else:
-        st.phase = Phase.pending
-
-
-def _every_group_ready(desired: list[render.PodSlot], pods: list[PodView | None]) -> bool:
-    """Every role group (trainer, rollout, each teacher) has at least one ready pod."""
-    ready: dict[str, bool] = {}
-    for s, q in zip(desired, pods):
-        ready[s.group] = ready.get(s.group, False) or (q is not None and not q.deleting and q.ready)
-    return all(ready.values())
-
-
-def is_surplus(spec: DistillationJobSpec, q: PodView) -> bool:
-    """A rollout pod beyond spec.rollout.replicas (left by a scale-down): drained, then deleted,
-    never recreated."""
-    return q.role is Role.rollout and q.replica >= spec.rollout.replicas
+    restarting = bool(gang.stale) or not gone or bool(check.failed) or bool(check.lost)
+    st.phase = running.next_phase(job.name, spec, observed, gang.attempt, st.phase, restarting)
 
 
 def _rollout_scaled(
@@ -528,95 +431,6 @@ def _rollout_scaled(
         msg += f": draining rollout pod(s) {names}, deleted once the trainer lets go of them (at most {drain:.0f} s)"
         p.status.rollout_drain_start_time = None  # the deadline counts from this scale-down
     p.events.append(Event("Normal", "RolloutScaled", msg))
-
-
-def _drain_surplus(
-    p: Plan,
-    job: JobView,
-    spec: DistillationJobSpec,
-    live: list[PodView],
-    attempt: int,
-    report: TrainerReport | None,
-    now: datetime,
-) -> None:
-    """Delete each rollout pod beyond spec.rollout.replicas once the trainer no longer holds it:
-    its URL is missing from the rolloutServers that trainer pod 0 of this gang attempt reports,
-    or that trainer is not running, or the drain deadline has passed. Until then it stays, and
-    counts in no role's status (role_counts)."""
-    st = p.status
-    surplus = sorted(
-        (q for q in live if is_surplus(spec, q) and ChildRef("Pod", q.name) not in p.delete), key=lambda q: q.replica
-    )
-    if not surplus:
-        st.rollout_drain_start_time = None
-        return
-    started = parse_time(st.rollout_drain_start_time)
-    if started is None:
-        started = now
-        st.rollout_drain_start_time = rfc3339(now)
-    deadline = rollout_drain_seconds(spec)
-    left = (started + timedelta(seconds=deadline) - now).total_seconds()
-    trainer = next(
-        (q for q in live if q.role is Role.trainer and q.replica == 0 and q.attempt == attempt),
-        None,
-    )
-    running = trainer is not None and trainer.phase is PodPhase.running
-    held = report.rollout_servers if report is not None and report.attempt == attempt else None
-    waiting = False
-    for q in surplus:
-        url = _base_url(render.server_url(job.name, job.namespace, render.PodSlot(Role.rollout, q.replica)))
-        if not running:
-            why = "the trainer is not running"
-        elif held is not None and url not in held:
-            why = "the trainer has drained it"
-        elif left <= 0:
-            why = f"the drain deadline ({deadline:.0f} s) passed before the trainer let go of it"
-        else:
-            waiting = True
-            continue
-        p.delete.append(ChildRef("Pod", q.name))
-        msg = f"deleted rollout pod {q.name} (beyond spec.rollout.replicas {spec.rollout.replicas}): {why}"
-        p.events.append(Event("Normal", "RolloutScaled", msg))
-    if waiting:
-        p.wake_after = left if p.wake_after is None else min(p.wake_after, left)
-
-
-def _failed_why(q: PodView) -> str:
-    return "failed" + (f" ({q.reason})" if q.reason else "")
-
-
-def _disruption_of(name: str, observed: Observed, attempt: int) -> str:
-    """Why the cluster took a vanished trainer pod of this attempt away, if it did."""
-    pod = observed.pods.get(name)
-    if pod is not None and pod.disruption:
-        return pod.disruption
-    seen = observed.disrupted.get(name)
-    return seen.disruption if seen is not None and seen.attempt == attempt else ""
-
-
-def _pod_group_ready(job: JobView, spec: DistillationJobSpec, observed: Observed) -> bool:
-    """Pods wait for their PodGroup: Volcano and coscheduling place a pod by its group."""
-    if spec.scheduling.gang_scheduler not in render.POD_GROUP_API:
-        return True
-    return ChildRef("PodGroup", render.pod_group_name(job.name)) in observed.others
-
-
-def _lost_trainers(job: JobView, spec: DistillationJobSpec, observed: Observed, phase: Phase) -> list[str]:
-    """Trainer pods of a started gang that vanished (deleted, evicted, node lost).
-
-    Once the job is Initializing or Running every trainer process has started and joined the
-    gang: losing one loses that rank, so the others cannot go on and the gang restarts, as for a
-    failed pod. Before that (Pending, Restarting) a missing pod is one not created yet."""
-    if phase not in (Phase.initializing, Phase.running):
-        return []
-    out = []
-    for slot in render.slots(spec):
-        if slot.role is Role.trainer:
-            name = slot.pod_name(job.name)
-            pod = observed.pods.get(name)
-            if pod is None or pod.deleting:
-                out.append(name)
-    return out
 
 
 def _sync_static(p: Plan, job: JobView, spec: DistillationJobSpec, observed: Observed) -> None:

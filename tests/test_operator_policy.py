@@ -13,7 +13,6 @@ from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.api.status import ConditionStatus, ConditionType, Phase
 from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, condition
 from kubedistill.operator.policy import (
-    ROLLOUT_DRAIN_SECONDS,
     JobView,
     Plan,
     Refusal,
@@ -22,7 +21,6 @@ from kubedistill.operator.policy import (
     is_refusal,
     plan,
     refusal_reason,
-    rollout_drain_seconds,
 )
 from kubedistill.operator.render import (
     PodSlot,
@@ -32,6 +30,7 @@ from kubedistill.operator.render import (
     server_url,
     slots,
 )
+from kubedistill.operator.running import ROLLOUT_DRAIN_SECONDS, rollout_drain_seconds
 from operator_fixtures import BASE_SPEC
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
