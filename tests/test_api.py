@@ -325,3 +325,16 @@ def test_api_reference_is_current() -> None:
     from kubedistill.api.reference import api_reference
 
     assert (ROOT / "docs/api.md").read_text() == api_reference(), "run `kubedistill api-docs > docs/api.md`"
+
+
+def test_async_settings_give_the_defaults_of_an_unset_async() -> None:
+    from kubedistill.api.spec import AsyncSpec
+
+    doc = _load(ROOT / "examples/quickstart-cpu.yaml")
+    doc["spec"].pop("async", None)
+    doc["spec"]["mode"] = "sync"
+    assert DistillationJob.model_validate(doc).spec.async_settings == AsyncSpec()
+    doc["spec"]["mode"] = "fullyAsync"
+    doc["spec"]["async"] = {"requireBatches": 3, "stalenessThreshold": 0.5}
+    settings = DistillationJob.model_validate(doc).spec.async_settings
+    assert (settings.require_batches, settings.staleness_threshold, settings.oversample) == (3, 0.5, 1.0)

@@ -223,18 +223,18 @@ def test_importance_weights_token_and_sequence_truncate_and_mask() -> None:
 
 
 def test_batch_baseline_centres_the_policy_gradient_advantage() -> None:
-    from kubedistill.api.spec import LossMode
+    from kubedistill.api.spec import DistillationSpec, LossMode
 
     mu = torch.tensor([-1.0, -2.0, -0.5])
     t = torch.tensor([-1.5, -30.0, -0.5])
     # k1 at mu: 0.5, 28 (clamped to 10), 0 -> mean 3.5.
-    b = L.batch_baseline(LossMode.k1, mu, t, loss_max_clamp=10.0)
+    b = L.batch_baseline(DistillationSpec(loss_mode=LossMode.k1, loss_max_clamp=10.0), mu, t)
     assert b == pytest.approx(3.5)
     s = mu.clone()
     adv = L.distillation_advantages(L.k1(s, t), 10.0, b)
     assert adv.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert torch.allclose(adv, -(torch.tensor([0.5, 10.0, 0.0]) - 3.5))
-    k3b = L.batch_baseline(LossMode.k3, mu, t, loss_max_clamp=10.0)
+    k3b = L.batch_baseline(DistillationSpec(loss_mode=LossMode.k3, loss_max_clamp=10.0), mu, t)
     assert k3b == pytest.approx(float(L.k3(mu, t).mean()))
     with_baseline = L.per_token_losses(
         _algo(lossMode="k1", usePolicyGradient=True),

@@ -104,6 +104,16 @@ class LossContract:
         top_k); the other modes read only the sampled token's log-prob or the rollout's ids."""
         return Signal.teacher_topk_ids in self.signals
 
+    def rollout_k(self, top_k: int) -> int:
+        """The top-k ids the rollout returns per position, for algorithm.distillation.topK = top_k
+        (0: none)."""
+        return top_k if self.rollout_top_k else 0
+
+    def teacher_k(self, top_k: int) -> int:
+        """The top-k rows the teacher returns per position, for algorithm.distillation.topK = top_k
+        (0: the scored token's log-prob only)."""
+        return top_k if self.teacher_top_k else 0
+
 
 TEACHER_TOP_K = TopKSignals(Signal.teacher_topk_ids, Signal.teacher_topk_logprobs, "teacher top-k")
 ROLLOUT_TOP_K = TopKSignals(Signal.rollout_topk_ids, Signal.teacher_logprobs_at_rollout_topk, "rollout top-k")

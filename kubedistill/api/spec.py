@@ -553,6 +553,11 @@ class DistillationJobSpec(ApiModel):
         return self
 
     # Derived values the operator and runtime share.
+    @property
+    def async_settings(self) -> AsyncSpec:
+        """spec.async with its defaults when unset: the one place those defaults are read."""
+        return self.async_ if self.async_ is not None else AsyncSpec()
+
     def gpus_of(self, gpus: int | None) -> int:
         """A role's GPU count with the device default applied."""
         if gpus is not None:

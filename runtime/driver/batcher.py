@@ -48,11 +48,10 @@ class BatchRequirements:
     @classmethod
     def from_spec(cls, spec: DistillationJobSpec) -> BatchRequirements:
         d = spec.algorithm.distillation
-        a = spec.async_
         return cls(
             group_size=spec.rollout.sampling.samples_per_prompt,
             mini_batch_size=spec.trainer.mini_batch_size,
-            require_batches=a.require_batches if a is not None else 1,
+            require_batches=spec.async_settings.require_batches,
             contract=active_contract(d),
             top_k=d.top_k,
             rewards=d.use_task_rewards,
@@ -67,12 +66,12 @@ class BatchRequirements:
     @property
     def rollout_top_k(self) -> int:
         """The top-k ids a /generate request asks the rollout for (0: none)."""
-        return self.top_k if self.contract is not None and self.contract.rollout_top_k else 0
+        return self.contract.rollout_k(self.top_k) if self.contract is not None else 0
 
     @property
     def teacher_top_k(self) -> int:
         """The top-k rows a /score request asks the teacher for (0: the sampled tokens' only)."""
-        return self.top_k if self.contract is not None and self.contract.teacher_top_k else 0
+        return self.contract.teacher_k(self.top_k) if self.contract is not None else 0
 
     def gather_ids(self, s: Sample) -> list[list[int]] | None:
         """The ids a /score request asks the teacher to score at each position (None: none)."""

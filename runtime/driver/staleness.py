@@ -167,16 +167,16 @@ class StalenessPolicy:
 
     @classmethod
     def from_spec(cls, spec: DistillationJobSpec) -> StalenessPolicy:
-        a = spec.async_
+        a = spec.async_settings
         return cls.build(
             mode=spec.mode,
             group_size=spec.rollout.sampling.samples_per_prompt,
             mini_batch_size=spec.trainer.mini_batch_size,
-            require_batches=a.require_batches if a is not None else 1,
-            staleness_threshold=a.staleness_threshold if a is not None else 0.0,
-            trigger_parameter_sync_step=a.trigger_parameter_sync_step if a is not None else 1,
-            oversample=a.oversample if a is not None else 1.0,
-            partial_rollout=a.partial_rollout if a is not None else False,
+            require_batches=a.require_batches,
+            staleness_threshold=a.staleness_threshold,
+            trigger_parameter_sync_step=a.trigger_parameter_sync_step,
+            oversample=a.oversample,
+            partial_rollout=a.partial_rollout,
         )
 
     def may_submit(self, stale_count: int, in_flight: int, group_size: int | None = None) -> bool:

@@ -61,7 +61,7 @@ def rollout_max_logprobs(spec: DistillationJobSpec) -> int:
     contract asks the rollout for it (the ids the teacher scores), else only the sampled token's."""
     d = spec.algorithm.distillation
     contract = active_contract(d)
-    return d.top_k if contract is not None and contract.rollout_top_k else 0
+    return contract.rollout_k(d.top_k) if contract is not None else 0
 
 
 def teacher_max_logprobs(spec: DistillationJobSpec) -> int:
@@ -73,4 +73,4 @@ def teacher_max_logprobs(spec: DistillationJobSpec) -> int:
     contract = active_contract(d)
     if contract is not None and contract.teacher_gather:
         return -1
-    return d.top_k if contract is not None and contract.teacher_top_k else 0
+    return contract.teacher_k(d.top_k) if contract is not None else 0

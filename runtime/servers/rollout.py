@@ -44,8 +44,8 @@ def pause_mode(spec: DistillationJobSpec) -> PauseMode:
     """What a weight load does to requests in flight: finish them under the old weights (no
     partial rollouts), abort them so the driver resumes them (resume), or freeze them with their
     KV cache and continue (inflight)."""
-    a = spec.async_
-    if a is None or not a.partial_rollout:
+    a = spec.async_settings
+    if not a.partial_rollout:
         return "wait"
     return "abort" if a.partial_rollout_strategy is PartialRolloutStrategy.resume else "keep"
 

@@ -15,13 +15,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
 
 import torch
 
+from kubedistill.api.enums import LossAggregation
 from kubedistill.api.spec import AlgorithmSpec, DistillationSpec, ImportanceLevel, ImportanceMode, LossMode
-
-Aggregation = Literal["tokenMean", "seqMeanTokenMean"]
 
 # verl's low_var_kl clamps: the log-ratio before exp, and the result.
 K3_LOG_RATIO_CLAMP = 20.0
@@ -189,9 +187,7 @@ def distillation_advantages(distill_loss: torch.Tensor, loss_max_clamp: float, b
     return -(distill_loss.detach().clamp(-loss_max_clamp, loss_max_clamp) - baseline)
 
 
-def batch_baseline(
-    loss_mode: LossMode, behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, loss_max_clamp: float
-) -> float:
+def batch_baseline(d: DistillationSpec, behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> float:
     """The batch's mean per-token distillation term at the rollout's log-probs, b = mean_t clamp(D(mu_t, T_t)).
 
     Known before the step (no forward pass), identical on every rank and micro-batch, and close
@@ -199,9 +195,8 @@ def batch_baseline(
     policy-gradient step from pushing every sampled token down (k1 and k3 terms are mostly
     positive), which hands their probability to tokens nobody sampled.
     """
-    settings = DistillationSpec(loss_mode=loss_mode, loss_max_clamp=loss_max_clamp)
-    d, _ = PER_TOKEN_TERMS[loss_mode](TermInputs(behaviour_logprobs, teacher_logprobs=teacher_logprobs), settings)
-    return float(d.clamp(-loss_max_clamp, loss_max_clamp).mean()) if d.numel() else 0.0
+    term, _ = PER_TOKEN_TERMS[d.loss_mode](TermInputs(behaviour_logprobs, teacher_logprobs=teacher_logprobs), d)
+    return float(term.clamp(-d.loss_max_clamp, d.loss_max_clamp).mean()) if term.numel() else 0.0
 
 
 def grpo_advantages(
@@ -282,7 +277,7 @@ def ppo_loss(
     return importance_weight.detach() * surrogate
 
 
-def token_weights(lengths: Sequence[int], mode: Aggregation) -> torch.Tensor:
+def token_weights(lengths: Sequence[int], mode: LossAggregation) -> torch.Tensor:
     """Per-token weights (flat, sample after sample) whose weighted sum is the aggregated loss.
 
     tokenMean: 1 / (total tokens). seqMeanTokenMean: 1 / (samples x the sample's length).
@@ -292,9 +287,9 @@ def token_weights(lengths: Sequence[int], mode: Aggregation) -> torch.Tensor:
     total = sum(lengths)
     if total == 0:
         raise ValueError("batch has no response tokens")
-    if mode == "tokenMean":
+    if mode == LossAggregation.token_mean:
         return torch.full((total,), 1.0 / total, dtype=torch.float32)
-    if mode == "seqMeanTokenMean":
+    if mode == LossAggregation.seq_mean_token_mean:
         parts = [torch.full((n,), 1.0 / (len(lengths) * n), dtype=torch.float32) for n in lengths if n > 0]
         return torch.cat(parts)
     raise ValueError(f"loss aggregation must be tokenMean or seqMeanTokenMean, got {mode!r}")

@@ -315,7 +315,7 @@ class Trainer:
         algo = spec.algorithm
         n = len(batch)
         resp_lens = batch.response_lens
-        weights = L.token_weights(resp_lens, algo.loss_aggregation.value) * self.world
+        weights = L.token_weights(resp_lens, algo.loss_aggregation) * self.world
         advantages = _task_advantages(batch) if algo.distillation.use_task_rewards else None
         baseline = _distillation_baseline(batch, algo, self.contract)
 
@@ -487,7 +487,7 @@ def _distillation_baseline(batch: TensorBatch, algo: AlgorithmSpec, contract: Lo
     if d.advantage_baseline is not AdvantageBaseline.batch_mean or teacher_logprobs is None:
         return 0.0
     mu, teacher = batch.rollout_logprobs.double(), teacher_logprobs.double()
-    return L.batch_baseline(d.loss_mode, mu, teacher, d.loss_max_clamp)
+    return L.batch_baseline(d, mu, teacher)
 
 
 def _exhaust(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
