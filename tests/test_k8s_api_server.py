@@ -319,7 +319,6 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "name-too-long.yaml": CEL,
     "not-a-mapping.yaml": ValidateOnly("a YAML list, not an object", "invalid object to validate"),
     "oversample-in-sync.yaml": CEL,
-    "oversample-in-sync.yaml": CEL,
     "out-of-range.yaml": Server(
         "schema", ("spec.rollout.sampling.temperature in body should be greater than or equal to 0",)
     ),
@@ -331,9 +330,7 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "scheduling-min-member-over-pods.yaml": CEL,
     "scheduling-settings-of-another-scheduler.yaml": CEL,
     "staleness-threshold-in-one-step-off.yaml": CEL,
-    "staleness-threshold-in-one-step-off.yaml": CEL,
     "tensor-parallel-over-gpus.yaml": CEL,
-    "trigger-parameter-sync-step-in-sync.yaml": CEL,
     "trigger-parameter-sync-step-in-sync.yaml": CEL,
     "unknown-default-teacher.yaml": CEL,
     "unknown-field.yaml": Server("decoding", ('strict decoding error: unknown field "spec.trainer.minibatchSize"',)),

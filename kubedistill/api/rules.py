@@ -156,7 +156,6 @@ SPEC_RULES: list[Rule] = [
     Rule(
         "spec",
         "self.mode != 'fullyAsync' || has(self.async)",
-FIXED_BY_MODE = "sync and oneStepOff fix it"
         "is required when spec.mode is fullyAsync",
         ".async",
         lambda s: s.mode is not Mode.fully_async or s.async_ is not None,
@@ -167,33 +166,6 @@ FIXED_BY_MODE = "sync and oneStepOff fix it"
         "partial rollouts need spec.mode fullyAsync",
         ".async.partialRollout",
         lambda s: s.async_ is None or not s.async_.partial_rollout or s.mode is Mode.fully_async,
-    ),
-    # The mode fixes what these fields would set (runtime/driver/staleness.py): sync trains on
-    # fresh samples and oneStepOff on samples one version old, both with a sync after every step,
-    # and sync generates exactly a step's batch. A value the mode would override is refused.
-    Rule(
-        "spec",
-        "!has(self.async) || self.mode == 'fullyAsync' || !has(self.async.stalenessThreshold)"
-        " || double(self.async.stalenessThreshold) == 0.0",
-        f"applies only to spec.mode fullyAsync ({FIXED_BY_MODE}: staleness 0 and 1)",
-        ".async.stalenessThreshold",
-        lambda s: s.async_ is None or s.mode is Mode.fully_async or s.async_.staleness_threshold == 0.0,
-    ),
-    Rule(
-        "spec",
-        "!has(self.async) || self.mode == 'fullyAsync' || !has(self.async.triggerParameterSyncStep)"
-        " || self.async.triggerParameterSyncStep == 1",
-        f"applies only to spec.mode fullyAsync ({FIXED_BY_MODE}: a weight sync after every step)",
-        ".async.triggerParameterSyncStep",
-        lambda s: s.async_ is None or s.mode is Mode.fully_async or s.async_.trigger_parameter_sync_step == 1,
-    ),
-    Rule(
-        "spec",
-        "!has(self.async) || self.mode != 'sync' || !has(self.async.oversample)"
-        " || double(self.async.oversample) == 1.0",
-        "applies only to spec.mode oneStepOff or fullyAsync (sync generates exactly one step's batch)",
-        ".async.oversample",
-        lambda s: s.async_ is None or s.mode is not Mode.sync or s.async_.oversample == 1.0,
     ),
     Rule(
         "spec",
