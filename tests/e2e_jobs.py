@@ -1,5 +1,6 @@
 """Small DistillationJobs for the end-to-end tests: tiny models, arithmetic prompts in verl's
-format, every role on CPU, run through `kubedistill run` (real processes placed by Ray)."""
+format, every role on CPU, run through `kubedistill run` (real role processes; plain child processes
+unless a test asks for Ray)."""
 
 from __future__ import annotations
 
@@ -115,7 +116,9 @@ def run_env() -> dict[str, str]:
     )
 
 
-def kubedistill_run(job: Path, workdir: Path, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
+def kubedistill_run(
+    job: Path, workdir: Path, timeout: float = 240, launcher: str = "processes"
+) -> tuple[int, dict[str, Any], str]:
     """`kubedistill run JOB --report`: (exit code, report, output)."""
     report = workdir / "report.json"
     p = subprocess.run(
@@ -130,6 +133,8 @@ def kubedistill_run(job: Path, workdir: Path, timeout: float = 240) -> tuple[int
             "--report",
             str(report),
             "--no-progress",
+            "--launcher",
+            launcher,
         ],
         cwd=workdir.parent,
         env=run_env(),

@@ -11,20 +11,16 @@ import yaml
 from k8s_offline import read_manifest
 from kubedistill.api import DistillationJob
 from kubedistill.api.failures import GangDecision, GangOutcome, decide_gang_failure
+from kubedistill.runtime.entrypoints.launch_ray import actor_lost
 from kubedistill.runtime.entrypoints.local import (
     RAY_WORKER_PORTS,
-    ActorLost,
-    Exit,
     absolute_paths,
-    actor_lost,
     ephemeral_ports,
-    exit_text,
     free_port,
-    gang_failures,
-    gang_record,
     local_processes,
     run,
 )
+from kubedistill.runtime.entrypoints.supervisor import ActorLost, Exit, exit_text, gang_failures, gang_record
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ from kubedistill.api.roleconfig import JobConfig
 from kubedistill.api.spec import DistillationJobSpec
 
 if TYPE_CHECKING:
-    from kubedistill.runtime.entrypoints.local import ProcessPlan
+    from kubedistill.runtime.entrypoints.launch import ProcessPlan
 
 
 @dataclass

@@ -1,0 +1,183 @@
+"""How `kubedistill run` starts, polls and stops role processes: the launcher behind its
+supervisor (supervisor.py decides, a launcher carries it out).
+
+Two backends with one interface. `ProcessLauncher` (here, the default on one machine) runs each
+role as a plain child process: nothing to start first, so the roles begin importing at once.
+`RayLauncher` (launch_ray.py) places them through Ray, on an existing cluster (`--address`) or a
+local Ray when asked (`--launcher ray`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from io import FileIO
+from pathlib import Path
+from typing import Protocol
+
+from kubedistill.api.roleconfig import Identity
+from kubedistill.runtime.entrypoints.supervisor import Exit
+
+STOP_GRACE_SECONDS = 10.0
+"""How long a stopped process has between SIGTERM and SIGKILL."""
+
+
+@dataclass
+class ProcessPlan:
+    """One role process to start."""
+
+    name: str
+    identity: Identity
+    port: int
+    env: dict[str, str]
+    cpus: float
+    gpus: float
+    """GPUs it takes: a fraction when roles share a GPU (see gpu_share.py)."""
+    argv: list[str] = field(default_factory=list)
+
+
+class PlacementError(RuntimeError):
+    """A process could not be placed: no GPUs free for it (or, under Ray, no node with room)."""
+
+
+class Launcher(Protocol):
+    def gpus(self) -> int:
+        """GPUs the processes may use."""
+        ...
+
+    def start(self, plans: Sequence[ProcessPlan], timeout: float | None = None) -> None:
+        """Start these processes, their output appended to `<log_dir>/<name>.log`. Raises
+        PlacementError when one cannot be placed within `timeout` (None: wait)."""
+        ...
+
+    def poll(self) -> dict[str, Exit]:
+        """Every started (and not stopped) process: None while it runs, else how it ended."""
+        ...
+
+    def stop(self, names: Iterable[str]) -> None:
+        """Stop these processes (SIGTERM to their process group, then SIGKILL) and forget them."""
+        ...
+
+    def close(self) -> None:
+        """Stop every process."""
+        ...
+
+
+def visible_gpus(environ: Mapping[str, str], dev: Path = Path("/dev")) -> list[str]:
+    """The GPU ids child processes may use, without importing torch: CUDA_VISIBLE_DEVICES when
+    set, else one per /dev/nvidiaN (a container sees only its own, renumbered from 0 by CUDA)."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        count = sum(1 for p in dev.iterdir() if re.fullmatch(r"nvidia\d+", p.name))
+    except OSError:
+        count = 0
+    return [str(i) for i in range(count)]
+
+
+def place_gpus(want: float, used: Mapping[str, float], ids: Sequence[str]) -> list[str] | None:
+    """The GPU ids for a process taking `want` GPUs, given what each GPU has handed out (`used`),
+    as Ray places them: whole GPUs for `want` >= 1, else the first GPU with that fraction left, so
+    roles sharing a GPU pack onto the same one. None: they do not fit now."""
+    if want <= 0:
+        return []
+    if want >= 1:
+        free = [i for i in ids if used.get(i, 0.0) <= 1e-9]
+        return free[: int(want)] if len(free) >= want else None
+    return next(([i] for i in ids if used.get(i, 0.0) + want <= 1.0 + 1e-9), None)
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(argv: list[str], env: Mapping[str, str], log: FileIO) -> subprocess.Popen[bytes]:
+    """A role process in its own process group (stopped as a whole), ended by the kernel if the
+    process that started it dies (PDEATHSIG)."""
+    return subprocess.Popen(
+        argv,
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_die_with_parent,
+        start_new_session=True,
+    )
+
+
+def terminate(procs: Iterable[subprocess.Popen[bytes]], grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM each process group, wait up to `grace` for all of them together, then SIGKILL."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class _Running:
+    proc: subprocess.Popen[bytes]
+    log: FileIO
+    gpus: dict[str, float]
+
+
+class ProcessLauncher:
+    """Role processes as children of `kubedistill run` on this machine, each given its GPUs by
+    CUDA_VISIBLE_DEVICES as Ray would."""
+
+    def __init__(self, log_dir: Path, gpu_ids: Sequence[str]) -> None:
+        self.log_dir = log_dir
+        self.gpu_ids = list(gpu_ids)
+        self.running: dict[str, _Running] = {}
+
+    def gpus(self) -> int:
+        return len(self.gpu_ids)
+
+    def _used(self) -> dict[str, float]:
+        used: dict[str, float] = {}
+        for r in self.running.values():
+            for i, share in r.gpus.items():
+                used[i] = used.get(i, 0.0) + share
+        return used
+
+    def start(self, plans: Sequence[ProcessPlan], timeout: float | None = None) -> None:
+        for p in plans:
+            ids = place_gpus(p.gpus, self._used(), self.gpu_ids)
+            if ids is None:
+                raise PlacementError(f"no GPU free for {p.name} (it takes {p.gpus}; {len(self.gpu_ids)} here)")
+            env = dict(p.env)
+            if ids:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+            log = open(self.log_dir / f"{p.name}.log", "ab", buffering=0)
+            share = p.gpus if p.gpus < 1 else 1.0
+            self.running[p.name] = _Running(spawn(p.argv, env, log), log, {i: share for i in ids})
+
+    def poll(self) -> dict[str, Exit]:
+        return {name: r.proc.poll() for name, r in self.running.items()}
+
+    def stop(self, names: Iterable[str]) -> None:
+        stopped = [self.running.pop(n) for n in names if n in self.running]
+        terminate(r.proc for r in stopped)
+        for r in stopped:
+            r.log.close()
+
+    def close(self) -> None:
+        self.stop(list(self.running))
