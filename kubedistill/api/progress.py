@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 from pydantic import ConfigDict
 
 from kubedistill.api.base import ApiModel
+from kubedistill.api.status import HeldOutEvaluation
 
 HISTORY_ENV = "KUBEDISTILL_HISTORY"
 """Set on trainer rank 0: the file it appends one JSON line to per train step."""
@@ -53,6 +54,8 @@ class TrainerProgress(ApiModel):
     """Base URLs of the rollout servers the driver holds: in its rotation, joining its weight-sync
     group, or still draining. A rollout pod whose URL is listed must not be taken away yet (a
     scale-down waits for it to leave the list). None: not reported (an older trainer)."""
+    evaluation: HeldOutEvaluation | None = None
+    """The last held-out evaluation (spec.evaluation); None before the first one."""
     message: str | None = None
     """Why the run failed (phase failed)."""
 

@@ -96,6 +96,13 @@ def _pod_count_cel() -> str:
     return f"self.trainer.replicas + self.rollout.replicas + {teachers}"
 
 
+def _evaluation_on_syncs(spec: DistillationJobSpec) -> bool:
+    e, a = spec.evaluation, spec.async_
+    if e is None or e.every_steps is None or a is None:
+        return True
+    return e.every_steps % a.trigger_parameter_sync_step == 0
+
+
 def _gang(spec: DistillationJobSpec, *kinds: GangScheduler) -> bool:
     return spec.scheduling.gang_scheduler in kinds
 
@@ -379,6 +386,22 @@ SPEC_RULES: list[Rule] = [
         " shapes: trainer, rollout and one per teacher)",
         ".teachers",
         lambda s: not _gang(s, GangScheduler.kueue) or len(s.teachers) <= KUEUE_MAX_TEACHERS,
+    ),
+    Rule(
+        "spec",
+        "!has(self.evaluation) || (has(self.data.val) && size(self.data.val) > 0)",
+        "needs held-out files in spec.data.val",
+        ".evaluation",
+        lambda s: s.evaluation is None or bool(s.data.val),
+    ),
+    Rule(
+        "spec",
+        "!has(self.evaluation) || !has(self.evaluation.everySteps) || !has(self.async)"
+        " || self.evaluation.everySteps % self.async.triggerParameterSyncStep == 0",
+        "must be a multiple of spec.async.triggerParameterSyncStep (an evaluation uses the weights synced"
+        " after its step)",
+        ".evaluation.everySteps",
+        _evaluation_on_syncs,
     ),
 ]
 

@@ -54,6 +54,7 @@ __all__ = [
     "DistillationSpec",
     "Engine",
     "EnvVar",
+    "EvaluationSpec",
     "GangScheduler",
     "ImportanceCorrectionSpec",
     "ImportanceLevel",
@@ -404,7 +405,7 @@ class DataSpec(ApiModel):
     train: list[Path] = Field(min_length=1, max_length=256)
     """Training files (parquet or jsonl)."""
     val: list[Path] = Field(default_factory=list, max_length=256)
-    """Validation files."""
+    """Held-out files (same format), evaluated as spec.evaluation says."""
     prompt_key: Annotated[str, Field(min_length=1, max_length=128)] = "prompt"
     """Column holding the chat messages."""
     max_prompt_length: Annotated[int, Field(ge=1, le=1048576)] = 1024
@@ -413,6 +414,33 @@ class DataSpec(ApiModel):
     """Shuffle prompts each epoch."""
     seed: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Shuffle seed."""
+
+
+class EvaluationSpec(ApiModel):
+    """Held-out evaluation during the job: the student's answers to spec.data.val prompts, scored
+    with the training reward functions, per data_source (docs/design.md#held-out-evaluation)."""
+
+    every_steps: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] | None = None
+    """Evaluate every this many train steps, with the weights the rollout servers received after
+    that step (a multiple of async.triggerParameterSyncStep). Unset: only before the first step
+    (beforeFirstStep) and after the last. The last step is always evaluated."""
+    before_first_step: bool = True
+    """Evaluate the starting student before the first train step (not on a resumed run)."""
+    prompts: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] | None = None
+    """Held-out prompts per evaluation: the first this many of spec.data.val, in file order (the
+    same ones every time). Unset: every one."""
+    samples_per_prompt: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Responses per held-out prompt; the score is their mean."""
+    temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
+    """Sampling temperature of the held-out responses: 0 (the default) is greedy."""
+    max_tokens: Annotated[int, Field(ge=1, le=1048576)] | None = None
+    """Maximum response tokens. Unset: spec.rollout.sampling.maxTokens."""
+    score_with_teachers: bool = False
+    """Also send each held-out response to its routed teacher and report the per-token reverse
+    KL(student || teacher) estimate at the response's tokens (unbiased at temperature 1)."""
+    keep_best: bool = False
+    """Keep the checkpoint of the best headline score (the mean score over data sources) beside the
+    newest ones and, with checkpoint.exportHf, export it at the end to <checkpoint.path>/student-hf-best."""
 
 
 class CheckpointSpec(ApiModel):
@@ -498,6 +526,9 @@ class DistillationJobSpec(ApiModel):
     """Staleness and partial rollouts; required for mode fullyAsync."""
     data: DataSpec
     """Training data."""
+    evaluation: EvaluationSpec | None = None
+    """Held-out evaluation on spec.data.val while the job runs. Unset: none. A change on a running
+    job applies from the trainer's next start."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpointing and resume."""
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)

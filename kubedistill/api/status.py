@@ -82,6 +82,32 @@ class ReadySummary(ApiModel):
     """Teacher pods (all teachers) ready/desired."""
 
 
+class HeldOutSource(ApiModel):
+    """One data_source's held-out results."""
+
+    score: float | None = None
+    """Mean task reward (accuracy for 0/1 rewards); unset when no reward function matches."""
+    response_length: float | None = None
+    """Mean response tokens."""
+    reverse_kl: float | None = Field(default=None, alias="reverseKL")
+    """Per-token reverse KL(student || teacher) estimate (spec.evaluation.scoreWithTeachers)."""
+    teacher: Annotated[str, Field(max_length=256)] | None = None
+    """The teacher its samples route to (scoreWithTeachers)."""
+
+
+class HeldOutEvaluation(ApiModel):
+    """The last held-out evaluation (spec.evaluation)."""
+
+    step: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
+    """Train step whose weights were evaluated (0: the starting student)."""
+    weight_version: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
+    """Weight version the rollout servers served for it."""
+    score: float | None = None
+    """Headline: the mean of the data sources' scores."""
+    sources: dict[str, HeldOutSource] = Field(default_factory=dict, max_length=256)
+    """Results per data_source."""
+
+
 class DistillationJobStatus(ApiModel):
     """Observed state of the job."""
 
@@ -111,6 +137,8 @@ class DistillationJobStatus(ApiModel):
     """Weight version the rollout servers serve."""
     last_checkpoint: str | None = None
     """Path of the newest complete checkpoint."""
+    evaluation: HeldOutEvaluation | None = None
+    """The last held-out evaluation reported by the trainer (spec.evaluation)."""
     restarts: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
     """Trainer gang restarts caused by the job's own failures so far (bounded by spec.backoffLimit)."""
     disruptions: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0

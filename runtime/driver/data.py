@@ -256,6 +256,18 @@ class PromptSource:
     def take(self, count: int) -> list[PromptItem]:
         return [self.next() for _ in range(count)]
 
+    def first_items(self, limit: int | None = None) -> list[PromptItem]:
+        """The first `limit` rows (all when None) that fit maxPromptLength, each once, in the
+        epoch-0 order; the cursor is left alone (the held-out set of every evaluation)."""
+        out: list[PromptItem] = []
+        for pos, r in enumerate(self.order(0)):
+            if limit is not None and len(out) >= limit:
+                break
+            item = self._item(r, pos)
+            if item is not None:
+                out.append(item)
+        return out
+
     def image_rows(self) -> Iterator[tuple[str, str, str]]:
         """(where, data_source, routing-key value) of every row with images, in file order: what
         the driver checks against the student and the teachers before the run starts."""

@@ -49,6 +49,7 @@ from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, prep
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
+from kubedistill.runtime.driver.evaluation import EvalResult, EvalSchedule, Evaluator, publish
 from kubedistill.runtime.driver.fleet import PROBE_SECONDS, ROLLOUT_POLL_SECONDS, Fleet
 from kubedistill.runtime.driver.history import HistoryWriter
 from kubedistill.runtime.driver.membership import RolloutMembership
@@ -68,7 +69,14 @@ from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.weight_sync.times import SyncTimes
 from kubedistill.runtime.wire.batch import BatchParts
 from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, ServerError, new_session
-from kubedistill.runtime.wire.protocol import LoraAdapter, TensorMeta
+from kubedistill.runtime.wire.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    LoraAdapter,
+    ScoreRequest,
+    ScoreResponse,
+    TensorMeta,
+)
 
 log = logging.getLogger("kubedistill.driver")
 
@@ -187,6 +195,30 @@ class Driver:
         self.step_clock = StepClock(clock)
         """The training side's timeline, cut into each step's phases (runtime/driver/phases.py)."""
         self._resumed_groups: list[SampleGroup] = []
+        self.eval_schedule = EvalSchedule.from_spec(spec)
+        self.evaluator = self._evaluator() if spec.evaluation is not None else None
+        """Held-out evaluation (runtime/driver/evaluation.py); None without spec.evaluation."""
+        self._evaluations: list[dict[str, Any]] = []
+        """Evaluations finished since the last history line (the next line carries them)."""
+
+    def _evaluator(self) -> Evaluator:
+        assert self.spec.evaluation is not None
+        val = PromptSource.from_spec(self.spec, self.tokenizer, split="val", processor=self.processor)
+        return Evaluator(
+            self.spec.evaluation,
+            val.first_items(self.spec.evaluation.prompts),
+            default_max_tokens=self.spec.rollout.sampling.max_tokens,
+            tokenizer=self.tokenizer,
+            rewards=RewardRegistry(strict=False),  # an unknown data_source gets no score, not an error
+            generate=self._generate_until_answered,
+            score=self._score_request,
+            on_result=self._evaluated,
+            clock=self.clock,
+        )
+
+    def _evaluated(self, result: EvalResult) -> None:
+        self._evaluations.append(result.to_json())
+        publish(result, self.status, self.metrics, self.spec)
 
     def _check_image_rows(self) -> None:
         """Refuse, before anything runs, image rows that a text student or a text teacher would
@@ -294,6 +326,8 @@ class Driver:
             self._resumed_groups = []
             producer = asyncio.create_task(self._produce())
             producer.add_done_callback(functools.partial(self._task_done, "generation"))
+            if self.evaluator is not None and self.step == 0 and self.eval_schedule and self.eval_schedule.due(0):
+                self.evaluator.start(0, self.version)
             watcher = (
                 asyncio.create_task(self.fleet.follow_rollouts()) if self.fleet.rollout_source is not None else None
             )
@@ -303,9 +337,17 @@ class Driver:
                     if checkpoint_due(self.step, self.spec.checkpoint.every_steps, total):
                         await self._checkpoint()
                         self.step_clock.lap("checkpoint")
+                    if self.step >= total and self.evaluator is not None:
+                        self.step_clock.lap("driver")
+                        await self.evaluator.settle()  # the last line carries the final evaluation
+                        self.step_clock.lap("eval")
                     self.step_clock.lap("driver")
+                    if self._evaluations:
+                        line["evaluations"], self._evaluations = self._evaluations, []
                     reporter.end_step(line, self.step_clock.close(), self.step_clock.mark)
             finally:
+                if self.evaluator is not None:
+                    await self.evaluator.cancel()
                 producer.cancel()
                 others = [watcher] if watcher is not None else []
                 for t in [*others, *self._tasks]:
@@ -379,17 +421,25 @@ class Driver:
         self.step += 1
         self.status.step = self.step
         synced, served, sync_seconds = False, None, 0.0
+        # An evaluation due after this step needs its weights on the rollout servers: the last
+        # step, otherwise never synced, gets a sync too.
+        eval_due = self.eval_schedule is not None and self.eval_schedule.due(self.step)
         if (
             self.step % self.staleness_policy.trigger_parameter_sync_step == 0
             and self.step < self.spec.trainer.total_steps
-        ):
+        ) or eval_due:
             clock.lap("driver")
+            if self.evaluator is not None:
+                await self.evaluator.settle()  # the running evaluation's tokens all come from its weights
+                clock.lap("eval")
             times = await self.sync_weights(self.version + 1)
             synced = True
             served = await self._served_versions(self.version)
             # What the sender does not report (the driver's thread hop, the served versions and
             # the buffer's new version) is the last of the resume.
             sync_seconds = clock.lap("sync_resume", sync_parts(times))
+            if eval_due and self.evaluator is not None:
+                self.evaluator.start(self.step, self.version)
         return TrainedStep(
             step=self.step,
             trainer_version=trainer_version,
@@ -440,7 +490,7 @@ class Driver:
         await self.buffer.put(group)
 
     async def _generate_sample(self, group: SampleGroup, s: Sample) -> None:
-        from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling
+        from kubedistill.runtime.wire.protocol import Sampling
 
         sp = self.spec.rollout.sampling
         t0 = self.clock()
@@ -461,18 +511,9 @@ class Driver:
                     top_k_ids=self.requirements.rollout_top_k,
                 ),
             )
-            url = self.pool.acquire()
-            try:
-                out = await self.fleet.rollout[url].generate(req)
-            except TRANSPORT_ERRORS as e:
-                # A connection the server closed as the request went out, or a server gone: the
-                # sample is unchanged, so send it again (under a new request id).
-                self.fleet.transport_failure(self.pool, url, f"generate on {url}", e)
-                continue
-            finally:
-                self.pool.release(url)
-            self.pool.succeeded(url)
-            self.requests_by_server[url] = self.requests_by_server.get(url, 0) + 1
+            out = await self._generate_once(req)
+            if out is None:
+                continue  # the sample is unchanged: send it again (under a new request id)
             s.extend(out)
         await self.buffer.sample_finished()
         self._observe("gen", self.clock() - t0)
@@ -482,9 +523,28 @@ class Driver:
             text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
             self.rewards.score_sample(s, text)
 
-    async def _score(self, group: SampleGroup, s: Sample) -> None:
-        from kubedistill.runtime.wire.protocol import ScoreRequest
+    async def _generate_once(self, req: GenerateRequest) -> GenerateResponse | None:
+        """/generate on the least busy rollout server; None when the connection failed (the server
+        closed it as the request went out, or is gone): the caller sends it again."""
+        url = self.pool.acquire()
+        try:
+            out = await self.fleet.rollout[url].generate(req)
+        except TRANSPORT_ERRORS as e:
+            self.fleet.transport_failure(self.pool, url, f"generate on {url}", e)
+            return None
+        finally:
+            self.pool.release(url)
+        self.pool.succeeded(url)
+        self.requests_by_server[url] = self.requests_by_server.get(url, 0) + 1
+        return out
 
+    async def _generate_until_answered(self, req: GenerateRequest) -> GenerateResponse:
+        while True:
+            out = await self._generate_once(req)
+            if out is not None:
+                return out
+
+    async def _score(self, group: SampleGroup, s: Sample) -> None:
         t0 = self.clock()
         if group.images:  # checked for every row before the run; this covers restored samples too
             self.router.refuse_images(s.route_value, s.data_source, f"sample {s.sample_id}")
@@ -496,8 +556,16 @@ class Driver:
             images=group.images,
             gather_ids=self.requirements.gather_ids(s),
         )
+        name, out = await self._score_request(s.route_value, s.data_source, req, f"sample {s.sample_id}")
+        s.set_scores(name, out)
+        self._observe("score", self.clock() - t0)
+
+    async def _score_request(
+        self, route_value: str, data_source: str, req: ScoreRequest, what: str = "a held-out sample"
+    ) -> tuple[str, ScoreResponse]:
+        """/score on a replica of the teacher `route_value` routes to; (its name, the answer)."""
         while True:
-            name, url = self.router.acquire(s.route_value)
+            name, url = self.router.acquire(route_value)
             replicas = self.router.pools[name]
             try:
                 out = await self.fleet.teacher[url].score(req)
@@ -507,16 +575,12 @@ class Driver:
             except ServerError as e:
                 if req.images and e.status == 400 and "text-only" in e.message:
                     why = f"whose server {url} answered that its model is text-only ({e.message})"
-                    raise ImagesToTextTeacher(
-                        images_to_text_teacher(s.data_source, name, why, f"sample {s.sample_id}")
-                    ) from e
+                    raise ImagesToTextTeacher(images_to_text_teacher(data_source, name, why, what)) from e
                 raise
             finally:
                 self.router.release(name, url)
             replicas.succeeded(url)
-            break
-        s.set_scores(name, out)
-        self._observe("score", self.clock() - t0)
+            return name, out
 
     def _observe(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:

@@ -19,6 +19,7 @@ STEP_PHASES = (
     "wait",
     "train_compute",
     "train_other",
+    "eval",
     "sync_pause",
     "sync_transfer",
     "sync_load",
@@ -27,7 +28,8 @@ STEP_PHASES = (
     "driver",
 )
 """The phases of a step, in the order they happen; every step reports each (0 when it did not
-happen), so a mean per phase is a mean per step."""
+happen), so a mean per phase is a mean per step. `eval`: the wait, before a sync, for the held-out
+evaluation of the weights being replaced to finish (runtime/driver/evaluation.py)."""
 
 SAMPLE_PHASES = ("gen", "score")
 """Per-sample latencies of the generation side (`kubedistill_step_seconds` too, not step phases)."""

@@ -1,0 +1,146 @@
+"""Held-out evaluation during the job (runtime/driver/evaluation.py) through the driver's real loop
+against the fake servers of tests/driver_fakes.py: when it runs, which weights it uses, what it
+reports and where (history, /status, gauges)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from driver_fakes import ALPHABET, FakeRolloutServer, job_spec, logprob_of, rig, token_at
+from e2e_jobs import write_prompts
+from kubedistill.runtime.driver.evaluation import EvalSchedule, HeldOutSample, summarize
+from kubedistill.runtime.metrics import RoleMetrics
+
+MAX_TOKENS = 3
+
+
+def write_val(path: Path, rows: int = 8) -> Path:
+    """Held-out arithmetic rows; the even ones' ground truth is what the fake rollout server
+    answers (its tokens depend only on the prompt), the odd ones' is not: a score of 0.5."""
+    with path.open("w") as f:
+        for i in range(rows):
+            prompt = f"{i:02d}+{i + 1:02d}="
+            ids = [ALPHABET.index(c) for c in prompt]
+            answer = "".join(ALPHABET[token_at(ids, p)] for p in range(MAX_TOKENS))
+            f.write(
+                json.dumps(
+                    {
+                        "data_source": "arith" if i < rows // 2 else "synthetic/other",
+                        "prompt": [{"role": "user", "content": prompt}],
+                        "reward_model": {"ground_truth": answer if i % 2 == 0 else "x"},
+                    }
+                )
+                + "\n"
+            )
+    return path
+
+
+def eval_spec(tmp_path: Path, evaluation: dict[str, Any], **kw: Any) -> Any:
+    data = {
+        "train": [str(write_prompts(tmp_path / "train.jsonl", 16))],
+        "val": [str(write_val(tmp_path / "val.jsonl"))],
+    }
+    return job_spec(tmp_path, max_tokens=MAX_TOKENS, evaluation=evaluation, data=data, **kw)
+
+
+def test_the_schedule_is_before_the_first_step_every_n_and_the_last() -> None:
+    s = EvalSchedule(every_steps=3, before_first_step=True, total_steps=7)
+    assert [step for step in range(8) if s.due(step)] == [0, 3, 6, 7]
+    s = EvalSchedule(every_steps=None, before_first_step=False, total_steps=5)
+    assert [step for step in range(6) if s.due(step)] == [5]
+
+
+def test_scores_are_per_data_source_and_the_kl_is_token_weighted() -> None:
+    samples = [
+        HeldOutSample("a", "t", 1.0, 2, -1.0),
+        HeldOutSample("a", "t", 0.0, 6, 3.0),
+        HeldOutSample("b", None, None, 4),
+    ]
+    out = summarize(samples, {"a": 1, "b": 1})
+    assert out["a"].score == 0.5 and out["a"].response_length == 4.0
+    assert out["a"].reverse_kl == pytest.approx(2.0 / 8)
+    assert out["b"].score is None and out["b"].reverse_kl is None and out["b"].teacher is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "asyncspec"),
+    [
+        ("sync", None),
+        ("fullyAsync", {"stalenessThreshold": 1.0, "partialRollout": True, "partialRolloutStrategy": "inflight"}),
+        ("fullyAsync", {"stalenessThreshold": 1.0, "partialRollout": True, "triggerParameterSyncStep": 2}),
+    ],
+)
+async def test_each_evaluation_uses_the_weights_of_its_step_and_shows_everywhere(tmp_path, mode, asyncspec) -> None:
+    every = 2
+    spec = eval_spec(
+        tmp_path,
+        {"everySteps": every, "scoreWithTeachers": True, "samplesPerPrompt": 2},
+        mode=mode,
+        steps=5,
+        asyncspec=asyncspec,
+    )
+    metrics = RoleMetrics("job", "trainer", 0)
+    servers = [FakeRolloutServer(f"http://rollout-{i}", token_seconds=0.001) for i in range(2)]
+    r = rig(spec, rollouts=servers, metrics=metrics)
+    r.trainer.step_seconds = 0.01
+    await r.run()
+
+    trigger = r.driver.staleness_policy.trigger_parameter_sync_step
+    results = r.driver.evaluator.results if r.driver.evaluator else []
+    assert [e.step for e in results] == [0, 2, 4, 5]
+    # The version each evaluation used is the one synced after its step; the last step was synced
+    # for its evaluation although no training follows it.
+    synced_after = {0: 0, **{step: step // trigger for step in (2, 4)}, 5: 4 // trigger + 1}
+    assert [(e.step, e.weight_version) for e in results] == list(synced_after.items())
+    assert r.sender.syncs[-1][0] == synced_after[5]
+    held_out = [
+        req for s in servers for req in s.requests if req.request_id.startswith("eval-")
+    ]  # 8 prompts x 2 samples per evaluation
+    assert len(held_out) == 4 * 16
+    assert all(req.sampling.temperature == 0.0 and req.sampling.max_tokens == MAX_TOKENS for req in held_out)
+    eval_answers = [a for s in servers for a in s.answers if a.request_id.startswith("eval-")]
+    for e in results:
+        for name, src in e.sources.items():
+            assert src.score == 0.5, (e.step, name)
+            assert src.response_length == MAX_TOKENS and src.samples == 8 and src.prompts == 4
+            # fake log-probs: the student's encode the version, the teacher's are -0.5
+            assert src.reverse_kl == pytest.approx(logprob_of(e.weight_version) + 0.5)
+            assert src.teacher == "arith"
+    assert sorted({v for a in eval_answers for v in a.versions}) == sorted({e.weight_version for e in results})
+
+    lines = r.driver.history.lines
+    in_history = [ev["step"] for line in lines for ev in line.get("evaluations", [])]
+    assert in_history == [0, 2, 4, 5]
+    assert lines[-1]["evaluations"][-1]["step"] == 5  # the last line carries the final one
+    assert all(line["phases"]["eval"] >= 0.0 for line in lines)
+    status = r.driver.status.to_json()["evaluation"]
+    assert status["step"] == 5 and status["score"] == 0.5
+    assert set(status["sources"]) == {"arith", "synthetic/other"}
+    labels = {"job": "job", "role": "trainer", "replica": "0", "data_source": "arith", "teacher": "arith"}
+    assert metrics.registry.get_sample_value("kubedistill_eval_score", labels) == 0.5
+    assert metrics.registry.get_sample_value("kubedistill_eval_response_length", labels) == MAX_TOKENS
+    kl = metrics.registry.get_sample_value("kubedistill_eval_reverse_kl", labels)
+    assert kl == pytest.approx(logprob_of(results[-1].weight_version) + 0.5)
+    assert (
+        metrics.registry.get_sample_value("kubedistill_eval_step", {k: labels[k] for k in ("job", "role", "replica")})
+        == 5
+    )
+
+
+async def test_the_first_n_prompts_once_without_teachers_and_no_step_zero(tmp_path) -> None:
+    spec = eval_spec(tmp_path, {"beforeFirstStep": False, "prompts": 3, "maxTokens": 2, "temperature": 1.0}, steps=3)
+    r = rig(spec)
+    await r.run()
+    results = r.driver.evaluator.results if r.driver.evaluator else []
+    assert [e.step for e in results] == [3]
+    held_out = [req for s in r.cluster.rollouts.values() for req in s.requests if req.request_id.startswith("eval-")]
+    assert sorted(req.prompt_token_ids[:2] for req in held_out) == [[0, 0], [0, 1], [0, 2]]
+    assert all(req.sampling.max_tokens == 2 and req.sampling.temperature == 1.0 for req in held_out)
+    prompts = {tuple(req.prompt_token_ids) for req in held_out}
+    scored = [tuple(req.token_ids[: req.prompt_len]) for s in r.cluster.teachers["arith"] for req in s.scored]
+    assert scored and not prompts & set(scored)  # the teachers scored training samples only
+    assert all(src.reverse_kl is None and src.teacher is None for src in results[0].sources.values())
