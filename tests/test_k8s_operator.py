@@ -490,10 +490,10 @@ def test_a_pod_quota_blocks_the_job_until_it_is_raised(cluster: Cluster) -> None
 
 def test_a_cpu_quota_below_the_jobs_requests_blocks_it_until_it_is_raised(cluster: Cluster) -> None:
     quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "cpu", "namespace": CPU_QUOTA_NS}}
-    cluster.plane.apply({**quota, "spec": {"hard": {"requests.cpu": "3"}}})
-    wait_quota(cluster, CPU_QUOTA_NS, "cpu", {"requests.cpu": "3"})
+    cluster.plane.apply({**quota, "spec": {"hard": {"requests.cpu": "400m"}}})
+    wait_quota(cluster, CPU_QUOTA_NS, "cpu", {"requests.cpu": "400m"})
     job = cluster.create_job(CPU_QUOTA_NS, "cpu")
-    # Every pod requests CPU by default (operator/requests.py: 2 on device cpu), so the quota
+    # Every pod requests CPU by default (operator/requests.py: 250m on device cpu), so the quota
     # counts them as they come, with no LimitRange, and refuses the second.
     server = assert_blocked_by_the_server(cluster, CPU_QUOTA_NS, job, "QuotaExceeded")
     assert "exceeded quota: cpu" in server
@@ -504,7 +504,7 @@ def test_a_cpu_quota_below_the_jobs_requests_blocks_it_until_it_is_raised(cluste
     children = assert_recovered(cluster, CPU_QUOTA_NS, job)
     pods = [p for (kind, _), p in children.items() if kind == "Pod"]
     assert pods and all(
-        p["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"} for p in pods
+        p["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "250m", "memory": "2Gi"} for p in pods
     )
 
 

@@ -73,8 +73,8 @@ def test_every_pod_requests_cpu_and_memory_and_overrides_win_per_key() -> None:
     pods = _pods(
         trainer={"replicas": 2, "miniBatchSize": 4, "overrides": {"resources": {"requests": {"memory": "9Gi"}}}}
     )
-    assert pods["j-trainer-0"]["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "2", "memory": "9Gi"}}
-    assert pods["j-rollout-0"]["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}}
+    assert pods["j-trainer-0"]["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "250m", "memory": "9Gi"}}
+    assert pods["j-rollout-0"]["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "250m", "memory": "2Gi"}}
     gpu = _pods(device="cuda", rollout={"replicas": 1, "gpus": 2, "inference": {"tensorParallelSize": 2}})
     assert gpu["j-rollout-0"]["spec"]["containers"][0]["resources"] == {
         "requests": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"},
