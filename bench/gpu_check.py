@@ -168,10 +168,9 @@ def train_flops(text: TextShape, lengths: list[int], response_lens: list[int]) -
 # ---- models ------------------------------------------------------------------------------------
 
 
-def text_config(shape: TextShape) -> Any:
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
+def decoder_fields(shape: TextShape) -> dict[str, Any]:
+    """A decoder's config fields, shared by the text student and the VL student's text side."""
+    return dict(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -180,11 +179,16 @@ def text_config(shape: TextShape) -> Any:
         num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     )
+
+
+def text_config(shape: TextShape) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**decoder_fields(shape), tie_word_embeddings=True)
 
 
 def vl_config(text: TextShape, vision: VisionShape) -> Any:
@@ -193,26 +197,9 @@ def vl_config(text: TextShape, vision: VisionShape) -> Any:
     # M-RoPE's sections cover head_dim / 2 frequencies: Qwen3-VL's [24, 20, 20] at head_dim 128.
     half = text.head_dim // 2
     sections = [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": sections, "mrope_interleaved": True}
     return Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=text.vocab,
-            hidden_size=text.hidden,
-            intermediate_size=text.intermediate,
-            num_hidden_layers=text.layers,
-            num_attention_heads=text.heads,
-            num_key_value_heads=text.kv_heads,
-            head_dim=text.head_dim,
-            max_position_embeddings=4096,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": sections,
-                "mrope_interleaved": True,
-            },
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
+        text_config={**decoder_fields(text), "rope_parameters": rope},
         vision_config=dict(
             depth=vision.depth,
             hidden_size=vision.hidden,
@@ -685,9 +672,8 @@ def serve(config: str, port: int) -> None:
     hide_absent_packages()
     from kubedistill.cli import main
 
-    sys.exit(
-        main(["role", "rollout", "--config", config, "--replica", "0", "--host", "127.0.0.1", "--port", str(port)])
-    )
+    args = ["--config", config, "--replica", "0", "--host", "127.0.0.1", "--port", str(port), "--debug-endpoints"]
+    sys.exit(main(["role", "rollout", *args]))
 
 
 def environment(dry: bool) -> dict[str, Any]:

@@ -5,6 +5,7 @@ follower joins each collective from Trainer.follow()."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def test_two_ranks_match_one_rank_and_resume_replays_a_step(tiny_models: dict[st
     assert two["checkpointing"]
 
     # The same global batch on one rank (in this process).
-    reference = Trainer(
+    s1, one = _one_rank_step(
         make_spec(
             tiny_models["student"],
             tmp_path / "ckpt-1",
@@ -42,11 +43,6 @@ def test_two_ranks_match_one_rank_and_resume_replays_a_step(tiny_models: dict[st
             },
         )
     )
-    try:
-        s1 = reference.step(make_batch())
-        one = {n: t.clone() for n, t in reference.named_full_weights()}
-    finally:
-        reference.close()
     s2 = two["stats"]
     assert s1.samples == s2.samples == len(make_batch())
     assert s1.tokens == s2.tokens and s1.response_tokens == s2.response_tokens
@@ -99,12 +95,7 @@ def test_bf16_compute_on_two_ranks_keeps_float32_masters_and_tracks_float32(
     spec = make_spec(tiny_models["student"], tmp_path / "ckpt", **overrides, **{"trainer.mixedPrecision": "bfloat16"})
     torch.save(make_batch(), saved_batch_path(tmp_path / "out-saved_batch-2.pt"))
     two = run_ranks(2, spec.model_dump_json(by_alias=True), tmp_path, "saved_batch")
-    reference = Trainer(make_spec(tiny_models["student"], tmp_path / "ckpt-1", **overrides))
-    try:
-        s1 = reference.step(make_batch())
-        one = {n: t.clone() for n, t in reference.named_full_weights()}
-    finally:
-        reference.close()
+    s1, one = _one_rank_step(make_spec(tiny_models["student"], tmp_path / "ckpt-1", **overrides))
     s2 = two["stats"]
     assert s2.loss_total == pytest.approx(s1.loss_total, rel=2e-2)
     assert s2.grad_norm == pytest.approx(s1.grad_norm, rel=5e-2)
@@ -130,3 +121,13 @@ def test_two_ranks_exit_cleanly_run_after_run(tiny_models: dict[str, Path], tmp_
         work.mkdir()
         out = run_ranks(2, spec_json, work, "exit")  # asserts exit code 0 on each rank
         assert out["stats"].samples == len(make_batch())
+
+
+def _one_rank_step(spec: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """make_batch()'s step on one rank in this process: its stats and the weights after it."""
+    reference = Trainer(spec)
+    try:
+        stats = reference.step(make_batch())
+        return stats, {n: t.clone() for n, t in reference.named_full_weights()}
+    finally:
+        reference.close()
