@@ -168,7 +168,7 @@ config.dump(config_path)
 nccl_env = {"NCCL_HOSTID": "kubedistill-smoke-rollout", "NCCL_NET": "Socket"}
 server = subprocess.Popen(
     [sys.executable, "-m", "kubedistill.cli", "role", "rollout", "--config", str(config_path),
-     "--replica", "0", "--host", "127.0.0.1", "--port", str(port)],
+     "--replica", "0", "--host", "127.0.0.1", "--port", str(port), "--debug-endpoints"],
     stdout=open(work / "rollout.log", "wb"), stderr=subprocess.STDOUT,
     env={**os.environ, **nccl_env}, start_new_session=True,
 )

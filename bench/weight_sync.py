@@ -29,10 +29,34 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kubedistill.runtime.weight_sync.sender import WeightSender
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+
+
+def raw_broadcast(sender: WeightSender, nbytes: int) -> float:
+    """Seconds of one raw broadcast of a flat `nbytes` tensor to every rollout worker, closing
+    all-reduce included: the transport's limit. The servers take part through POST /weights/probe
+    (served with --debug-endpoints, as server_fixtures.Server starts them)."""
+    import httpx
+    import torch
+
+    sender.ensure_group()
+    for url in sender.members:
+        r = httpx.post(
+            url.rstrip("/") + "/weights/probe", json={"bytes": nbytes, "group_epoch": sender.epoch}, timeout=60
+        )
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}/weights/probe: {r.status_code} {r.text}")
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=sender.group.device)
+    t0 = time.perf_counter()
+    sender.group.broadcast(buf).wait()
+    sender.group.all_reduce_sum(0)
+    return time.perf_counter() - t0
 
 
 def model_dir(work: Path, random: bool) -> Path:
@@ -112,7 +136,7 @@ def main() -> int:
             for _ in range(args.repeats):
                 for name in layouts:
                     r = runs[name]
-                    r["raw"].append(sender.probe(nbytes))
+                    r["raw"].append(raw_broadcast(sender, nbytes))
                     version += 1
                     with layout_as(name):
                         t = time.perf_counter()
@@ -195,7 +219,7 @@ def rollout_servers(
         for s in servers:
             s.wait_healthy()
         print(f"# servers up and joined in {time.perf_counter() - t0:.1f}s", flush=True)
-        sender.probe(1 << 20)  # warm the connections
+        raw_broadcast(sender, 1 << 20)  # warm the connections
         yield sender, urls
         sender.close()
     finally:

@@ -114,6 +114,8 @@ class Server:
                 "127.0.0.1",
                 "--port",
                 str(port),
+                # The tests compare weights through GET /weights/checksums.
+                *(["--debug-endpoints"] if role == "rollout" else []),
             ],
             stdout=open(self.log_path, "wb"),
             stderr=subprocess.STDOUT,

@@ -437,12 +437,6 @@ class WeightSyncWorkerExtension:
         return {n: tensor_checksum(t) for n, t in self._kd_effective_weights()}
 
     # --- inspection -----------------------------------------------------------------------------
-    def kd_effective_weights(self) -> dict[str, torch.Tensor]:
-        """The weights the engine computes with, under HF names, copied to the CPU (tests,
-        debugging); see _kd_effective_weights."""
-        self._kd_check_idle()
-        return {n: t.detach().to("cpu", copy=True) for n, t in self._kd_effective_weights()}
-
     def _kd_effective_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights the engine actually computes with, under HF names, one at a time (views
         where possible: consume each before the next). Linear layers whose weights were packed

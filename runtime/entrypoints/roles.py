@@ -33,6 +33,13 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--teacher", default=None, help="teacher name (teacher role; default: KUBEDISTILL_TEACHER)")
     p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: Ports.HTTP)")
+    p.add_argument(
+        "--debug-endpoints",
+        action="store_true",
+        default=os.environ.get("KUBEDISTILL_DEBUG_ENDPOINTS") == "1",
+        help="rollout: also serve GET /weights/checksums and POST /weights/probe, to check a sync or "
+        "measure the transport (default: KUBEDISTILL_DEBUG_ENDPOINTS=1)",
+    )
     p.set_defaults(func=run_role)
 
 
@@ -106,7 +113,7 @@ def _run_server(args: argparse.Namespace) -> int:
             raise ValueError(f"--replica {identity.replica}: the job has {spec.rollout.replicas} rollout replicas")
         threads = spec.rollout.overrides.cpu_threads
         engine = make_engine(spec, spec.student, spec.rollout.inference, max_logprobs=rollout_max_logprobs(spec))
-        app = build_rollout_app(config, identity, engine)
+        app = build_rollout_app(config, identity, engine, debug_endpoints=args.debug_endpoints)
     else:
         from kubedistill.runtime.servers.teacher import build_teacher_app, find_teacher
 

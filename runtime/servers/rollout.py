@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +79,13 @@ class _Syncs:
 
 
 def build_rollout_app(
-    config: JobConfig, identity: Identity, engine: Engine, metrics: RoleMetrics | None = None
+    config: JobConfig,
+    identity: Identity,
+    engine: Engine,
+    metrics: RoleMetrics | None = None,
+    debug_endpoints: bool = False,
 ) -> FastAPI:
+    """`debug_endpoints`: also serve the checksum and transport-probe endpoints (_add_debug_routes)."""
     metrics = metrics or RoleMetrics(config.job, "rollout", identity.replica)
     spec = config.spec
     syncs = _Syncs()
@@ -166,26 +171,6 @@ def build_rollout_app(
         """Stats of the last completed weight load (seconds, bytes, repack time) or its error."""
         return syncs.last or {}
 
-    @app.get("/weights/checksums")
-    async def checksums() -> dict[str, str]:
-        """sha256 of every weight as the engine uses it (HF names): compare with the trainer's."""
-        return await engine.weight_checksums()
-
-    @app.post("/weights/probe", response_model=None)
-    async def weights_probe(body: dict[str, Any]) -> JSONResponse | dict[str, Any]:
-        """Receive one raw broadcast of `bytes` bytes and discard it (transport benchmark)."""
-        nbytes = body.get("bytes")
-        if not isinstance(nbytes, int) or nbytes < 1:
-            return JSONResponse({"error": "bytes: a positive integer is required"}, status_code=422)
-        epoch = body.get("group_epoch")
-        refusal = await _group_refusal(epoch if isinstance(epoch, str) else None)
-        if refusal is not None:
-            return refusal
-        if not await _previous_sync_done():
-            return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
-        syncs.task = asyncio.create_task(engine.probe_transport(nbytes))
-        return {"accepted": True, "bytes": nbytes}
-
     @app.post("/weights/begin", response_model=WeightsBeginResponse)
     async def weights_begin(req: WeightsBeginRequest) -> WeightsBeginResponse | JSONResponse:
         refusal = await _group_refusal(req.group_epoch)
@@ -236,4 +221,37 @@ def build_rollout_app(
             metrics["weight_sync_seconds"].observe(stats["seconds"])
             metrics["weight_sync_bytes"].inc(stats["bytes"])
 
+    if debug_endpoints:
+        _add_debug_routes(app, engine, syncs, _group_refusal, _previous_sync_done)
     return app
+
+
+def _add_debug_routes(
+    app: FastAPI,
+    engine: Engine,
+    syncs: _Syncs,
+    group_refusal: Callable[[str | None], Awaitable[JSONResponse | None]],
+    previous_sync_done: Callable[[], Awaitable[bool]],
+) -> None:
+    """Endpoints for checking a sync and measuring the transport (tests, benches, a sync checked by
+    hand), off in a job's pods: `kubedistill role rollout --debug-endpoints`."""
+
+    @app.get("/weights/checksums")
+    async def checksums() -> dict[str, str]:
+        """sha256 of every weight as the engine uses it (HF names): compare with the trainer's."""
+        return await engine.weight_checksums()
+
+    @app.post("/weights/probe", response_model=None)
+    async def weights_probe(body: dict[str, Any]) -> JSONResponse | dict[str, Any]:
+        """Receive one raw broadcast of `bytes` bytes and discard it (bench/weight_sync.py)."""
+        nbytes = body.get("bytes")
+        if not isinstance(nbytes, int) or nbytes < 1:
+            return JSONResponse({"error": "bytes: a positive integer is required"}, status_code=422)
+        epoch = body.get("group_epoch")
+        refusal = await group_refusal(epoch if isinstance(epoch, str) else None)
+        if refusal is not None:
+            return refusal
+        if not await previous_sync_done():
+            return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
+        syncs.task = asyncio.create_task(engine.probe_transport(nbytes))
+        return {"accepted": True, "bytes": nbytes}

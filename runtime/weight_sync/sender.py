@@ -235,21 +235,6 @@ class WeightSender:
         self._formed = list(self.members)
         self.reforms += 1
 
-    def probe(self, nbytes: int) -> float:
-        """Time one raw broadcast of a flat `nbytes` tensor to every rollout worker (the
-        transport's limit, for benchmarks and link checks); returns seconds."""
-        self.ensure_group()
-        for url in self.members:
-            try:
-                self._http.fetch("POST", _at(url, "/weights/probe"), {"bytes": nbytes, "group_epoch": self.epoch})
-            except ServerError as e:
-                raise WeightSyncError(f"{url}/weights/probe: {e.status} {e.message}") from e
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
-        t0 = time.perf_counter()
-        self.group.broadcast(buf).wait()
-        self.group.all_reduce_sum(0)
-        return time.perf_counter() - t0
-
     def sync(
         self,
         version: int,
