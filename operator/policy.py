@@ -46,6 +46,7 @@ from kubedistill.api.status import (
     ConditionStatus,
     ConditionType,
     DistillationJobStatus,
+    HeldOutEvaluation,
     Phase,
     ReadySummary,
     RoleStatus,
@@ -112,6 +113,8 @@ class TrainerReport:
     attempt: int | None = None
     """The gang attempt of the trainer pod that reported it: a report of an earlier attempt says
     nothing about the servers the current trainer holds."""
+    evaluation: HeldOutEvaluation | None = field(default=None, hash=False)
+    """The trainer's last held-out evaluation (spec.evaluation); None before its first one."""
 
     @classmethod
     def of(cls, doc: Mapping[str, Any], attempt: int | None = None) -> TrainerReport:
@@ -119,7 +122,9 @@ class TrainerReport:
         reported = TrainerProgress.from_json(doc)
         servers = reported.rollout_servers
         held = None if servers is None else tuple(sorted({base_url(u) for u in servers}))
-        return cls(reported.step, reported.weight_version, reported.last_checkpoint or None, held, attempt)
+        return cls(
+            reported.step, reported.weight_version, reported.last_checkpoint or None, held, attempt, reported.evaluation
+        )
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,7 @@ def plan(
         status.step = report.step
         status.weight_version = report.weight_version
         status.last_checkpoint = report.last_checkpoint or status.last_checkpoint
+        _evaluated(p, report.evaluation)
 
     if previous not in TERMINAL:
         _sync_static(p, job, spec, observed)
@@ -547,6 +553,21 @@ def _conditions(p: Plan, spec: DistillationJobSpec | None, observed: Observed, n
 
 def _present(pods: list[PodView], group: str) -> int:
     return sum(1 for q in pods if q.group == group)
+
+
+def _evaluated(p: Plan, evaluation: HeldOutEvaluation | None) -> None:
+    """A new held-out evaluation goes into the status, with an event. A restarted trainer reports
+    none until its first: the status keeps the last one meanwhile."""
+    if evaluation is None or evaluation == p.status.evaluation:
+        return
+    p.status.evaluation = evaluation
+    scores = ", ".join(
+        f"{name} {s.score:.4g}" if s.score is not None else f"{name} n/a" for name, s in evaluation.sources.items()
+    )
+    headline = "n/a" if evaluation.score is None else f"{evaluation.score:.4g}"
+    at = f"step {evaluation.step} (weight version {evaluation.weight_version})"
+    message = f"held-out score {headline} at {at}: {scores}"
+    p.events.append(Event("Normal", "Evaluated", message))
 
 
 def _phase_event(p: Plan, previous: Phase) -> None:

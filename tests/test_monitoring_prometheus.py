@@ -66,6 +66,11 @@ class FakeJob:
         t["learning_rate"].set(1e-6)
         t["tokens_per_second"].set(900.0)
         t["kl_student_teacher"].set(0.2)
+        t["eval_step"].set(4)
+        for source, teacher, score in [("gsm8k", "math", 0.6), ("geo3k", "vision", 0.3)]:
+            t["eval_score"].labels(data_source=source, teacher=teacher).set(score)
+            t["eval_response_length"].labels(data_source=source, teacher=teacher).set(120.0)
+            t["eval_reverse_kl"].labels(data_source=source, teacher=teacher).set(0.15)
         for m in (self.rollout, self.teacher):
             m["requests_in_flight"].set(2)
         self.operator.jobs.labels(phase="Failed").set(1)  # KubedistillJobFailed
@@ -86,6 +91,7 @@ class FakeJob:
             ("wait", 0.1),
             ("train_compute", 2.5),
             ("train_other", 0.5),
+            ("eval", 0.05),
             ("sync_pause", 0.1),
             ("sync_transfer", 0.2),
             ("sync_load", 0.15),

@@ -244,6 +244,7 @@ def crd() -> dict[str, Any]:
                         {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                         {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+                        {"name": "Score", "type": "number", "jsonPath": ".status.evaluation.score"},
                         {"name": "Trainer", "type": "string", "jsonPath": ".status.ready.trainer"},
                         {"name": "Rollout", "type": "string", "jsonPath": ".status.ready.rollout"},
                         {"name": "Teachers", "type": "string", "jsonPath": ".status.ready.teachers"},
