@@ -53,6 +53,8 @@ class JobShape:
     """rollout.sampling.seed (None: unseeded, which the engines sample in one batched draw)."""
     lora: dict[str, Any] | None = None
     """spec.trainer.lora (None: full fine-tuning)."""
+    importance: dict[str, Any] | None = None
+    """spec.algorithm.offPolicy.importance (None: the defaults)."""
 
 
 def job_manifest(s: JobShape) -> dict[str, Any]:
@@ -98,6 +100,8 @@ def job_manifest(s: JobShape) -> dict[str, Any]:
         spec["async"] = dict(s.async_)
     if s.lora is not None:
         spec["trainer"]["lora"] = dict(s.lora)
+    if s.importance is not None:
+        spec["algorithm"]["offPolicy"] = {"importance": dict(s.importance)}
     return {"apiVersion": API_VERSION, "kind": "DistillationJob", "metadata": {"name": s.name}, "spec": spec}
 
 

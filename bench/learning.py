@@ -4,14 +4,17 @@ run`: rollout, teacher and trainer as separate local processes).
 
 * teacher: 4 layers, trained here for ~2 CPU minutes to ≥ 90 % held-out accuracy; student: 2
   layers, warm-started with 300 supervised steps at a constant learning rate (≈ 30 % accuracy):
-  the quickstart's models (runtime/entrypoints/quickstart.py, `prepare`), cached under
+  the quickstart's models (kubedistill/demo/quickstart.py, `prepare`), cached under
   .kubedistill/bench/arith. Not annealed on purpose: a student taken
   at the end of a decayed schedule loses its annealing gain as soon as any optimiser (SFT or
   OPD) moves it again, which shows up as a large dip unrelated to distillation;
 * one sample per prompt (rollout.sampling.samplesPerPrompt 1): 64 distinct prompts per step teach this student
   far more per step than 16 prompts x 4 samples (measured: 50 % vs 16 % accuracy after 60 steps);
 * losses: forwardKLTopK and reverseKLTopK (top-16 = the whole 16-token vocabulary), k1 and k3
-  + policy gradient (the per-token term as advantage in the PPO surrogate);
+  + policy gradient (the per-token term as advantage in the PPO surrogate); k3 as a direct loss
+  on request (--losses k3);
+* --importance truncate,none: each run with and without the off-policy correction
+  (algorithm.offPolicy.importance.mode), e.g. in oneStepOff and fullyAsync;
 * modes: sync, oneStepOff, fullyAsync (stalenessThreshold --staleness, default 1.0, partialRollout);
 * measured: the student's exact reverse KL(student || teacher) at its own samples and its greedy
   held-out accuracy, at every checkpoint (evaluated after the runs, so evaluation does not slow
@@ -65,6 +68,7 @@ from _common import (  # noqa: E402
 # the PG lr from notes/opd-learning-facts.md (>= 1e-3 collapses reverse-KL PG on this task).
 LOSSES = {
     "forwardKLTopK": ("forwardKLTopK", False, 1.0e-3),
+    "k3": ("k3", False, 1.0e-3),
     "k1+PG": ("k1", True, 2.0e-4),
     "k3+PG": ("k3", True, 2.0e-4),
     "reverseKLTopK": ("reverseKLTopK", False, 1.0e-3),
@@ -72,6 +76,8 @@ LOSSES = {
 ASYNC = {"triggerParameterSyncStep": 1, "partialRollout": True, "partialRolloutStrategy": "inflight"}
 """fullyAsync settings beside --staleness (stalenessThreshold)."""
 SAMPLES_PER_PROMPT = 1
+IMPORTANCE_MODES = ("truncate", "mask", "none")
+"""algorithm.offPolicy.importance.mode values of --importance; the first is the spec's default."""
 LORA = {"rank": 8, "alpha": 16}
 """--lora runs: rank 8 on every linear layer, merged into the rollout engine's base on receipt."""
 LORA_LR_FACTOR = 10.0
@@ -258,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--every", type=int, help="checkpoint (evaluation point) every N steps (default 10, quick 5)")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--losses", default=",".join(LOSSES))
+    ap.add_argument(
+        "--losses", default=",".join(loss for loss in LOSSES if loss != "k3"), help=f"of {', '.join(LOSSES)}"
+    )
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout/teacher engine")
     ap.add_argument(
         "--staleness",
@@ -280,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         help="each loss also as a LoRA run (rank 8, lr x LORA_LR_FACTOR) beside full fine-tuning",
     )
     ap.add_argument("--lora-lr-factor", type=float, default=LORA_LR_FACTOR, help="LoRA lr / full fine-tuning lr")
+    ap.add_argument(
+        "--importance",
+        default="truncate",
+        help="comma-separated algorithm.offPolicy.importance.mode values, each a run of every loss and mode "
+        "(e.g. truncate,none: the off-policy correction against none); runs other than truncate (the "
+        "default) are labelled '<loss>+IS <mode>'",
+    )
     ap.add_argument("--problems", type=int, help="held-out problems per evaluation (default 500, quick 200)")
     ap.add_argument("--cache", default=str(REPO / ".kubedistill/bench/arith"), help="teacher/student/data cache")
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/learning"))
@@ -309,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--losses: unknown loss {loss!r}; allowed: {', '.join(LOSSES)}")
     if args.seeds < 1:
         ap.error(f"--seeds: must be at least 1, got {args.seeds}")
+    importances = [m for m in args.importance.split(",") if m]
+    for m in importances:
+        if m not in IMPORTANCE_MODES:
+            ap.error(f"--importance: unknown mode {m!r}; allowed: {', '.join(IMPORTANCE_MODES)}")
 
     single_thread()
     from kubedistill.runtime.entrypoints import quickstart
@@ -327,16 +346,25 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, dict[str, dict[str, Any]]] = {}
     failures: list[str] = []
-    variants = [(loss, lora) for loss in losses for lora in ([False, True] if args.lora else [False])]
-    for loss_label, lora in variants:
+    variants = [
+        (loss, lora, imp)
+        for loss in losses
+        for lora in ([False, True] if args.lora else [False])
+        for imp in importances
+    ]
+    for loss_label, lora, importance in variants:
         loss_mode, pg, lr = LOSSES[loss_label]
-        loss = loss_label + ("+LoRA" if lora else "")
+        default_is = importance == IMPORTANCE_MODES[0]
+        loss = loss_label + ("+LoRA" if lora else "") + ("" if default_is else f"+IS {importance}")
         lora_spec = LORA if lora else None
         lr = lr * args.lora_lr_factor if lora else lr
         loss_steps = (args.pg_steps or steps) if pg else steps
         for mode, seed in ((m, s) for m in modes for s in range(args.seeds)):
             mode_steps = args.async_steps if (args.async_steps and mode != "sync") else loss_steps
-            name = f"learn-{loss_mode.lower()}{'-lora' if lora else ''}-{mode.lower()}" + (f"-s{seed}" if seed else "")
+            name = (
+                f"learn-{loss_mode.lower()}{'-lora' if lora else ''}{'' if default_is else '-is' + importance}"
+                f"-{mode.lower()}" + (f"-s{seed}" if seed else "")
+            )
             if args.render_only:
                 saved = work / f"{name}.result.json"
                 if saved.is_file():
@@ -362,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=seed,
                 async_={**ASYNC, "stalenessThreshold": args.staleness} if mode == "fullyAsync" else {},
                 lora=lora_spec,
+                importance=None if default_is else {"mode": importance},
             )
             print(f"run {loss} / {mode} / seed {seed}: {mode_steps} steps x 64 samples ...", flush=True)
             load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -494,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         command += f" --async-steps {args.async_steps}" if args.async_steps else ""
         command += f" --seeds {args.seeds}" if args.seeds > 1 else ""
+        command += f" --importance {args.importance}" if args.importance != IMPORTANCE_MODES[0] else ""
         command += f" --every {args.every}" if args.every else ""
         command += f" --problems {args.problems}" if args.problems else ""
         command += f" --docs {args.docs}"

@@ -121,7 +121,7 @@ def test_tensor_path_gives_the_list_paths_losses_and_gradients(
         resp = [batch.response_len(i) for i in range(len(batch))]
         lengths = [len(t) for t in batch.token_ids]
         weights = L.token_weights(resp, spec.algorithm.loss_aggregation.value)
-        adv = L.grpo_advantages(torch.tensor(batch.rewards), batch.group_ids)
+        adv = L.group_advantages(torch.tensor(batch.rewards), batch.group_ids)
         plan = micro_batches(list(range(len(batch))), lengths, spec.trainer.micro_batch_tokens, pack=pack)
         assert len(plan) > 1 and (not pack or any(len(row) > 1 for m in plan for row in m))
         # The tensor path twice: samples in batch order (each micro-batch gathered), and laid out

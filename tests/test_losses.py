@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,15 +125,25 @@ def test_k3_policy_gradient_never_reverses_at_the_clamp(loss_max_clamp: float) -
     assert grads["k3"][1] == 0.0  # where student and teacher agree there is nothing to learn
 
 
-def test_grpo_advantages_by_hand() -> None:
+def test_group_advantages_by_hand() -> None:
+    from kubedistill.api.spec import Advantage
+
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
     groups = [0, 0, 0, 1, 1, 2]
-    adv = L.grpo_advantages(rewards, groups)
+    adv = L.group_advantages(rewards, groups)
     std0 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased
     assert adv[0].item() == pytest.approx((2 / 3) / (std0 + 1e-6), rel=1e-5)
     assert adv[1].item() == pytest.approx((-1 / 3) / (std0 + 1e-6), rel=1e-5)
     assert adv[3].item() == 0.0 and adv[4].item() == 0.0  # equal rewards
     assert adv[5].item() == 0.0  # a group of one
+    # rloo: the reward minus the mean of the group's other samples.
+    rloo = L.group_advantages(rewards, groups, Advantage.rloo)
+    assert rloo[:3].tolist() == pytest.approx([1.0, -0.5, -0.5])
+    assert rloo[3:].tolist() == [0.0, 0.0, 0.0]
+    # groupMean (Dr. GRPO): centred, not scaled.
+    mean_only = L.group_advantages(rewards, groups, Advantage.group_mean)
+    assert mean_only[:3].tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+    assert mean_only[5].item() == 0.0
 
 
 def test_ppo_loss_clip_and_truncated_importance_weight() -> None:
@@ -303,8 +314,135 @@ def test_reverse_kl_top_k_is_a_direct_loss_in_per_token_losses() -> None:
         behaviour_logprobs=torch.tensor([-0.5, -0.1]),
         student_topk_logprobs=s_topk,
         teacher_topk_logprobs=t_topk,
+        segments=torch.tensor([0, 0]),
     )
     expected = L.reverse_kl_top_k(s_topk, t_topk)
     assert torch.allclose(out["total"], expected) and torch.allclose(out["distill"], expected)
     with pytest.raises(ValueError, match="reverseKLTopK needs top-k ids"):
         L.per_token_losses(_algo(lossMode="reverseKLTopK"), logprobs=torch.zeros(1), behaviour_logprobs=torch.zeros(1))
+
+
+# ---- off-policy correction of the direct losses (docs/algorithms.md) -------------------------
+
+
+def _numpy_weights(log_ratio: np.ndarray, segments: np.ndarray, imp: dict, shift: bool) -> np.ndarray:
+    """The reference: per token w = IS(exp(log pi_prox - mu)), of y_t itself for a term of the
+    sampled token, of y_(t-1) (1 at a sample's first token) for a top-k term, or of the sample."""
+    r = log_ratio.copy()
+    if imp.get("level") == "sequence":
+        r = np.array([log_ratio[segments == g].sum() for g in segments])
+    elif shift:
+        r = np.array([0.0 if t == 0 or segments[t - 1] != segments[t] else log_ratio[t - 1] for t in range(len(r))])
+    w = np.exp(r)
+    low, high = imp.get("low", 0.0), imp.get("high", 2.0)
+    mode = imp.get("mode", "truncate")
+    if mode == "none":
+        return np.ones_like(w)
+    if mode == "truncate":
+        return np.minimum(w, high)
+    return np.where((w < low) | (w > high), 0.0, w)
+
+
+IMPORTANCE_CASES = [
+    {},
+    {"mode": "mask", "low": 0.5, "high": 1.5},
+    {"level": "sequence", "high": 3.0},
+    {"level": "sequence", "mode": "mask", "low": 0.2, "high": 4.0},
+    {"mode": "none"},
+]
+
+
+@pytest.mark.parametrize("imp", IMPORTANCE_CASES)
+def test_direct_k3_is_weighted_like_the_numpy_reference(imp: dict) -> None:
+    rng = np.random.default_rng(0)
+    n = 9
+    segments = np.array([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    s_np = rng.uniform(-3.0, -0.2, n)
+    mu_np = s_np + rng.normal(0.0, 0.6, n)  # stale samples: the behaviour policy differs
+    t_np = s_np + rng.normal(0.0, 1.0, n)
+    s = torch.tensor(s_np, requires_grad=True)
+    algo = AlgorithmSpec.model_validate({"distillation": {"lossMode": "k3"}, "offPolicy": {"importance": imp}})
+    out = L.per_token_losses(
+        algo,
+        logprobs=s,
+        behaviour_logprobs=torch.tensor(mu_np),
+        teacher_logprobs=torch.tensor(t_np),
+        segments=torch.tensor(segments),
+    )
+    w = _numpy_weights(s_np - mu_np, segments, imp, shift=False)
+    k3 = np.exp(t_np - s_np) - (t_np - s_np) - 1.0
+    assert out["distill"].detach().numpy() == pytest.approx(w * k3, rel=1e-9)
+    assert out["is_weight"].numpy() == pytest.approx(w, rel=1e-9)
+    assert out["is_cut"].any() == (imp.get("mode") != "none")  # the cases are built to cut some
+    # The weight is a constant: the gradient is w times k3's own, (1 - p_T / q) per token.
+    (grad,) = torch.autograd.grad(out["total"].sum(), s)
+    assert grad.numpy() == pytest.approx(w * (1.0 - np.exp(t_np - s_np)), rel=1e-9)
+
+
+@pytest.mark.parametrize("imp", IMPORTANCE_CASES)
+@pytest.mark.parametrize("mode", ["forwardKLTopK", "reverseKLTopK"])
+def test_direct_top_k_terms_take_the_previous_tokens_weight(mode: str, imp: dict) -> None:
+    rng = np.random.default_rng(1)
+    n, k = 7, 3
+    segments = np.array([0, 0, 0, 1, 1, 1, 1])
+    s_np = rng.uniform(-3.0, -0.2, n)
+    mu_np = s_np + rng.normal(0.0, 0.8, n)
+    s_topk = torch.tensor(np.log(rng.dirichlet(np.ones(k + 1), n)[:, :k]), requires_grad=True)
+    t_topk = torch.tensor(np.log(rng.dirichlet(np.ones(k + 1), n)[:, :k]))
+    algo = AlgorithmSpec.model_validate(
+        {"distillation": {"lossMode": mode, "topK": k}, "offPolicy": {"importance": imp}}
+    )
+    out = L.per_token_losses(
+        algo,
+        logprobs=torch.tensor(s_np),
+        behaviour_logprobs=torch.tensor(mu_np),
+        student_topk_logprobs=s_topk,
+        teacher_topk_logprobs=t_topk,
+        segments=torch.tensor(segments),
+    )
+    w = _numpy_weights(s_np - mu_np, segments, imp, shift=True)
+    q, p = s_topk.detach().numpy(), t_topk.numpy()
+    if mode == "forwardKLTopK":
+        term = np.maximum((np.exp(p) * (p - q)).sum(-1), 0.0)
+    else:
+        term = (np.exp(q) * (q - p)).sum(-1)
+    assert out["distill"].detach().numpy() == pytest.approx(w * term, rel=1e-9)
+    assert out["is_weight"].numpy() == pytest.approx(w, rel=1e-9)
+    assert w[0] == 1.0 or imp.get("level") == "sequence"  # a sample's first position: only the prompt before it
+    (grad,) = torch.autograd.grad(out["total"].sum(), s_topk)
+    (unweighted,) = torch.autograd.grad(
+        (
+            torch.tensor(w)
+            * getattr(L, "forward_kl_top_k" if mode == "forwardKLTopK" else "reverse_kl_top_k")(s_topk, t_topk)
+        ).sum(),
+        s_topk,
+    )
+    assert torch.allclose(grad, unweighted)
+
+
+def test_weighted_direct_k3_has_the_on_policy_expected_gradient() -> None:
+    # One position, a 4-token vocabulary. Samples drawn from a stale mu, weighted by pi / mu
+    # (untruncated), give in expectation the gradient of direct k3 under the current policy pi:
+    # sum_y mu(y) w(y) grad k3(y) = sum_y pi(y) grad k3(y) = grad KL(p_T || pi) (the forward KL).
+    logits = torch.tensor([0.5, -0.2, 1.0, 0.1], requires_grad=True)
+    mu = torch.softmax(torch.tensor([1.2, 0.0, 0.3, -0.5]), -1)
+    teacher = torch.log_softmax(torch.tensor([0.0, 1.0, 0.5, -1.0]), -1)
+    algo = AlgorithmSpec.model_validate(
+        {"distillation": {"lossMode": "k3", "lossMaxClamp": 50.0}, "offPolicy": {"importance": {"high": 1000.0}}}
+    )
+    s = torch.log_softmax(logits, -1)
+    out = L.per_token_losses(
+        algo, logprobs=s, behaviour_logprobs=mu.log(), teacher_logprobs=teacher, segments=torch.arange(4)
+    )
+    (weighted,) = torch.autograd.grad((mu * out["total"]).sum(), logits)
+    forward_kl = (teacher.exp() * (teacher - torch.log_softmax(logits, -1))).sum()
+    (exact,) = torch.autograd.grad(forward_kl, logits)
+    assert torch.allclose(weighted, exact, atol=1e-6)
+    # Without the correction the same samples follow mu's weighting of the terms instead.
+    none = AlgorithmSpec.model_validate(
+        {"distillation": {"lossMode": "k3", "lossMaxClamp": 50.0}, "offPolicy": {"importance": {"mode": "none"}}}
+    )
+    s = torch.log_softmax(logits, -1)
+    plain = L.per_token_losses(none, logprobs=s, behaviour_logprobs=mu.log(), teacher_logprobs=teacher)
+    (uncorrected,) = torch.autograd.grad((mu * plain["total"]).sum(), logits)
+    assert not torch.allclose(uncorrected, exact, atol=1e-3)

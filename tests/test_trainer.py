@@ -97,7 +97,13 @@ def test_micro_batch_split_does_not_change_the_step(tiny_models: dict[str, Path]
 
 def test_steps_learn_and_report_metrics(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     metrics = RoleMetrics("job", "trainer", 0)
-    spec = make_spec(tiny_models["student"], tmp_path / "c", **{"trainer.optim": {"lr": 3e-3, "warmupSteps": 2}})
+    # make_batch's behaviour log-probs are random, not the student's: without the importance
+    # weights (which move with the student) the loss is the plain forwardKLTopK.
+    spec = make_spec(
+        tiny_models["student"],
+        tmp_path / "c",
+        **{"trainer.optim": {"lr": 3e-3, "warmupSteps": 2}, "algorithm.offPolicy.importance.mode": "none"},
+    )
     t = Trainer(spec, metrics=metrics)
     try:
         batch = make_batch()
@@ -171,6 +177,31 @@ def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path:
     assert s.loss_total == pytest.approx(s.loss_pg + 0.5 * s.loss_distill, rel=1e-6)
 
 
+def test_advantage_chooses_the_task_reward_estimator(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    # make_batch's groups have rewards (0, 1): advantages ±0.5 centred, ±1 leave-one-out, ±0.5 /
+    # std = ±0.707 with GRPO. On-policy the task term is -w A per token, so it scales with A.
+    pg = {}
+    for estimator in ("grpo", "rloo", "groupMean"):
+        spec = make_spec(
+            tiny_models["student"],
+            tmp_path / estimator,
+            **{
+                "algorithm.distillation": {"lossMode": "k3", "useTaskRewards": True},
+                "algorithm.advantage": estimator,
+                "rollout.sampling.samplesPerPrompt": 2,
+                "trainer.miniBatchSize": 4,
+            },
+        )
+        t = Trainer(spec)
+        try:
+            pg[estimator] = t.step(make_batch()).loss_pg
+        finally:
+            t.close()
+    assert pg["groupMean"] != 0.0
+    assert pg["rloo"] == pytest.approx(2.0 * pg["groupMean"], rel=1e-5)
+    assert pg["grpo"] == pytest.approx(math.sqrt(2.0) * pg["groupMean"], rel=1e-4)
+
+
 def test_missing_teacher_signal_is_a_clear_error(trainer: Trainer) -> None:
     batch = make_batch()
     del batch.signals["teacher_topk_ids"], batch.signals["teacher_topk_logprobs"]
@@ -236,6 +267,32 @@ def test_packing_check_catches_a_model_that_lets_packed_samples_mix(trainer: Tra
         assert not packing_is_exact(trainer.model, trainer.device)
     finally:
         decoder.forward = forward
+
+
+@pytest.mark.parametrize("require_batches", [2, 4])
+def test_lr_schedule_counts_train_steps_with_several_mini_batches(
+    tiny_models: dict[str, Path], tmp_path: Path, require_batches: int
+) -> None:
+    spec = make_spec(
+        tiny_models["student"],
+        tmp_path / "c",
+        **{
+            "mode": "oneStepOff",
+            "async": {"requireBatches": require_batches},
+            "trainer.totalSteps": 6,
+            "trainer.optim": {"lr": 1e-4, "warmupSteps": 2, "schedule": "cosine", "minLrRatio": 0.1},
+        },
+    )
+    t = Trainer(spec)
+    try:
+        batch = make_batch(n=2)
+        steps = [t.train([batch] * require_batches) for _ in range(6)]
+    finally:
+        t.close()
+    cos = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(4)]
+    expected = [0.5, 1.0, *cos]  # warm-up over 2 train steps, then cosine to step 6
+    for updates, factor in zip(steps, expected):
+        assert [u.lr for u in updates] == pytest.approx([1e-4 * factor] * require_batches)
 
 
 def test_lr_schedule() -> None:
@@ -362,14 +419,17 @@ def test_followers_dispatch_commands_through_the_table() -> None:
 
 
 @pytest.mark.parametrize("proximal", ["recompute", "current"])
+@pytest.mark.parametrize(
+    "loss", [{"lossMode": "k1", "usePolicyGradient": True}, {"lossMode": "k3"}], ids=["k1+PG", "k3 direct"]
+)
 def test_proximal_pass_anchors_later_mini_batches_to_the_step_start(
-    tiny_models: dict[str, Path], tmp_path: Path, proximal: str
+    tiny_models: dict[str, Path], tmp_path: Path, proximal: str, loss: dict
 ) -> None:
     spec = make_spec(
         tiny_models["student"],
         tmp_path / "c",
         **{
-            "algorithm.distillation": {"lossMode": "k1", "usePolicyGradient": True},
+            "algorithm.distillation": loss,
             "algorithm.offPolicy": {"proximal": proximal},
             "trainer.optim": {"lr": 1e-2},
         },

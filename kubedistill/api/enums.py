@@ -39,7 +39,8 @@ class LossMode(str, Enum):
 
 class Advantage(str, Enum):
     grpo = "grpo"
-    none = "none"
+    rloo = "rloo"
+    group_mean = "groupMean"
 
 
 class AdvantageBaseline(str, Enum):
@@ -60,6 +61,7 @@ class ImportanceLevel(str, Enum):
 class ImportanceMode(str, Enum):
     truncate = "truncate"
     mask = "mask"
+    none = "none"
 
 
 class LossAggregation(str, Enum):

@@ -17,7 +17,6 @@ from kubedistill.api.enums import (
     ALL_LINEAR,
     KUEUE_MAX_TEACHERS,
     MODULE_NAME,
-    Advantage,
     Device,
     Engine,
     GangScheduler,
@@ -241,22 +240,10 @@ SPEC_RULES: list[Rule] = [
     ),
     Rule(
         "spec",
-        "!self.algorithm.distillation.useTaskRewards || self.algorithm.advantage != 'none'",
-        "useTaskRewards needs an advantage estimator (grpo)",
-        ".algorithm.advantage",
-        lambda s: not s.algorithm.distillation.use_task_rewards or s.algorithm.advantage is not Advantage.none,
-    ),
-    Rule(
-        "spec",
-        "!self.algorithm.distillation.useTaskRewards || self.algorithm.advantage != 'grpo'"
-        " || self.rollout.sampling.samplesPerPrompt >= 2",
-        "must be at least 2 for GRPO task-reward advantages (normalised within each prompt's group)",
+        "!self.algorithm.distillation.useTaskRewards || self.rollout.sampling.samplesPerPrompt >= 2",
+        "must be at least 2 with useTaskRewards (every algorithm.advantage compares a sample with its prompt's group)",
         ".rollout.sampling.samplesPerPrompt",
-        lambda s: (
-            not s.algorithm.distillation.use_task_rewards
-            or s.algorithm.advantage is not Advantage.grpo
-            or s.rollout.sampling.samples_per_prompt >= 2
-        ),
+        lambda s: not s.algorithm.distillation.use_task_rewards or s.rollout.sampling.samples_per_prompt >= 2,
     ),
     Rule(
         "spec",

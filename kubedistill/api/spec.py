@@ -246,9 +246,10 @@ class OptimSpec(ApiModel):
     grad_clip: Annotated[float, Field(gt=0.0)] = 1.0
     """Maximum global gradient norm."""
     warmup_steps: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] = 0
-    """Linear warm-up steps."""
+    """Linear warm-up, in train steps."""
     schedule: LrSchedule = LrSchedule.constant
-    """Learning-rate decay after warm-up."""
+    """Learning-rate decay after warm-up, ending at trainer.totalSteps (train steps: the
+    async.requireBatches updates of one step share its learning rate)."""
     min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     """Final learning rate as a fraction of lr (cosine/linear)."""
 
@@ -350,7 +351,8 @@ class ImportanceCorrectionSpec(ApiModel):
     level: ImportanceLevel = ImportanceLevel.token
     """token: a weight per token; sequence: every token gets its sample's product of ratios."""
     mode: ImportanceMode = ImportanceMode.truncate
-    """truncate: min(w, high) (TIS); mask: weight 0 outside [low, high], else w (MIS)."""
+    """truncate: min(w, high) (TIS); mask: weight 0 outside [low, high], else w (MIS); none: w = 1
+    (no correction)."""
     low: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     """mask: the smallest weight kept."""
     high: Annotated[float, Field(ge=1.0, le=1000.0)] = 2.0
@@ -358,7 +360,8 @@ class ImportanceCorrectionSpec(ApiModel):
 
 
 class OffPolicySpec(ApiModel):
-    """Decoupled PPO: the proximal policy anchors the clip; importance weights correct for mu."""
+    """Decoupled PPO: the proximal policy anchors the clip; importance weights correct every loss
+    term (direct distillation losses included) for mu."""
 
     proximal: ProximalPolicy = ProximalPolicy.recompute
     """recompute: the trainer's log-probs at the start of the step, before any of its mini-batch
@@ -373,11 +376,12 @@ class AlgorithmSpec(ApiModel):
     distillation: DistillationSpec = Field(default_factory=DistillationSpec)
     """Distillation loss settings."""
     advantage: Advantage = Advantage.grpo
-    """Task-reward advantage estimator (used with distillation.useTaskRewards)."""
+    """Task-reward advantage of a sample within its prompt's group (distillation.useTaskRewards):
+    grpo (r - mean) / (std + 1e-6); rloo r - mean of the others; groupMean r - mean (Dr. GRPO)."""
     clip_ratio: Annotated[float, Field(gt=0.0, le=10.0)] = 0.2
-    """PPO surrogate clip range epsilon."""
+    """PPO surrogate clip range epsilon (policy-gradient terms; a direct loss has no ratio to clip)."""
     off_policy: OffPolicySpec = Field(default_factory=OffPolicySpec)
-    """How policy-gradient terms treat samples the rollout drew from other weights (docs/algorithms.md)."""
+    """How the losses treat samples the rollout drew from other weights (docs/algorithms.md)."""
     loss_aggregation: LossAggregation = LossAggregation.token_mean
     """How per-token losses are averaged over the batch."""
 

@@ -19,7 +19,8 @@ from types import MappingProxyType
 import torch
 
 from kubedistill.api.enums import LossAggregation
-from kubedistill.api.spec import AlgorithmSpec, DistillationSpec, ImportanceLevel, ImportanceMode, LossMode
+from kubedistill.api.losses import CONTRACTS
+from kubedistill.api.spec import Advantage, AlgorithmSpec, DistillationSpec, ImportanceLevel, ImportanceMode, LossMode
 
 # verl's low_var_kl clamps: the log-ratio before exp, and the result.
 K3_LOG_RATIO_CLAMP = 20.0
@@ -199,22 +200,40 @@ def batch_baseline(d: DistillationSpec, behaviour_logprobs: torch.Tensor, teache
     return float(term.clamp(-d.loss_max_clamp, d.loss_max_clamp).mean()) if term.numel() else 0.0
 
 
-def grpo_advantages(
-    rewards: torch.Tensor, group_ids: Sequence[int] | torch.Tensor, eps: float = GRPO_EPS
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: Sequence[int] | torch.Tensor,
+    estimator: Advantage = Advantage.grpo,
+    eps: float = GRPO_EPS,
 ) -> torch.Tensor:
-    """Per-sample (r_i - mean_g) / (std_g + eps) within each group g of samples of the same prompt.
+    """Per-sample task-reward advantage within each group g of samples of the same prompt.
 
-    std is the unbiased sample standard deviation (as verl); a group of one sample gets 0.
+    * grpo: (r_i - mean_g) / (std_g + eps), std the unbiased sample standard deviation (as verl);
+    * rloo: r_i - mean of the group's other samples = n / (n - 1) (r_i - mean_g) (REINFORCE
+      leave-one-out, verl's rloo and TRL's RLOOTrainer);
+    * groupMean: r_i - mean_g (Dr. GRPO: no division by std, which favours groups of nearly equal
+      rewards; TRL's scale_rewards "none").
+
+    A group of one sample gets 0 (the API requires samplesPerPrompt >= 2 with task rewards).
     """
     rewards = rewards.to(torch.float64)
     groups = torch.as_tensor(group_ids)
     out = torch.zeros_like(rewards)
     for g in torch.unique(groups):
         idx = (groups == g).nonzero(as_tuple=True)[0]
-        if idx.numel() < 2:
+        n = idx.numel()
+        if n < 2:
             continue
         r = rewards[idx]
-        out[idx] = (r - r.mean()) / (r.std() + eps)
+        centred = r - r.mean()
+        if estimator is Advantage.grpo:
+            out[idx] = centred / (r.std() + eps)
+        elif estimator is Advantage.rloo:
+            out[idx] = centred * n / (n - 1)
+        elif estimator is Advantage.group_mean:
+            out[idx] = centred
+        else:
+            raise ValueError(f"algorithm.advantage must be grpo, rloo or groupMean, got {estimator!r}")
     return out.to(torch.float32)
 
 
@@ -233,10 +252,12 @@ def importance_weights(
     sample gets the sample's ratio exp(sum of its log ratios); `segments` ([N], sample index per
     token) says which tokens form a sample. ``truncate`` (TIS) caps w at `high`; ``mask`` (MIS)
     gives weight 0 to tokens (or whole samples) whose w lies outside [`low`, `high`], and keeps
-    the others at their ratio. Returns (weights, cut), cut being a bool ``[N]`` of the tokens
-    truncated or masked.
+    the others at their ratio; ``none`` gives every token weight 1. Returns (weights, cut), cut
+    being a bool ``[N]`` of the tokens truncated or masked.
     """
     log_ratio = log_ratio.detach()
+    if mode is ImportanceMode.none:
+        return torch.ones_like(log_ratio), torch.zeros_like(log_ratio, dtype=torch.bool)
     if level is ImportanceLevel.sequence:
         if segments is None:
             raise ValueError("sequence-level importance weights need each token's sample (segments)")
@@ -249,6 +270,23 @@ def importance_weights(
         return w.clamp(max=high), w > high
     cut = (w < low) | (w > high)
     return w.masked_fill(cut, 0.0), cut
+
+
+def previous_token_log_ratio(log_ratio: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    """Each token's log ratio replaced by the one of the token before it in its sample (0 for a
+    sample's first token, which only the prompt precedes).
+
+    A top-k term at position t is a function of the prefix y_<t alone; the last sampled token it
+    depends on is y_(t-1), so its token-level importance weight is that token's ratio
+    (docs/algorithms.md#off-policy-correction-of-the-direct-losses). `segments` ([N]) numbers
+    each token's sample; the tokens of a sample are contiguous.
+    """
+    if segments is None:
+        raise ValueError("the importance weight of a top-k term needs each token's sample (segments)")
+    shifted = torch.roll(log_ratio, 1)
+    first = torch.ones_like(segments, dtype=torch.bool)
+    first[1:] = segments[1:] != segments[:-1]
+    return shifted.masked_fill(first, 0.0)
 
 
 def ppo_loss(
@@ -311,12 +349,14 @@ def per_token_losses(
 ) -> dict[str, torch.Tensor]:
     """The configured loss per response token: ``{"distill", "pg", "total"}`` (each ``[N]``), plus
     what the step reports about it: ``log_ratio`` = s_old - mu (the log importance weight before
-    correction), ``is_weight`` and ``is_cut`` (the importance weights applied and the tokens
-    truncated or masked, see :func:`importance_weights`) and ``advantage`` (the distillation
+    correction), ``is_weight`` and ``is_cut`` (the importance weights applied to the distillation
+    term, or to the task-reward term without distillation, and the tokens truncated or masked,
+    see :func:`importance_weights`) and ``advantage`` (the distillation
     advantage of a policy-gradient loss, else 0). `segments` ([N]) numbers each token's sample.
 
     * distill: the per-token distillation term, clamped to ±lossMaxClamp. As a direct loss
-      (usePolicyGradient false) it is the training signal; with usePolicyGradient it becomes the
+      (usePolicyGradient false) it is the training signal, times its detached importance weight
+      (:func:`direct_loss_weights`); with usePolicyGradient it becomes the
       advantage -(clamp(term) - b) of a PPO term and ``distill`` reports the PPO term's value.
       The term and the advantage's signal come from the mode's per-token function
       (`PER_TOKEN_TERMS`); for k3 the signal is k1: the score and pathwise gradients of k3 sum to
@@ -328,9 +368,10 @@ def per_token_losses(
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     log_ratio = (old - behaviour_logprobs).detach()
     imp = algorithm.off_policy.importance
-    is_weight, is_cut = importance_weights(
+    token_weight, token_cut = importance_weights(
         log_ratio, level=imp.level, mode=imp.mode, low=imp.low, high=imp.high, segments=segments
     )
+    is_weight, is_cut = token_weight, token_cut
     zero = torch.zeros_like(logprobs)
     distill = zero
     advantage = zero
@@ -345,14 +386,15 @@ def per_token_losses(
         raw, pg_signal = PER_TOKEN_TERMS[d.loss_mode](inputs, d)
         if d.use_policy_gradient:
             advantage = distillation_advantages(pg_signal, d.loss_max_clamp, advantage_baseline)
-            distill = ppo_loss(logprobs, old, advantage, is_weight, clip_ratio=algorithm.clip_ratio)
+            distill = ppo_loss(logprobs, old, advantage, token_weight, clip_ratio=algorithm.clip_ratio)
         else:
-            distill = raw.clamp(-d.loss_max_clamp, d.loss_max_clamp)
+            is_weight, is_cut = direct_loss_weights(algorithm, log_ratio, segments, token_weight, token_cut)
+            distill = is_weight * raw.clamp(-d.loss_max_clamp, d.loss_max_clamp)
     pg = zero
     if d.use_task_rewards:
         if task_advantages is None:
             raise ValueError("useTaskRewards needs task advantages (rewards and group ids in the batch)")
-        pg = ppo_loss(logprobs, old, task_advantages, is_weight, clip_ratio=algorithm.clip_ratio)
+        pg = ppo_loss(logprobs, old, task_advantages, token_weight, clip_ratio=algorithm.clip_ratio)
     coef = d.coef if d.use_task_rewards else 1.0
     return {
         "distill": distill,
@@ -363,3 +405,25 @@ def per_token_losses(
         "is_cut": is_cut,
         "advantage": advantage,
     }
+
+
+def direct_loss_weights(
+    algorithm: AlgorithmSpec,
+    log_ratio: torch.Tensor,
+    segments: torch.Tensor | None,
+    token_weight: torch.Tensor,
+    token_cut: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The detached importance weights (and cut tokens) of a direct distillation loss.
+
+    A term of the sampled token (k3) takes the token's own weight, as a policy-gradient term does.
+    A top-k term at position t does not read y_t, only the prefix; at ``token`` level it takes the
+    weight of y_(t-1), the last sampled token it depends on (:func:`previous_token_log_ratio`);
+    at ``sequence`` level it takes its sample's weight like every other term.
+    """
+    imp = algorithm.off_policy.importance
+    top_k = CONTRACTS[algorithm.distillation.loss_mode].top_k is not None
+    if not top_k or imp.level is ImportanceLevel.sequence or imp.mode is ImportanceMode.none:
+        return token_weight, token_cut
+    shifted = previous_token_log_ratio(log_ratio, segments)
+    return importance_weights(shifted, level=imp.level, mode=imp.mode, low=imp.low, high=imp.high)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import math
 
-from kubedistill.api.spec import LrSchedule, OptimSpec
+from kubedistill.api.spec import DistillationJobSpec, LrSchedule, OptimSpec
+
+
+def updates_per_step(spec: DistillationJobSpec) -> int:
+    """Optimiser updates per train step: one per mini-batch, async.requireBatches of them."""
+    return spec.async_.require_batches if spec.async_ is not None else 1
 
 
 def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
-    """Multiplier of optim.lr for the optimiser step with 0-based index `step`.
+    """Multiplier of optim.lr at the train step with 0-based index `step` (every optimiser update
+    of the step, one per mini-batch, uses it: warm-up and decay count train steps).
 
     Warm-up ramps (step + 1) / warmupSteps so the first step already learns; decay runs from the
     end of warm-up to total_steps, ending at minLrRatio.

@@ -71,7 +71,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kubedistill.api.losses import LossContract, Signal, active_contract
-from kubedistill.api.spec import AdvantageBaseline, AlgorithmSpec, DistillationJobSpec, ProximalPolicy
+from kubedistill.api.spec import (
+    Advantage,
+    AdvantageBaseline,
+    AlgorithmSpec,
+    DistillationJobSpec,
+    ImportanceMode,
+    ProximalPolicy,
+)
 from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handler
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
@@ -85,7 +92,7 @@ from kubedistill.runtime.trainer.model import (
     use_packing,
     weight_metas,
 )
-from kubedistill.runtime.trainer.schedule import lr_factor
+from kubedistill.runtime.trainer.schedule import lr_factor, updates_per_step
 from kubedistill.runtime.trainer.state import Resumed, TrainerState
 from kubedistill.runtime.trainer.stats import StepStats, StepSums, record_step
 from kubedistill.runtime.wire.batch import BatchBuffers, BatchParts, Plan, TensorBatch, TrainBatch
@@ -125,8 +132,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
+        # The schedule runs in train steps; each of a step's mini-batches is one optimiser update.
+        updates = updates_per_step(spec)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, o, spec.trainer.total_steps)
+            self.optimizer, lambda u: lr_factor(u // updates, o, spec.trainer.total_steps)
         )
         self.step_count = 0
         # The proximal log-probs of the current step's mini-batches still to train, per sample of
@@ -316,7 +325,7 @@ class Trainer:
         n = len(batch)
         resp_lens = batch.response_lens
         weights = L.token_weights(resp_lens, algo.loss_aggregation) * self.world
-        advantages = _task_advantages(batch) if algo.distillation.use_task_rewards else None
+        advantages = _task_advantages(batch, algo.advantage) if algo.distillation.use_task_rewards else None
         baseline = _distillation_baseline(batch, algo, self.contract)
 
         proximal = self._proximal.pop(0) if self._proximal else None
@@ -461,20 +470,22 @@ def vision_lockstep(plans: Plan, image_counts: list[int] | None, world: int) -> 
     return [any(image_counts[i] for p in plans for row in micro_batch_rows(p, j) for i in row) for j in range(n_micro)]
 
 
-def _task_advantages(batch: TensorBatch) -> torch.Tensor:
-    """GRPO advantage of each sample within its prompt group (useTaskRewards)."""
+def _task_advantages(batch: TensorBatch, estimator: Advantage) -> torch.Tensor:
+    """The algorithm.advantage of each sample within its prompt group (useTaskRewards)."""
     if batch.rewards is None or batch.group_ids is None:
         raise ValueError("TensorBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
-    return L.grpo_advantages(torch.tensor(batch.rewards, dtype=torch.float32), batch.group_ids)
+    return L.group_advantages(torch.tensor(batch.rewards, dtype=torch.float32), batch.group_ids, estimator)
 
 
 def needs_proximal_pass(algo: AlgorithmSpec, mini_batches: int) -> bool:
-    """Whether a step must compute its proximal log-probs before training: a policy-gradient term
-    is in the loss, the spec asks for recompute, and more than one optimiser step follows (with
-    one, the proximal weights are the weights of the only update)."""
+    """Whether a step must compute its proximal log-probs before training: a term reads them (a
+    policy-gradient term's clip, or the importance weight of a direct loss), the spec asks for
+    recompute, and more than one optimiser step follows (with one, the proximal weights are the
+    weights of the only update)."""
     d = algo.distillation
     pg = d.use_task_rewards or (d.enabled and d.use_policy_gradient)
-    return pg and algo.off_policy.proximal is ProximalPolicy.recompute and mini_batches > 1
+    weighted = d.enabled and algo.off_policy.importance.mode is not ImportanceMode.none
+    return (pg or weighted) and algo.off_policy.proximal is ProximalPolicy.recompute and mini_batches > 1
 
 
 def _distillation_baseline(batch: TensorBatch, algo: AlgorithmSpec, contract: LossContract | None) -> float:
