@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from driver_fakes import ALPHABET, FakeRolloutServer, job_spec, logprob_of, rig, token_at
+from driver_fakes import ALPHABET, FakeRolloutServer, FakeTrainer, job_spec, logprob_of, rig, token_at
 from e2e_jobs import write_prompts
-from kubedistill.runtime.driver.evaluation import EvalSchedule, HeldOutSample, summarize
+from kubedistill.runtime.driver.best import BEST_DIR, EVAL_META, BestKeeper, better
+from kubedistill.runtime.driver.evaluation import EvalResult, EvalSchedule, HeldOutSample, SourceScores, summarize
 from kubedistill.runtime.metrics import RoleMetrics
 
 MAX_TOKENS = 3
@@ -144,3 +145,50 @@ async def test_the_first_n_prompts_once_without_teachers_and_no_step_zero(tmp_pa
     scored = [tuple(req.token_ids[: req.prompt_len]) for s in r.cluster.teachers["arith"] for req in s.scored]
     assert scored and not prompts & set(scored)  # the teachers scored training samples only
     assert all(src.reverse_kl is None and src.teacher is None for src in results[0].sources.values())
+
+
+def _result(step: int, score: float | None) -> EvalResult:
+    sources = {"arith": SourceScores(prompts=1, samples=1, score=score, response_length=1.0)}
+    return EvalResult(step, step, 0.1, sources)
+
+
+def test_the_best_export_is_replaced_only_by_a_better_score_and_survives_a_restart(tmp_path) -> None:
+    keeper = BestKeeper(tmp_path)
+
+    def export(step: int) -> None:
+        keeper.candidate(step).mkdir()
+        (keeper.candidate(step) / "model").write_text(str(step))
+
+    for step, score, kept in [(0, 0.4, True), (10, 0.3, False), (20, 0.5, True), (30, 0.5, False), (40, None, False)]:
+        export(step)
+        assert keeper.finished(_result(step, score)) is kept
+        assert not keeper.candidate(step).exists()
+    best = tmp_path / BEST_DIR
+    assert (best / "model").read_text() == "20"
+    assert json.loads((best / EVAL_META).read_text()) == {"step": 20, "weightVersion": 20, "score": 0.5}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [BEST_DIR]
+    # A restarted trainer compares with the kept score and drops candidates left half-way.
+    export(50)
+    again = BestKeeper(tmp_path)
+    assert again.best == 0.5 and not again.candidate(50).exists()
+    assert better(0.6, again.best) and not better(0.5, again.best) and not better(None, None)
+
+
+async def test_keep_best_exports_each_evaluated_student_and_keeps_the_best(tmp_path) -> None:
+    spec = eval_spec(tmp_path, {"everySteps": 2, "keepBest": True}, steps=4)
+
+    class ExportingTrainer(FakeTrainer):
+        def export_hf(self, out_dir: str | Path) -> Path | None:
+            Path(out_dir).mkdir(parents=True)
+            (Path(out_dir) / "trained-steps").write_text(str(len(self.steps)))
+            return super().export_hf(out_dir)
+
+    r = rig(spec, trainer=ExportingTrainer())
+    await r.run()
+    root = tmp_path / "ckpt"
+    # The weights of steps 0, 2 and 4, each exported before its evaluation; every score ties at 0.5,
+    # so the first stays the best.
+    assert [p.name for p in r.trainer.exported] == [f".student-hf-eval-{s:08d}" for s in (0, 2, 4)]
+    assert (root / BEST_DIR / "trained-steps").read_text() == "0"
+    assert json.loads((root / BEST_DIR / EVAL_META).read_text())["step"] == 0
+    assert sorted(p.name for p in root.iterdir()) == [BEST_DIR]

@@ -443,8 +443,9 @@ class EvaluationSpec(ApiModel):
     """Also send each held-out response to its routed teacher and report the per-token reverse
     KL(student || teacher) estimate at the response's tokens (unbiased at temperature 1)."""
     keep_best: bool = False
-    """Keep the checkpoint of the best headline score (the mean score over data sources) beside the
-    newest ones and, with checkpoint.exportHf, export it at the end to <checkpoint.path>/student-hf-best."""
+    """Keep the student of the best headline score (the mean score over data sources) as a plain HF
+    folder, <checkpoint.path>/student-hf-best, beside the last one (student-hf): the weights of every
+    evaluation are exported before it runs (one export each), and kept when they score best so far."""
 
 
 class CheckpointSpec(ApiModel):

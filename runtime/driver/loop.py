@@ -46,6 +46,7 @@ from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.checkpoint import checkpoint_due
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, prepare
+from kubedistill.runtime.driver.best import BestKeeper
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
@@ -200,6 +201,9 @@ class Driver:
         """Held-out evaluation (runtime/driver/evaluation.py); None without spec.evaluation."""
         self._evaluations: list[dict[str, Any]] = []
         """Evaluations finished since the last history line (the next line carries them)."""
+        keep_best = spec.evaluation is not None and spec.evaluation.keep_best
+        self.best = BestKeeper(spec.checkpoint.path) if keep_best else None
+        """spec.evaluation.keepBest: each evaluated student's export, the best one kept."""
 
     def _evaluator(self) -> Evaluator:
         assert self.spec.evaluation is not None
@@ -219,6 +223,16 @@ class Driver:
     def _evaluated(self, result: EvalResult) -> None:
         self._evaluations.append(result.to_json())
         publish(result, self.status, self.metrics, self.spec)
+        if self.best is not None:
+            self.best.finished(result)
+
+    async def _evaluate(self, step: int) -> None:
+        """Start the evaluation of the weights synced after `step` (keepBest: export them first,
+        while the trainer still holds them)."""
+        assert self.evaluator is not None
+        if self.best is not None:
+            await self._on_trainer(self.trainer.export_hf, self.best.candidate(step))
+        self.evaluator.start(step, self.version)
 
     def _check_image_rows(self) -> None:
         """Refuse, before anything runs, image rows that a text student or a text teacher would
@@ -327,7 +341,7 @@ class Driver:
             producer = asyncio.create_task(self._produce())
             producer.add_done_callback(functools.partial(self._task_done, "generation"))
             if self.evaluator is not None and self.step == 0 and self.eval_schedule and self.eval_schedule.due(0):
-                self.evaluator.start(0, self.version)
+                await self._evaluate(0)
             watcher = (
                 asyncio.create_task(self.fleet.follow_rollouts()) if self.fleet.rollout_source is not None else None
             )
@@ -439,7 +453,8 @@ class Driver:
             # the buffer's new version) is the last of the resume.
             sync_seconds = clock.lap("sync_resume", sync_parts(times))
             if eval_due and self.evaluator is not None:
-                self.evaluator.start(self.step, self.version)
+                await self._evaluate(self.step)
+                clock.lap("eval")
         return TrainedStep(
             step=self.step,
             trainer_version=trainer_version,
