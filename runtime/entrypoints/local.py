@@ -212,7 +212,9 @@ def fit_gpus(config: JobConfig, processes: list[ProcessPlan], available: int) ->
     """Fit the processes on the `available` GPUs (share_gpus): sets each process's num_gpus and
     extra env, and returns the config with the vLLM servers' gpu_memory_utilization lowered to
     their share (never raised). Unchanged when the GPUs suffice."""
-    from kubedistill.runtime.weight_sync.group import resolve_backend  # imports torch: not at `kubedistill --help`
+    if not any(p.gpus for p in processes):
+        return config  # on CPU: nothing to fit, and no torch import before the roles start
+    from kubedistill.runtime.weight_sync.group import resolve_backend  # imports torch
 
     spec = config.spec
     nccl = resolve_backend(spec.weight_sync.backend, spec.device) == "nccl"
