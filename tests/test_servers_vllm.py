@@ -210,12 +210,14 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
         while (group := httpx.get(url + "/weights/group").json())["state"] != "ready" and time.monotonic() < deadline:
             time.sleep(0.05)
         in_place.append(group.pop("in_place"))
+        group.pop("delta_base")  # the old sender's base, if its last sync kept one: weights unchanged
         assert group == {"epoch": new.epoch, "state": "ready", "error": None, "dtype": "float32"}
     # The hf server receives large tensors in place, vLLM does not: the syncs pack them for both.
     assert sorted(in_place) == [False, True]
     v = max(httpx.get(u + "/version").json()["version"] for u in urls) + 1
     named = perturbed(tiny_models["student"], seed=13)
     new.sync(v, named)
+    assert new.last_delta.plan == "keep"  # a new sender holds no copy: a full sync restarts the chain
     want = expected_checksums(named)
     for url in urls:
         assert httpx.get(url + "/version").json()["version"] == v

@@ -19,6 +19,7 @@ class RecordingEngine:
     def __init__(self, rendezvous_open: bool = True) -> None:
         self.calls: list[str] = []
         self.weight_group_state = "none"
+        self.delta_base = None
         self.rendezvous = asyncio.Event()
         if rendezvous_open:
             self.rendezvous.set()
@@ -75,6 +76,7 @@ async def test_switch_waits_for_the_old_sync_then_leaves_then_joins() -> None:
         "error": None,
         "dtype": "bfloat16",
         "in_place": False,
+        "delta_base": None,
     }
     m.switch("e1")  # the trainer retrying its request: nothing to do
     assert not m.switching and m.switches == 1
@@ -113,6 +115,7 @@ async def test_a_failed_join_is_reported_and_the_same_epoch_can_retry() -> None:
         "error": "TimeoutError: rendezvous timed out",
         "dtype": "bfloat16",
         "in_place": False,
+        "delta_base": None,
     }
     engine.join_error = None
     m.switch("e1")

@@ -111,6 +111,7 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "error": None,
             "dtype": "float32",
             "in_place": True,  # the hf engine: large tensors travel alone, straight into its parameters
+            "delta_base": None,  # inside the version-2 load, which may never complete: no base
         }
         os.kill(sender_proc.pid, signal.SIGKILL)
         sender_proc.wait(30)
@@ -128,12 +129,14 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "error": None,
             "dtype": "float32",
             "in_place": True,
+            "delta_base": None,  # the aborted sync broke the chain
         }
         # The interrupted version-2 sync failed on the server; it never loaded.
         last = httpx.get(url + "/weights/last").json()
         assert last["version"] == 2 and "error" in last, last
         named = perturbed(tiny_models["student"], seed=12)
         sender.sync(3, named)
+        assert sender.last_delta.plan == "keep"  # a full sync restarts the chain
         assert httpx.get(url + "/version").json()["version"] == 3
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(named)
         assert rejoin_seconds < 30, rejoin_seconds
@@ -176,7 +179,10 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
         named = perturbed(tiny_models["student"], seed=30)
         sender.sync(10, named)
         assert sender.reforms == 1
-        assert httpx.get(url + "/weights/group").json() == {
+        assert sender.last_delta.plan == "keep"  # the new server holds no base: a full sync
+        group = httpx.get(url + "/weights/group").json()
+        assert group.pop("delta_base")["version"] == 10
+        assert group == {
             "epoch": sender.epoch,
             "state": "ready",
             "error": None,

@@ -101,6 +101,12 @@ class SyncBackend(str, Enum):
     gloo = "gloo"
 
 
+class DeltaMode(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
 class PullPolicy(str, Enum):
     always = "Always"
     if_not_present = "IfNotPresent"

@@ -17,6 +17,7 @@ from kubedistill.api.enums import (
     ALL_LINEAR,
     KUEUE_MAX_TEACHERS,
     MODULE_NAME,
+    DeltaMode,
     Device,
     Engine,
     GangScheduler,
@@ -275,6 +276,16 @@ SPEC_RULES: list[Rule] = [
         "must not name a module twice",
         ".trainer.lora.targetModules",
         lambda s: len(set(_target_modules(s))) == len(_target_modules(s)),
+    ),
+    Rule(
+        "spec",
+        _lora_cel(
+            "!has(self.weightSync) || !has(self.weightSync.delta) || !has(self.weightSync.delta.mode)"
+            " || self.weightSync.delta.mode != 'on'"
+        ),
+        "on needs full-weight syncs: a LoRA student (trainer.lora) syncs its adapter only; use auto or off",
+        ".weightSync.delta.mode",
+        lambda s: s.trainer.lora is None or s.weight_sync.delta.mode is not DeltaMode.on,
     ),
     Rule(
         "spec",

@@ -35,6 +35,7 @@ from kubedistill.api.enums import (
     ProximalPolicy,
     PullPolicy,
     ResumePolicy,
+    DeltaMode,
     SyncBackend,
 )
 from kubedistill.api.rules import violations
@@ -84,6 +85,8 @@ __all__ = [
     "RoutingSpec",
     "SamplingSpec",
     "SchedulingSpec",
+    "DeltaMode",
+    "DeltaSyncSpec",
     "SyncBackend",
     "TeacherMatch",
     "TeacherSpec",
@@ -464,6 +467,23 @@ class CheckpointSpec(ApiModel):
     instead with spec.trainer.lora.export adapter)."""
 
 
+class DeltaSyncSpec(ApiModel):
+    """Sparse delta syncs: only the weights that changed since the version every rollout server
+    holds, bit for bit the same result as a full sync (docs/design.md#delta-weight-syncs)."""
+
+    mode: DeltaMode = DeltaMode.auto
+    """auto: deltas while they are faster than full syncs (measured by the trainer; after a slower
+    one, full syncs for 2, 4, ... 64 syncs before trying again); on: a delta whenever every server
+    holds the trainer's last version; off: full syncs only. Anything that breaks the chain (a
+    server joining or failing a load, a trainer restart or resume, an aborted sync) makes the
+    next sync a full one by itself. Costs one copy of the student in the engines' dtype in the
+    trainer's host memory, and one in each vLLM worker's (none on the hf engine). A LoRA
+    student's adapter-only syncs are never deltas."""
+    density_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
+    """A tensor whose changed fraction exceeds this travels whole rather than as changed
+    positions and values."""
+
+
 class WeightSyncSpec(ApiModel):
     """Trainer -> rollout weight broadcast."""
 
@@ -473,6 +493,8 @@ class WeightSyncSpec(ApiModel):
     """Collective backend: auto (nccl on cuda, gloo on cpu), nccl or gloo."""
     timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
     """Timeout of one sync."""
+    delta: DeltaSyncSpec = Field(default_factory=DeltaSyncSpec)
+    """Send only what changed between versions (auto, on or off)."""
 
 
 QueueName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]

@@ -9,10 +9,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kubedistill.runtime.weight_sync.delta import check_delta
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.lora import check_lora_manifest
 from kubedistill.runtime.weight_sync.manifest import check_against
 from kubedistill.runtime.wire.protocol import (
+    DeltaBase,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
@@ -125,6 +127,9 @@ class Engine(ABC):
         self.version = 0
         self.inflight: dict[str, InFlight] = {}
         self.weight_group_state: WeightGroupState = "none"
+        self.delta_base: DeltaBase | None = None
+        """The delta-chain version this engine holds bit for bit (runtime/weight_sync/delta.py):
+        set by `loaded`, cleared by the server as any load starts."""
 
     # --- life cycle -------------------------------------------------------------------------
     @abstractmethod
@@ -198,8 +203,17 @@ class Engine(ABC):
         engine's tensors, a LoRA adapter must fit the engine's linear layers."""
         if manifest.lora is None:
             check_against(manifest, self.expected_tensors())
+            if manifest.delta is not None and manifest.delta.base is not None:
+                check_delta(manifest, self.expected_tensors(), self.delta_base)
         else:
             check_lora_manifest(manifest, self.expected_tensors())
+
+    def loaded(self, version: int, manifest: Manifest) -> None:
+        """A sync has loaded: serve `version` from now on, holding the delta base the manifest
+        keeps (if any). Both at once, before the sender hears of the end, so its next sync sees
+        the base."""
+        self.delta_base = manifest.delta.keep if manifest.delta is not None else None
+        self.version = version
 
     @abstractmethod
     async def weight_checksums(self) -> dict[str, str]:

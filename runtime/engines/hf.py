@@ -62,6 +62,8 @@ from kubedistill.runtime.engines.images import (
 )
 from kubedistill.runtime.models.loading import auto_model_class, is_vision_language
 from kubedistill.runtime.trainer.microbatch import VisionTokens, mrope_positions
+from kubedistill.runtime.weight_sync.delta import Assembler
+from kubedistill.runtime.weight_sync.delta import apply as apply_patch
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.lora import BaseWeights, adapted_modules, merge, same_adapter_layout
 from kubedistill.runtime.weight_sync.transfer import close_receive, receive
@@ -602,6 +604,9 @@ class HFEngine(Engine):
         errors: list[str] = []
         lora = manifest.lora
         adapter: dict[str, torch.Tensor] = {}  # a LoRA version's tensors, applied once all arrived
+        # A delta's pieces patch the parameters in place: they hold the base bit for bit.
+        delta = manifest.delta
+        patches = Assembler(delta.targets) if delta is not None and delta.base is not None else None
 
         def consume(named: list[tuple[str, torch.Tensor]]) -> None:
             if errors or not load:
@@ -612,7 +617,11 @@ class HFEngine(Engine):
                     return
                 with self._lock:
                     for name, t in named:
-                        self._params[name].data.copy_(t)
+                        if patches is None:
+                            self._params[name].data.copy_(t)
+                            continue
+                        for target, positions, values in patches.add(name, t):
+                            apply_patch(self._params[target].data, positions, values)
             except Exception as e:  # keep receiving so the collective stays in step
                 errors.append(f"{type(e).__name__}: {e}")
 
@@ -624,6 +633,11 @@ class HFEngine(Engine):
         with torch.no_grad():
             stats = receive(group, manifest, consume, destination)
             t_apply = time.perf_counter()
+            if patches is not None and load and not errors:
+                try:
+                    patches.check_done()
+                except ValueError as e:
+                    errors.append(str(e))
             if lora is not None and load and not errors:
                 try:
                     self._apply_lora(lora, adapter)
@@ -633,7 +647,7 @@ class HFEngine(Engine):
         if load and not errors:
             # Before the all-reduce that releases the trainer: once its sync returns, /version
             # must already report the new version.
-            self.version = version
+            self.loaded(version, manifest)
         return close_receive(group, stats, errors, load)
 
     def _apply_lora(self, lora: LoraAdapter, tensors: dict[str, torch.Tensor]) -> None:

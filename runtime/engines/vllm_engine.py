@@ -472,7 +472,7 @@ class VLLMEngine(Engine):
                 if loading is not None:
                     self._serve_adapter(self._adapter_ids, version)
                 if load:
-                    self.version = version
+                    self.loaded(version, manifest)
             finally:
                 if load:
                     await self._drop_stale_caches()

@@ -71,6 +71,8 @@ class WeightSyncWorkerExtension:
     _kd_task: _Task | None = None
     _kd_lora_base: BaseWeights | None = None
     _kd_checkpoint_names: list[str] = []
+    _kd_base_copy: dict[str, torch.Tensor] | None = None
+    """The delta base: every tensor as last loaded by a sync that keeps one (see _kd_receive_delta)."""
 
     # --- group --------------------------------------------------------------------------------
     def kd_ws_join(
@@ -215,14 +217,22 @@ class WeightSyncWorkerExtension:
 
         from kubedistill.runtime.weight_sync.transfer import close_receive, receive
 
+        if manifest.delta is not None and manifest.delta.base is not None:
+            return self._kd_receive_delta(group, manifest, load)
         model = self.model_runner.get_model()
         errors: list[str] = []
         t0 = time.perf_counter()
+        if load:
+            self._kd_base_copy = None  # the weights no longer match it from here on
+        # Keeping a delta base: a copy of every tensor as loaded (host memory, HF names, unfused).
+        kept: dict[str, torch.Tensor] | None = {} if load and manifest.delta is not None else None
 
         def consume(named: list[tuple[str, torch.Tensor]]) -> None:
             if errors or not load:
                 return
             try:
+                if kept is not None:
+                    kept.update((n, t.to("cpu", copy=True)) for n, t in named)
                 model.load_weights(weights=named)
             except Exception as e:  # keep receiving so the collective stays in step
                 errors.append(f"{type(e).__name__}: {e}")
@@ -244,7 +254,63 @@ class WeightSyncWorkerExtension:
                 self._kd_refresh_tied_lm_head(model)
             finalize_s = time.perf_counter() - t_fin
         closed = close_receive(group, stats, errors, load, finalize_s)
+        if load:
+            self._kd_base_copy = kept
         return {**closed, "seconds": time.perf_counter() - t0, "repack_seconds": finalize_s}
+
+    def _kd_receive_delta(self, group: WeightSyncGroup, manifest: Manifest, load: bool) -> dict[str, float]:
+        """A delta: its pieces patch this worker's copy of the tensors it last loaded (unfused, HF
+        names), then every tensor goes through the loader as in a full sync, so fused layers
+        (qkv, gate_up) end exactly as a full sync of this version would leave them."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from kubedistill.runtime.weight_sync.delta import Assembler
+        from kubedistill.runtime.weight_sync.delta import apply as apply_patch
+        from kubedistill.runtime.weight_sync.transfer import close_receive, receive
+
+        assert manifest.delta is not None
+        model = self.model_runner.get_model()
+        t0 = time.perf_counter()
+        base = self._kd_base_copy
+        if load:
+            self._kd_base_copy = None  # until this load completes: a failed one leaves it patched halfway
+        errors: list[str] = []
+        if load and base is None:
+            errors.append("RuntimeError: this worker keeps no copy of the delta's base (restarted?)")
+        patches = Assembler(manifest.delta.targets)
+
+        def consume(named: list[tuple[str, torch.Tensor]]) -> None:
+            if errors or not load or base is None:
+                return
+            try:
+                for name, t in named:
+                    for target, positions, values in patches.add(name, t):
+                        apply_patch(base[target], positions, values)
+            except Exception as e:  # keep receiving so the collective stays in step
+                errors.append(f"{type(e).__name__}: {e}")
+
+        stats = receive(group, manifest, consume)
+        t_fin = time.perf_counter()
+        if load and not errors and base is not None:
+            try:
+                patches.check_done()
+                with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                    initialize_layerwise_reload(model)
+                    try:
+                        model.load_weights(weights=((t.name, base[t.name]) for t in manifest.delta.targets))
+                    except BaseException:
+                        self._kd_abandon_reload(model)
+                        raise
+                    finalize_layerwise_reload(model, self.model_config)
+                    self._kd_refresh_tied_lm_head(model)
+            except Exception as e:  # reported through the all-reduce, like a failed load
+                errors.append(f"{type(e).__name__}: {e}")
+        load_s = time.perf_counter() - t_fin
+        closed = close_receive(group, stats, errors, load, load_s)  # raises the first error
+        if load:
+            self._kd_base_copy = base
+        return {**closed, "seconds": time.perf_counter() - t0, "repack_seconds": load_s}
 
     def _kd_receive_lora(
         self,
@@ -261,6 +327,8 @@ class WeightSyncWorkerExtension:
         errors: list[str] = []
         tensors: dict[str, torch.Tensor] = {}
         t0 = time.perf_counter()
+        if load:
+            self._kd_base_copy = None  # the merge changes the weights under it
 
         def consume(named: list[tuple[str, torch.Tensor]]) -> None:
             if load:

@@ -209,6 +209,10 @@ def build_rollout_app(
         return True
 
     async def _receive(req: WeightsBeginRequest, load: bool) -> None:
+        if load:
+            # A load that does not complete leaves weights no sender holds a copy of: the next
+            # sync must be a full one (the sender reads this base before each sync).
+            engine.delta_base = None
         try:
             stats = await engine.receive_weights(req.manifest, req.version, pause_mode(spec), load)
         except Exception as e:

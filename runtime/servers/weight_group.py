@@ -77,6 +77,7 @@ class WeightGroupMembership:
             error=self.error,
             dtype=self.engine.weight_dtype(),
             in_place=self.engine.receives_in_place(),
+            delta_base=self.engine.delta_base,
         )
 
     @property

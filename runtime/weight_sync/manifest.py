@@ -87,9 +87,11 @@ def check_layout(manifest: Manifest) -> None:
 
 def check_against(manifest: Manifest, expected: Mapping[str, Sequence[int]]) -> None:
     """The manifest must name exactly the engine's tensors, with the same shapes, but for those
-    under its frozen prefixes, which the engine keeps."""
+    under its frozen prefixes, which the engine keeps (a delta's: its targets)."""
     check_layout(manifest)
-    names = [t.name for t in manifest.tensors]
+    delta = manifest.delta
+    tensors = delta.targets if delta is not None and delta.base is not None else manifest.tensors
+    names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise ValueError("manifest mismatch: a tensor name appears twice")
     unknown = [n for n in names if n not in expected]
@@ -107,7 +109,7 @@ def check_against(manifest: Manifest, expected: Mapping[str, Sequence[int]]) -> 
                 if part
             )
         )
-    for t in manifest.tensors:
+    for t in tensors:
         if list(t.shape) != list(expected[t.name]):
             raise ValueError(
                 f"manifest mismatch: {t.name} has shape {list(t.shape)}, the engine's is {list(expected[t.name])}"

@@ -29,6 +29,7 @@ import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_rank, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.runtime.weight_sync.delta import Backoff, DeltaStats, SentCopy, keeping, new_chain, plan
 from kubedistill.runtime.weight_sync.group import (
     GroupAddress,
     WeightSyncGroup,
@@ -39,11 +40,13 @@ from kubedistill.runtime.weight_sync.group import (
 from kubedistill.runtime.weight_sync.manifest import bucket_layout
 from kubedistill.runtime.weight_sync.times import SyncTimes
 from kubedistill.runtime.weight_sync.transfer import TransferStats, send, torch_dtype
-from kubedistill.runtime.wire.dtypes import dtype_name
+from kubedistill.runtime.wire.dtypes import dtype_name, numel
 from kubedistill.runtime.wire.http import REQUEST_ERRORS, TRANSPORT_ERRORS, BlockingClient, ServerError, call, fetch
 from kubedistill.runtime.wire.protocol import (
+    DeltaBase,
     LoraAdapter,
     Manifest,
+    ManifestDelta,
     TensorMeta,
     VersionResponse,
     WeightsBeginRequest,
@@ -161,6 +164,13 @@ class WeightSender:
         self.group = WeightSyncGroup(addr, store=store)
         self._formed = list(self.members)
         self.last_stats: TransferStats | None = None
+        self._copy: SentCopy | None = None
+        """What every member holds after the last sync, while delta syncs are on (delta.py)."""
+        self._bases: list[DeltaBase | None] = []
+        """The delta base each member reported before this sync (GET /weights/group)."""
+        self._backoff = Backoff()
+        self.last_delta = DeltaStats()
+        """The last sync's plan, density and bytes a full sync would have sent."""
 
     def set_members(self, urls: list[str]) -> None:
         """The rollout servers the next sync goes to. The group is re-formed around them by that
@@ -222,6 +232,7 @@ class WeightSender:
         answers = self._http.run(_each(member(url) for url in self.members))
         self.wire_dtype = wire_dtype(doc.dtype if doc is not None else None for _, doc in answers)
         self.direct_bytes = direct_bytes(doc.in_place if doc is not None else False for _, doc in answers)
+        self._bases = [doc.delta_base if doc is not None else None for _, doc in answers]
         if self.members == self._formed and all(ok for ok, _ in answers):
             return
         self.group.close()
@@ -258,7 +269,32 @@ class WeightSender:
             draw = named.__iter__
         if adapter is None:
             metas = [as_wire_dtype(m, self.wire_dtype) for m in metas]
-        manifest = layout(metas, budget, self.direct_bytes)
+        setting = self.spec.weight_sync.delta
+        held = self._copy.base if self._copy is not None and self._copy.fits(metas) else None
+        how = plan(setting, held, self._bases, self.wire_dtype, bool(adapter), self._backoff)
+        copy, self._copy = self._copy, None  # kept again only once this sync has succeeded
+        keep = DeltaBase(chain=copy.base.chain if how == "delta" and copy else new_chain(), version=version)
+        kept: dict[str, torch.Tensor] = {}
+        tensors: Iterable[torch.Tensor]
+        if how == "delta":
+            assert copy is not None
+            pieces, tensors, delta = copy.delta(metas, draw(), setting.density_threshold)
+            manifest = layout(pieces, budget, self.direct_bytes)
+            manifest.delta = ManifestDelta(keep=keep, base=copy.base, targets=metas)
+            tensors = _on_device(manifest, zip((p.name for p in pieces), tensors), self.group.device)
+        else:
+            manifest = layout(metas, budget, self.direct_bytes)
+            delta = DeltaStats(plan=how, elements=sum(numel(m.shape) for m in metas), full_bytes=manifest.total_bytes)
+            delta.changed = delta.elements
+            if how == "keep":
+                manifest.delta = ManifestDelta(keep=keep)
+            # Drawn only after every server began the sync (below).
+            tensors = (
+                t
+                for _, t in keeping(
+                    _named(manifest, lambda: _on_device(manifest, draw(), self.group.device)), kept, how == "keep"
+                )
+            )
         manifest.lora = adapter
         manifest.frozen = frozen
         body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch)
@@ -284,15 +320,17 @@ class WeightSender:
         answers = self._http.run(_each(begin(url) for url in self.members))
         refusals = [r for r in answers if r is not None]
         t_begun = time.perf_counter()
-        stats = send(self.group, manifest, _on_device(manifest, draw(), self.group.device))
+        stats = send(self.group, manifest, tensors)
         t_sent = time.perf_counter()
         failed = self.group.all_reduce_sum(0)
         t_loaded = time.perf_counter()
         stats.seconds = t_loaded - t0
-        self.last_stats = stats
+        self.last_stats, self.last_delta = stats, delta
         if self.metrics is not None:
             self.metrics["weight_sync_seconds"].observe(stats.seconds)
             self.metrics["weight_sync_bytes"].inc(stats.bytes)
+            self.metrics["weight_sync_full_bytes"].inc(delta.full_bytes)
+            self.metrics["weight_sync_density"].set(delta.density)
             self.metrics["weight_version"].set(version)
         if refusals:
             raise WeightSyncError("; ".join(refusals))
@@ -302,6 +340,13 @@ class WeightSender:
         stats.times = SyncTimes(
             pause=t_begun - t0, transfer=t_sent - t_begun, load=t_loaded - t_sent, resume=time.perf_counter() - t_loaded
         )
+        if how == "delta":
+            assert copy is not None
+            copy.base = keep
+            self._copy = copy
+        elif how == "keep":
+            self._copy = SentCopy(keep.chain, version, kept)
+        self._backoff.observe(how, stats.seconds)
         return stats
 
     def _await_served(self, version: int) -> None:
@@ -370,6 +415,11 @@ def _on_device(
         if meta is None or name != meta.name:
             raise WeightSyncError(f"weight {i} is {name!r}; the manifest says {meta.name if meta else None!r}")
         yield t.to(device=device, dtype=torch_dtype(meta.dtype))
+
+
+def _named(manifest: Manifest, tensors: Callable[[], Iterable[torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The manifest's names beside the tensors, drawn only once iterated."""
+    yield from zip((t.name for t in manifest.tensors), tensors())
 
 
 def _at(url: str, path: str) -> str:

@@ -128,6 +128,29 @@ class LoraAdapter(WireRequest):
     previous one's delta exactly); adapter: serve it as a LoRA adapter (vLLM)."""
 
 
+class DeltaBase(Wire):
+    """Weights a receiver holds exactly as a sender sent them: version `version` of the chain
+    `chain` (a fresh id each time a sender starts keeping a copy)."""
+
+    chain: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    version: Annotated[int, Field(ge=0)]
+
+
+class ManifestDelta(WireRequest):
+    """A sync in the delta chain (runtime/weight_sync/delta.py). Without `base` the tensors are the
+    model's own, whole; with it they are pieces of `targets`: `<name>` (the whole tensor),
+    `<name>#index` (int32/int64 flat positions) or `<name>#mask` (a packed bitmask, LSB first)
+    each followed by `<name>#values` (the new values at those positions). A target without
+    pieces did not change."""
+
+    keep: DeltaBase
+    """What the receiver holds once it loaded this sync (the next delta's base)."""
+    base: DeltaBase | None = None
+    """The weights the pieces patch; a receiver holding anything else refuses (409)."""
+    targets: list[TensorMeta] = Field(default_factory=list)
+    """With `base`: the model's tensors, in order, as a full sync's manifest would list them."""
+
+
 class Manifest(WireRequest):
     """The ordered tensors of one sync and the bucket layout both sides use (no pickling)."""
 
@@ -139,6 +162,9 @@ class Manifest(WireRequest):
     frozen: list[str] = Field(default_factory=list)
     """Name prefixes of weights the trainer never changes and so leaves out (a frozen vision
     tower: ``model.visual.``): the receiver keeps its own."""
+    delta: ManifestDelta | None = None
+    """Set when the sender keeps a copy of what it sent (weightSync.delta): the receiver keeps
+    its base too, and with `delta.base` the tensors are a delta's pieces."""
 
     @property
     def total_bytes(self) -> int:
@@ -178,6 +204,8 @@ class WeightsGroupResponse(Wire):
     hf engine). The sender gives large tensors buckets of their own only when every server does;
     otherwise it packs them, so an engine that loads through a loader call per bucket (vLLM)
     makes few calls."""
+    delta_base: DeltaBase | None = None
+    """The delta chain version the engine holds bit for bit (None: none; the next sync is full)."""
 
 
 class WeightsBeginResponse(Wire):
