@@ -1,0 +1,158 @@
+"""Delta weight syncs without servers: encodings chosen by bytes, patches that land bit for bit
+(signed zeros and NaNs included), the plan's fall-backs to a full sync, auto's back-off, and a
+sender's copy that follows the weights it sent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kubedistill.api.spec import DeltaMode, DeltaSyncSpec
+from kubedistill.runtime.weight_sync.delta import (
+    MAX_BACKOFF,
+    Assembler,
+    Backoff,
+    SentCopy,
+    apply,
+    check_delta,
+    choose,
+    encode,
+    pack_bits,
+    plan,
+    unpack_bits,
+)
+from kubedistill.runtime.weight_sync.manifest import bucket_layout, tensor_checksum
+from kubedistill.runtime.wire.protocol import DeltaBase, ManifestDelta, TensorMeta
+
+torch.set_num_threads(1)
+
+
+def test_encoding_is_the_fewest_bytes_and_whole_past_the_threshold() -> None:
+    # bf16 values (2 bytes), int32 positions: index costs 6 bytes a change, a mask n/8 + 2 a change.
+    n = 1 << 20
+    assert choose(n, 0, 2, 0.5) == "none"
+    assert choose(n, n // 64, 2, 0.5) == "index"  # 6/64 < 1/8 + 2/64
+    assert choose(n, n // 16, 2, 0.5) == "mask"  # 1/8 + 2/16 < 6/16
+    assert choose(n, n // 2 + 1, 2, 0.5) == "whole"  # past the threshold
+    assert choose(n, n // 2 + 1, 2, 1.0) == "mask"  # 1/8 + 1 < 2
+    assert choose(n, n - 1, 2, 1.0) == "whole"  # a mask and nearly every value costs more
+    assert choose(1000, 1, 4, 1.0) == "index" and choose(8, 1, 4, 1.0) == "mask"  # 8 > 1 + 4 bytes
+
+
+def test_bits_pack_and_unpack() -> None:
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 1000):
+        mask = torch.rand(n, generator=g) < 0.3
+        packed = pack_bits(mask)
+        assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
+        assert torch.equal(unpack_bits(packed, n), mask)
+
+
+@pytest.mark.parametrize(("dtype", "fraction"), [(torch.bfloat16, 0.001), (torch.bfloat16, 0.1), (torch.float32, 0.9)])
+def test_a_patched_copy_is_bit_identical_to_the_new_tensor(dtype: torch.dtype, fraction: float) -> None:
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(64, 97, generator=g).to(dtype)
+    old.view(-1)[:4] = torch.tensor([0.0, -0.0, float("nan"), 1.0]).to(dtype)
+    new = old.clone()
+    hit = torch.rand(old.shape, generator=g) < fraction
+    new[hit] = (new[hit].float() + 1e-2).to(dtype)
+    new.view(-1)[:4] = torch.tensor([-0.0, 0.0, float("nan"), 1.0]).to(dtype)  # sign flips; NaN stays
+    kind, k, pieces = encode("w", new, old, threshold=0.5)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert k == int((new.view(bits) != old.view(bits)).sum()) >= 2  # the signed zeros count, the NaN not
+    assert kind == {0.001: "index", 0.1: "mask", 0.9: "whole"}[fraction]
+    receiver = old.clone()
+    patches = Assembler([TensorMeta(name="w", dtype=str(dtype).removeprefix("torch."), shape=list(old.shape))])
+    for name, piece in reversed(pieces):  # values may arrive before their positions (another bucket)
+        for target, positions, values in patches.add(name, piece.clone()):
+            assert target == "w"
+            apply(receiver, positions, values)
+    patches.check_done()
+    assert tensor_checksum(receiver) == tensor_checksum(new)
+
+
+def test_unchanged_tensors_send_nothing() -> None:
+    t = torch.randn(10, 10)
+    assert encode("w", t.clone(), t, 0.5) == ("none", 0, [])
+
+
+def test_the_senders_copy_follows_what_it_sent() -> None:
+    g = torch.Generator().manual_seed(2)
+    fp32 = {"a": torch.randn(100, 8, generator=g), "b": torch.randn(3000, generator=g)}
+    metas = [TensorMeta(name=n, dtype="bfloat16", shape=list(t.shape)) for n, t in fp32.items()]
+    copy = SentCopy("c1", 3, {n: t.to(torch.bfloat16) for n, t in fp32.items()})
+    nxt = {n: t.clone() for n, t in fp32.items()}
+    nxt["b"][:30] += 1.0  # a's change stays below half a bf16 ulp: nothing to send for it
+    nxt["a"] += 1e-7
+    pieces, tensors, stats = copy.delta(metas, nxt.items(), threshold=0.5)
+    assert [p.name for p in pieces] == ["b#index", "b#values"]
+    assert [list(t.shape) for t in tensors] == [[30], [30]]
+    assert stats.changed == 30 and stats.elements == 3800 and stats.full_bytes == 3800 * 2
+    assert stats.encodings == {"none": 1, "index": 1}
+    for n, t in nxt.items():
+        assert tensor_checksum(copy.tensors[n]) == tensor_checksum(t.to(torch.bfloat16))
+
+
+ON, AUTO, OFF = (DeltaSyncSpec(mode=m) for m in (DeltaMode.on, DeltaMode.auto, DeltaMode.off))
+HELD = DeltaBase(chain="c1", version=7)
+
+
+@pytest.mark.parametrize(
+    ("spec", "held", "bases", "dtype", "lora", "expected"),
+    [
+        (ON, HELD, [HELD, HELD], "bfloat16", False, "delta"),
+        (AUTO, HELD, [HELD, HELD], "bfloat16", False, "delta"),
+        (OFF, HELD, [HELD, HELD], "bfloat16", False, "full"),
+        # the trainer's first sync, or one after a restart or a resume from a checkpoint: no copy
+        (ON, None, [None, None], "bfloat16", False, "keep"),
+        (ON, None, [HELD, HELD], "bfloat16", False, "keep"),
+        # a server joined (or was replaced, or failed its last load): it holds nothing
+        (ON, HELD, [HELD, None], "bfloat16", False, "keep"),
+        # a version gap: a server missed a version of the chain
+        (ON, HELD, [HELD, DeltaBase(chain="c1", version=6)], "bfloat16", False, "keep"),
+        # another sender's chain (a trainer restarted while the servers ran on)
+        (ON, HELD, [DeltaBase(chain="c0", version=7)], "bfloat16", False, "keep"),
+        (ON, HELD, [HELD], None, False, "full"),  # servers keep different dtypes: no single copy fits
+        (ON, HELD, [HELD], "bfloat16", True, "full"),  # LoRA adapters have their own path
+    ],
+)
+def test_plan_falls_back_to_a_full_sync_whenever_the_chain_breaks(spec, held, bases, dtype, lora, expected) -> None:
+    assert plan(spec, held, bases, dtype, lora, Backoff()) == expected
+
+
+def test_auto_backs_off_while_deltas_are_slower_than_full_syncs() -> None:
+    b = Backoff()
+    b.observe("keep", 1.0)
+    assert plan(AUTO, HELD, [HELD], "bfloat16", False, b) == "delta"
+    b.observe("delta", 1.2)  # slower than the full sync: 2 full syncs, the last one keeping a copy
+    plans = []
+    for _ in range(3):
+        plans.append(plan(AUTO, None if plans[-1:] != ["keep"] else HELD, [HELD], "bfloat16", False, b))
+        b.observe(plans[-1], 1.0)
+    assert plans == ["full", "keep", "delta"]
+    assert plan(ON, HELD, [HELD], "bfloat16", False, Backoff(skip=5)) == "delta"  # on ignores it
+    for _ in range(10):
+        b.observe("delta", 2.0)
+    assert b.skip == MAX_BACKOFF
+    b.observe("delta", 0.5)  # faster again: no back-off
+    assert b.skip == MAX_BACKOFF and b.losses == 0
+
+
+def test_a_receiver_refuses_a_delta_on_another_base_in_one_line() -> None:
+    targets = [TensorMeta(name="w", dtype="bfloat16", shape=[4, 4])]
+    pieces = [
+        TensorMeta(name="w#index", dtype="int32", shape=[2]),
+        TensorMeta(name="w#values", dtype="bfloat16", shape=[2]),
+    ]
+    manifest = bucket_layout(pieces, 1024)
+    manifest.delta = ManifestDelta(keep=DeltaBase(chain="c1", version=8), base=HELD, targets=targets)
+    check_delta(manifest, {"w": [4, 4]}, HELD)
+    with pytest.raises(
+        ValueError, match=r"^delta base mismatch: the sync patches c1@7, this engine holds no delta base$"
+    ):
+        check_delta(manifest, {"w": [4, 4]}, None)
+    manifest.tensors[0].name = "v#index"
+    with pytest.raises(ValueError, match="delta piece 'v#index' does not match a target tensor"):
+        check_delta(manifest, {"w": [4, 4]}, HELD)
