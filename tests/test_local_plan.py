@@ -119,7 +119,7 @@ def test_run_refuses_a_value_from_it_cannot_resolve(tmp_path: Path) -> None:
 
 
 def test_one_gpu_is_shared_by_trainer_rollout_and_teacher(tmp_path: Path) -> None:
-    """examples/one-gpu.yaml asks for three GPUs; on a machine with one, Ray places each role on a
+    """examples/one-gpu.yaml asks for three GPUs; on a machine with one, the launcher places each role on a
     third of it, each vLLM server is held to 0.3 of its memory (the trainer keeps the rest), and
     the NCCL weight-sync members get distinct NCCL host ids (NCCL refuses two ranks on one GPU)."""
     from kubedistill.runtime.entrypoints.local import fit_gpus
@@ -153,7 +153,7 @@ def test_gpu_sharing_rules() -> None:
     assert [two[n].num_gpus for n in ("rollout-0", "rollout-1", "trainer-0", "cpu-helper")] == [0.5, 0.5, 0.5, 0]
     assert two["rollout-0"].memory_utilization == 0.45 and two["trainer-0"].memory_utilization is None
     assert all(not s.env for s in two.values())  # gloo: no NCCL settings
-    with pytest.raises(ValueError, match="Ray sees none"):
+    with pytest.raises(ValueError, match="has none"):
         share_gpus(demands, available=0, nccl=True)
     tp2 = [GpuDemand(name="rollout-0", role=Role.rollout, gpus=2), GpuDemand(name="t", role=Role.trainer, gpus=1)]
     with pytest.raises(ValueError, match="only single-GPU roles can share one, but rollout-0 asks for 2"):

@@ -1,5 +1,5 @@
 """How `kubedistill run` fits a job's roles on fewer GPUs than they ask for (one GPU for trainer,
-rollout and teacher, as bench/gpu_smoke.sh does): Ray places each role process with a fraction
+rollout and teacher, as bench/gpu_smoke.sh does): the launcher places each role process with a fraction
 of a GPU, each vLLM server is held to a share of the GPU's memory so the trainer keeps the rest,
 and processes in one NCCL group get distinct NCCL host ids, since NCCL refuses two ranks on the
 same GPU ("Duplicate GPU detected") unless they look like different hosts (it then connects them
@@ -30,7 +30,7 @@ class GpuDemand(BaseModel):
 
 
 class GpuShare(BaseModel):
-    """What a process gets: Ray's num_gpus, for a vLLM server its memory share, extra env."""
+    """What a process gets: its share of GPUs (Ray's num_gpus), for a vLLM server its memory share, extra env."""
 
     model_config = ConfigDict(frozen=True)
     num_gpus: float
@@ -48,11 +48,14 @@ def share_gpus(demands: Sequence[GpuDemand], available: int, nccl: bool) -> dict
     if wanted <= available:
         return {d.name: GpuShare(num_gpus=d.gpus) for d in demands}
     if available < 1:
-        raise ValueError(f"the job asks for {wanted} GPUs and Ray sees none; run on a GPU machine or use device: cpu")
+        raise ValueError(
+            f"the job asks for {wanted} GPUs and this machine (or Ray cluster) has none; "
+            "run on a GPU machine or use device: cpu"
+        )
     multi = [d for d in gpu_procs if d.gpus > 1]
     if multi:
         raise ValueError(
-            f"the job asks for {wanted} GPUs and Ray sees {available}: only single-GPU roles can share one, "
+            f"the job asks for {wanted} GPUs and {available} are here: only single-GPU roles can share one, "
             f"but {multi[0].name} asks for {multi[0].gpus}"
         )
     per_gpu = math.ceil(len(gpu_procs) / available)
@@ -70,7 +73,7 @@ def share_gpus(demands: Sequence[GpuDemand], available: int, nccl: bool) -> dict
 
 
 class Started(BaseModel):
-    """One process as the launcher starts it: its role and its share of a GPU (Ray's num_gpus)."""
+    """One process as the launcher starts it: its role and its share of a GPU."""
 
     model_config = ConfigDict(frozen=True)
     name: str
