@@ -225,6 +225,21 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
         assert {n for n in want if got.get(n) != want[n]} == set(), url
 
 
+def test_twenty_delta_syncs_end_bit_identical_on_vllm_and_hf(vllm_servers, tiny_models) -> None:
+    """Deltas reach vLLM through its loader (a patched copy of the unfused tensors, fused into
+    qkv/gate_up by vLLM) and hf in place; both end as a full sync of the last version would."""
+    from test_weight_sync_delta_servers import checksums_match, delta_on, delta_syncs
+
+    sender, urls = vllm_servers.sender, vllm_servers.rollout_urls
+    sender.spec = delta_on(sender.spec)
+    v = max(httpx.get(u + "/version").json()["version"] for u in urls) + 1
+    named = perturbed(tiny_models["student"], seed=14)
+    sender.sync(v, named)
+    named, v = delta_syncs(sender, named, v, 20, seed=900)
+    checksums_match(urls, named)
+    assert [httpx.get(u + "/weights/group").json()["delta_base"]["version"] for u in urls] == [v, v]
+
+
 async def test_rollout_top_k_ids_and_teacher_gather_on_vllm(vllm_servers, tiny_models) -> None:
     # lossMode reverseKLTopK on vLLM: the rollout's top-k ids at each sampled position, then the
     # teacher's log-probs at those ids (gathered from its whole distribution on vLLM-CPU's V1 runner).

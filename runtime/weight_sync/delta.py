@@ -70,12 +70,12 @@ def choose(n: int, k: int, value_bytes: int, threshold: float) -> Encoding:
         return "none"
     if k > threshold * n:
         return "whole"
-    costs = {
+    costs: dict[Encoding, int] = {
         "index": k * (value_bytes + torch.empty(0, dtype=index_dtype(n)).element_size()),
         "mask": math.ceil(n / 8) + k * value_bytes,
         "whole": n * value_bytes,
     }
-    return min(costs, key=lambda e: costs[e])  # type: ignore[return-value]
+    return min(costs, key=lambda e: costs[e])
 
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
