@@ -76,8 +76,8 @@ from pathlib import Path
 
 import yaml
 
-from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
-from kubedistill.runtime.tasks import arith
+from kubedistill.demo.tiny import build_tiny_model, char_tokenizer
+from kubedistill.demo import arith
 
 work, steps, backend = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 tok = char_tokenizer(arith.ALPHABET)

@@ -1,6 +1,6 @@
 """hf engine throughput: continuous batching vs one request at a time (not run in CI).
 
-On the tiny test models (runtime/models/tiny.py), in this process, measures tokens/s for N
+On the tiny test models (kubedistill/demo/tiny.py), in this process, measures tokens/s for N
 concurrent /generate requests of M new tokens each (temperature 1, ignore_eos, prompts of 8-24
 tokens), and sequences/s for N concurrent /score requests, for:
   old      the engine before continuous batching (runtime/engines/hf.py at commit OLD_COMMIT,
@@ -104,7 +104,7 @@ async def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from kubedistill.runtime.engines.hf import HFEngine
-    from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
+    from kubedistill.demo.tiny import build_tiny_model, char_tokenizer
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="bench-hf-engine-"))

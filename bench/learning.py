@@ -88,7 +88,7 @@ and the adapters' update is scaled by alpha / rank)."""
 def warm_start(cache: Path, teacher_dir: Path | None = None, log=print) -> Path:
     """The warm-started student: the quickstart's (quickstart.STUDENT_WARM_START), made with its
     teacher and data in `cache` when missing. `teacher_dir` is unused (kept for callers)."""
-    from kubedistill.runtime.entrypoints import quickstart
+    from kubedistill.demo import quickstart
 
     quickstart.prepare(cache, log=log)
     return cache / "student-init"
@@ -104,7 +104,7 @@ def evaluate_run(
     lora: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One point per checkpoint (plus step 0 = the warm start): step, time, reverse KL, accuracy."""
-    from kubedistill.runtime.entrypoints import quickstart
+    from kubedistill.demo import quickstart
 
     points = [{"step": 0, "time": 0.0, **init_point, "trainKL": None}]
     with tempfile.TemporaryDirectory(prefix="kd-bench-eval-") as tmp:
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--importance: unknown mode {m!r}; allowed: {', '.join(IMPORTANCE_MODES)}")
 
     single_thread()
-    from kubedistill.runtime.entrypoints import quickstart
+    from kubedistill.demo import quickstart
 
     cache, work = Path(args.cache), Path(args.workdir)
     t0 = time.time()

@@ -1,7 +1,7 @@
 """The image task of the learning benchmark (`bench/learning.py --task vl`): the CPU twin of the
 reference job (examples/multi-teacher-vl-cpu.yaml) from one warm start, through the real runtime.
 
-* models and data: `kubedistill prepare-vl`'s (runtime/entrypoints/vl_prepare.py), cached under
+* models and data: `kubedistill prepare-vl`'s (kubedistill/demo/vl_prepare.py), cached under
   .kubedistill/bench/vl: a vision teacher (tiny Qwen3-VL) that counts the dots in a picture, a
   text teacher (tiny causal LM) for two-digit addition, and a VL student whose vision tower is
   the vision teacher's but whose language side only learned arithmetic: decent on the text task,
@@ -85,7 +85,7 @@ def evaluate_checkpoints(
     the image task and on the text task, the step's k1 estimate of KL(student || teacher)."""
     from transformers import AutoProcessor
 
-    from kubedistill.runtime.entrypoints.vl_prepare import accuracies
+    from kubedistill.demo.vl_prepare import accuracies
 
     processor = AutoProcessor.from_pretrained(str(init_dir))
     points = [{"step": 0, "time": 0.0, **start, "trainKL": None}]
@@ -100,7 +100,7 @@ def evaluate_checkpoints(
 
 def main_vl(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     """bench/learning.py --task vl; options left at their arithmetic defaults take DEFAULTS."""
-    from kubedistill.runtime.entrypoints.vl_prepare import evaluate_vl, prepare_vl
+    from kubedistill.demo.vl_prepare import evaluate_vl, prepare_vl
 
     def given(option: str) -> bool:
         return getattr(args, option) != ap.get_default(option)

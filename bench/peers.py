@@ -4,7 +4,7 @@ run, alternating, with repeats; both scored by the same held-out evaluation.
 Workloads (`--workload 1|2|all`):
 
 1. **quickstart**: `kubedistill quickstart`'s teacher and warm-started student
-   (runtime/entrypoints/quickstart.py `prepare`, reused: `.kubedistill/quickstart/`), two-digit
+   (kubedistill/demo/quickstart.py `prepare`, reused: `.kubedistill/quickstart/`), two-digit
    addition, 200 steps × 64 samples (one per prompt), AdamW lr 1e-3, 5 warm-up steps then cosine,
    grad clip 1.0, float32, temperature 1.0, at most 8 new tokens, forward KL over the top-16 (the
    whole 16-token vocabulary), mean over generated tokens. Target: 80 % held-out accuracy.
@@ -170,7 +170,7 @@ def quickstart_manifest() -> dict[str, Any]:
 
 
 def workload1(log: Callable[[str], object]) -> Workload:
-    from kubedistill.runtime.entrypoints import quickstart
+    from kubedistill.demo import quickstart
 
     base = REPO / quickstart.QUICKSTART_DIR
     quickstart.prepare(base, log=log)  # reuses what is already there

@@ -11,7 +11,7 @@ log-uniformly, so most answers are a few tokens long and a few per batch run to 
 lock-step batch waits for its longest answer, which is what overlapping generation with training
 and partial rollouts are for.
 
-Char-level vocabulary (runtime/models/tiny.py's char_tokenizer, 4 special + 13 tokens); the
+Char-level vocabulary (kubedistill/demo/tiny.py's char_tokenizer, 4 special + 13 tokens); the
 prompts and the teacher's training reuse the arithmetic task's helpers (verl rows, the supervised
 loop) where they fit. Made once under `.kubedistill/peers/countdown` (`prepare`).
 """
@@ -171,9 +171,9 @@ def train(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kubedistill.runtime.models.tiny import tiny_config
-    from kubedistill.runtime.tasks.arith import encode
-    from kubedistill.runtime.tasks.sft import train_loop
+    from kubedistill.demo.tiny import tiny_config
+    from kubedistill.demo.arith import encode
+    from kubedistill.demo.sft import train_loop
 
     train_set = split()[0]
     rng = random.Random(cfg.seed)
@@ -201,13 +201,13 @@ def prepare(base: Path, log: Callable[[str], object] = print) -> dict[str, Any]:
     """Make `base`/{teacher,student,data} once (prepared.json records what was made)."""
     import torch
 
-    from kubedistill.runtime.models.tiny import char_tokenizer
+    from kubedistill.demo.tiny import char_tokenizer
 
     marker = base / "prepared.json"
     info: dict[str, Any] = json.loads(marker.read_text()) if marker.is_file() else {}
     if {"teacher", "student"} <= info.keys():
         return info
-    from kubedistill.runtime.entrypoints.quickstart import use_all_cores
+    from kubedistill.demo.quickstart import use_all_cores
 
     use_all_cores(torch)
     tok = char_tokenizer(ALPHABET)

@@ -2,7 +2,7 @@
 teacher server's /score deliver, as a share of what their engine delivers on its own, on the
 same inputs and sampling, in one run.
 
-On SmolLM2-135M-Instruct (runtime/models/smollm.py), `--requests` chat-rendered arithmetic prompts:
+On SmolLM2-135M-Instruct (kubedistill/demo/smollm.py), `--requests` chat-rendered arithmetic prompts:
   generate  /generate, all requests at once (temperature 1, ignore_eos, `--tokens` new tokens each,
             the sampled token's log-prob), against
               vllm: vLLM's own offline `LLM.generate` of the same prompts with the same
@@ -95,7 +95,7 @@ def inputs(model: Path, requests: int, score_len: int) -> tuple[list[list[int]],
     by `score_len` seeded random ids from the vocabulary's first 10,000 (ordinary tokens)."""
     from transformers import AutoTokenizer
 
-    from kubedistill.runtime.tasks import arith
+    from kubedistill.demo import arith
 
     tok = AutoTokenizer.from_pretrained(str(model))
     problems = arith.split()[0][:requests]
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     a.score_len = a.score_len or (128 if a.quick else 256)
     a.repeats = a.repeats or (1 if a.quick else 3)
     from kubedistill.api.roleconfig import JobConfig
-    from kubedistill.runtime.models.smollm import smollm2_hf_dir
+    from kubedistill.demo.smollm import smollm2_hf_dir
 
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -296,8 +296,8 @@ def main() -> None:
         overhead(args)
         return
 
-    from kubedistill.runtime.models.smollm import smollm2_hf_dir
-    from kubedistill.runtime.models.tiny import build_tiny_bpe_model
+    from kubedistill.demo.smollm import smollm2_hf_dir
+    from kubedistill.demo.tiny import build_tiny_bpe_model
 
     cache = Path(args.cache)
     tiny = cache / "tiny-llama"

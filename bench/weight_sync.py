@@ -62,12 +62,12 @@ def raw_broadcast(sender: WeightSender, nbytes: int) -> float:
 def model_dir(work: Path, random: bool) -> Path:
     if not random:
         try:
-            from kubedistill.runtime.models.smollm import smollm2_hf_dir
+            from kubedistill.demo.smollm import smollm2_hf_dir
 
             return smollm2_hf_dir(work / "smollm2")
         except Exception as e:  # the converter or its package may be missing
             print(f"# SmolLM2 unavailable ({e}); using a random model of its shape", flush=True)
-    from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
+    from kubedistill.demo.tiny import build_tiny_model, char_tokenizer
 
     tok = char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ")
     return build_tiny_model(

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for register in _plugins():
         register(sub)
+    for name, (_, help_text) in DEMO_COMMANDS.items():
+        sub.add_parser(name, help=help_text)  # listed here; main() hands its arguments to the module
     return parser
 
 
@@ -70,15 +72,36 @@ def _plugins() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentPar
 COMMAND_MODULES: list[tuple[str, str]] = [
     ("kubedistill.runtime.entrypoints.local", "add_commands"),
     ("kubedistill.runtime.entrypoints.roles", "add_commands"),
-    ("kubedistill.runtime.entrypoints.quickstart", "add_commands"),
-    ("kubedistill.runtime.entrypoints.vl_prepare", "add_commands"),
     ("kubedistill.operator.main", "add_commands"),
 ]
 
+DEMO_COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": (
+        "kubedistill.demo.quickstart",
+        "CPU demo: make a teacher and a student, distill on-policy, show the gain",
+    ),
+    "prepare-vl": ("kubedistill.demo.vl_prepare", "make the models and data of examples/multi-teacher-vl-cpu.yaml"),
+}
+"""Commands of the demo package, which is imported only when one of them runs: the runtime image's
+commands never load it (tests/test_product_boundary.py)."""
+
+
+def _run_demo(name: str, argv: Sequence[str]) -> int:
+    import importlib
+
+    module, help_text = DEMO_COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"kubedistill {name}", description=help_text)
+    importlib.import_module(module).add_arguments(parser)
+    parsed = parser.parse_args(argv)
+    return int(parsed.func(parsed) or 0)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv and argv[0] in DEMO_COMMANDS:
+            return _run_demo(argv[0], argv[1:])
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

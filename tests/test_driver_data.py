@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kubedistill.runtime.driver.data import PromptSource
-from kubedistill.runtime.models.tiny import char_tokenizer
-from kubedistill.runtime.tasks.arith import Problem, verl_row, write_jsonl
+from kubedistill.demo.tiny import char_tokenizer
+from kubedistill.demo.arith import Problem, verl_row, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The driver with a vision-language student (runtime/driver/loop.py), in-process against the fake
-servers of tests/driver_fakes.py: a tiny random Qwen3-VL student (runtime/models/tiny_vl.py, its
+servers of tests/driver_fakes.py: a tiny random Qwen3-VL student (kubedistill/demo/tiny_vl.py, its
 real processor) over a dataset mixing the count-the-dots image task and arithmetic text rows
-(runtime/tasks/dots.py `write_mixed`), a text teacher routed to `arith` and a vision teacher
+(kubedistill/demo/dots.py `write_mixed`), a text teacher routed to `arith` and a vision teacher
 routed to `synthetic/dots`, as in examples/multi-teacher-vl-cpu.yaml.
 
 What is checked: every /generate of an image prompt carries its images and the processor-expanded
@@ -27,7 +27,7 @@ from kubedistill.runtime.driver.data import PromptItem, PromptSource
 from kubedistill.runtime.driver.multimodal import collapse_runs, load_student_processor, reads_images
 from kubedistill.runtime.driver.routing import ImagesToTextTeacher
 from kubedistill.runtime.driver.samples import SampleGroup
-from kubedistill.runtime.tasks import arith, dots
+from kubedistill.demo import arith, dots
 from kubedistill.runtime.wire.protocol import GenerateResponse, ScoreRequest, ScoreResponse
 
 PADS_PER_IMAGE = 4
@@ -39,7 +39,7 @@ class World:
     directory: the driver only reads its config), a text teacher's directory, the mixed data."""
 
     def __init__(self, base: Path):
-        from kubedistill.runtime.models.tiny_vl import build_tiny_vl_model
+        from kubedistill.demo.tiny_vl import build_tiny_vl_model
 
         self.student = build_tiny_vl_model(base / "student", seed=0)
         self.text_teacher = base / "text-teacher"

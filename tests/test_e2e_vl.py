@@ -66,7 +66,7 @@ def vl_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     import torch
 
     from kubedistill.api.validate import load_job
-    from kubedistill.runtime.entrypoints.vl_prepare import QUICK, VL_DIR, prepare_vl
+    from kubedistill.demo.vl_prepare import QUICK, VL_DIR, prepare_vl
 
     base = tmp_path_factory.mktemp("e2e-vl")
     torch.set_num_threads(1)
@@ -83,7 +83,7 @@ def vl_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 def alternate_rows(path: Path, per_task: int) -> None:
     """Rewrite the prepared training rows (the same problems) as text, image, text, image, ..."""
-    from kubedistill.runtime.tasks import arith, dots
+    from kubedistill.demo import arith, dots
 
     text = [{**arith.verl_row(p, i), "images": None} for i, p in enumerate(arith.split()[0][:per_task])]
     image = [dots.verl_row(p, i) for i, p in enumerate(dots.split()[0][:per_task])]
@@ -107,7 +107,7 @@ def group_sources(spec: Any, base: Path, group_ids: set[int]) -> dict[int, str]:
 
 
 def test_vl_twin_runs_end_to_end(vl_run: dict[str, Any]) -> None:
-    from kubedistill.runtime.tasks import arith, dots
+    from kubedistill.demo import arith, dots
 
     r = vl_run
     assert r["code"] == 0, r["out"][-3000:]

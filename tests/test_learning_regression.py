@@ -56,7 +56,7 @@ def collapsing_job(base: Path, models: Path) -> Path:
 def test_k1_policy_gradient_one_step_off_does_not_collapse(tmp_path: Path) -> None:
     import torch
 
-    from kubedistill.runtime.entrypoints import quickstart
+    from kubedistill.demo import quickstart
 
     torch.set_num_threads(2)
     models = tmp_path / "models"

@@ -29,7 +29,7 @@ def test_different_tokenizer_names_the_teacher_and_the_difference(
 
 
 def test_same_size_different_ids_is_refused(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
-    from kubedistill.runtime.models.tiny import char_tokenizer
+    from kubedistill.demo.tiny import char_tokenizer
 
     char_tokenizer("1023456789+=", out_dir=tmp_path / "swapped")
     with pytest.raises(

@@ -45,3 +45,100 @@ def test_debug_endpoints_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatc
     assert parse("--debug-endpoints").debug_endpoints is True
     monkeypatch.setenv("KUBEDISTILL_DEBUG_ENDPOINTS", "1")
     assert parse().debug_endpoints is True
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = {
+    "kubedistill": ROOT / "kubedistill",
+    "kubedistill.operator": ROOT / "operator",
+    "kubedistill.runtime": ROOT / "runtime",
+}
+IMAGE_ENTRIES = [
+    "kubedistill.cli",  # the images' ENTRYPOINT: `kubedistill role ...`, `kubedistill operator`
+    "kubedistill.runtime.entrypoints.roles",
+    "kubedistill.runtime.entrypoints.trainer",
+    "kubedistill.runtime.servers.rollout",
+    "kubedistill.runtime.servers.teacher",
+    "kubedistill.operator.main",
+]
+
+
+def _source(module: str) -> Path | None:
+    for package, folder in sorted(PACKAGE_DIRS.items(), key=lambda kv: -len(kv[0])):
+        if module == package or module.startswith(package + "."):
+            rel = module.removeprefix(package).lstrip(".").replace(".", "/")
+            base = folder / rel if rel else folder
+            for path in (base.with_suffix(".py"), base / "__init__.py"):
+                if path.is_file():
+                    return path
+    return None
+
+
+def _imports(path: Path) -> set[str]:
+    """Every kubedistill module the file names: import statements anywhere (lazy ones included),
+    and module names in strings (importlib.import_module)."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("kubedistill."):
+            out.add(node.value.split(":")[0])
+    return {m for m in out if m.split(".")[0] == "kubedistill" or m.split(".")[0] in _TEST_AND_BENCH}
+
+
+_TEST_AND_BENCH = {p.stem for p in (ROOT / "tests").glob("*.py")} | {p.stem for p in (ROOT / "bench").glob("*.py")}
+
+
+def image_closure() -> set[str]:
+    """The modules the runtime and operator images' commands can import, lazily or not, except the
+    demo commands (kubedistill.cli.DEMO_COMMANDS), which load their package only when they run."""
+    from kubedistill.cli import DEMO_COMMANDS
+
+    demo_entries = {module for module, _ in DEMO_COMMANDS.values()}
+    seen: set[str] = set()
+    todo = list(IMAGE_ENTRIES)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = _source(module)
+        if path is not None:
+            todo += [m for m in _imports(path) if m not in demo_entries]
+        elif "." in module:  # a name inside a module (from m import name, "m.Class" strings)
+            todo.append(module.rsplit(".", 1)[0])
+    return seen
+
+
+def test_the_runtime_image_imports_no_demo_test_or_bench_module() -> None:
+    closure = image_closure()
+    assert "kubedistill.runtime.trainer.trainer" in closure and "kubedistill.runtime.engines.hf" in closure
+    found = sorted(m for m in closure if m.startswith("kubedistill.demo") or m.split(".")[0] in _TEST_AND_BENCH)
+    assert found == []
+
+
+def test_the_runtime_image_ships_no_test_or_bench_folder() -> None:
+    for image in ("runtime", "operator"):
+        copied = [
+            line.split()[1]
+            for line in (ROOT / f"images/{image}/Dockerfile").read_text().splitlines()
+            if line.startswith("COPY ") and "--from" not in line
+        ]
+        assert not {c.rstrip("/") for c in copied} & {"tests", "bench", "examples"}, (image, copied)
+
+
+def test_the_demo_commands_load_the_demo_package_only_when_they_run() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kubedistill.cli as c\n"
+        "c.build_parser().parse_args(['role', 'rollout'])\n"
+        "assert not [m for m in sys.modules if m.startswith('kubedistill.demo')], 'demo imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT / "tests")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from kubedistill.runtime.entrypoints import quickstart
-from kubedistill.runtime.tasks import arith
+from kubedistill.demo import quickstart
+from kubedistill.demo import arith
 
 
 def test_arith_split_is_disjoint_and_complete() -> None:
@@ -66,7 +66,7 @@ def test_train_reports_progress_every_n_steps_but_not_the_last() -> None:
 
     import torch
 
-    from kubedistill.runtime.models.tiny import char_tokenizer
+    from kubedistill.demo.tiny import char_tokenizer
 
     torch.set_num_threads(1)
     lines: list[str] = []

@@ -30,7 +30,7 @@ K = 3  # make_spec's forwardKLTopK width
 
 @pytest.fixture(scope="module")
 def student(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kubedistill.runtime.models.tiny_vl import build_tiny_vl_model
+    from kubedistill.demo.tiny_vl import build_tiny_vl_model
 
     return build_tiny_vl_model(tmp_path_factory.mktemp("vl") / "student", seed=0)
 

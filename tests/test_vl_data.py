@@ -1,5 +1,5 @@
 """Image rows in verl's format through PromptSource and the student's processor
-(runtime/driver/multimodal.py), the count-the-dots task (runtime/tasks/dots.py), and datasets
+(runtime/driver/multimodal.py), the count-the-dots task (kubedistill/demo/dots.py), and datasets
 mixing image and text rows."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kubedistill.runtime.driver.multimodal import (
     split_markers,
 )
 from kubedistill.runtime.driver.rewards import RewardRegistry
-from kubedistill.runtime.models.tiny_vl import IMAGE_PAD, VISION_END, VISION_START, vl_processor, vl_tokenizer
-from kubedistill.runtime.tasks import arith, dots
+from kubedistill.demo.tiny_vl import IMAGE_PAD, VISION_END, VISION_START, vl_processor, vl_tokenizer
+from kubedistill.demo import arith, dots
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The tiny Qwen3-VL built on the spot (runtime/models/tiny_vl.py), torchvision on the CPU torch
+"""The tiny Qwen3-VL built on the spot (kubedistill/demo/tiny_vl.py), torchvision on the CPU torch
 (runtime/torchvision_cpu.py), and vLLM-CPU serving the tiny VL from unexpanded ids plus images."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from kubedistill.runtime import torchvision_cpu
 from kubedistill.runtime.driver.multimodal import image_bytes, open_images, render_images
-from kubedistill.runtime.models.tiny_vl import IMAGE_PAD, build_tiny_vl_model
-from kubedistill.runtime.tasks import dots
+from kubedistill.demo.tiny_vl import IMAGE_PAD, build_tiny_vl_model
+from kubedistill.demo import dots
 
 torch.set_num_threads(1)
 

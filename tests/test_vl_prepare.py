@@ -1,4 +1,4 @@
-"""`kubedistill prepare-vl` (runtime/entrypoints/vl_prepare.py): the VL twin's models and data in
+"""`kubedistill prepare-vl` (kubedistill/demo/vl_prepare.py): the VL twin's models and data in
 the layout examples/multi-teacher-vl-cpu.yaml points at, cached per part (the quick recipe: the
 same files in seconds; the measured recipe runs in bench/learning.py --task vl)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubedistill.runtime.entrypoints import vl_prepare
-from kubedistill.runtime.tasks import arith, dots
+from kubedistill.demo import vl_prepare
+from kubedistill.demo import arith, dots
 
 ROOT = Path(__file__).resolve().parents[1]
 

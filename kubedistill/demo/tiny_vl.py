@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
-from kubedistill.runtime.models.tiny import BOS, EOS, PAD, SPECIALS, UNK
+from kubedistill.demo.tiny import BOS, EOS, PAD, SPECIALS, UNK
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast, ProcessorMixin
@@ -70,7 +70,7 @@ def vl_corpus(lines: int = 400) -> list[str]:
     some English-like filler (fixed: every tiny VL model shares one tokenizer)."""
     import random
 
-    from kubedistill.runtime.models.tiny import tiny_corpus
+    from kubedistill.demo.tiny import tiny_corpus
 
     rng = random.Random(0)
     arith = [f"{rng.randint(0, 99):02d}+{rng.randint(0, 99):02d}={rng.randint(0, 198)}" for _ in range(lines)]

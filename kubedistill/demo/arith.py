@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubedistill.runtime.tasks.sft import train_loop
+from kubedistill.demo.sft import train_loop
 
 if TYPE_CHECKING:
     import torch

@@ -3,11 +3,11 @@ on the spot (nothing downloaded) and cached.
 
 `prepare_vl(dir)` writes, under `dir` (the example's `.kubedistill/multi-teacher-vl`):
 
-- `teacher-vision`: a tiny Qwen3-VL (runtime/models/tiny_vl.py) trained on the dots task
-  (runtime/tasks/dots.py);
-- `teacher-text`: a tiny causal LM (runtime/models/tiny.py, the quickstart teacher's shape) with
+- `teacher-vision`: a tiny Qwen3-VL (kubedistill/demo/tiny_vl.py) trained on the dots task
+  (kubedistill/demo/dots.py);
+- `teacher-text`: a tiny causal LM (kubedistill/demo/tiny.py, the quickstart teacher's shape) with
   the tiny VL tokenizer (student and teachers share one tokenizer), trained on two-digit addition
-  (runtime/tasks/arith.py);
+  (kubedistill/demo/arith.py);
 - `student` and `student-init` (the same warm start; the job trains from `student`, and
   `student-init` stays untouched to measure what distillation changed): a tiny Qwen3-VL whose
   vision tower is the vision teacher's (a pretrained vision encoder, as a real VL student such
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubedistill.runtime.entrypoints import quickstart
-from kubedistill.runtime.tasks import arith, dots
+from kubedistill.demo import arith, dots
+from kubedistill.demo import quickstart
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
@@ -125,7 +125,7 @@ def save_vl(model: PreTrainedModel, tok: PreTrainedTokenizerFast, out: Path) -> 
     """A trained tiny Qwen3-VL with its generation config, tokenizer and processor."""
     from transformers import GenerationConfig
 
-    from kubedistill.runtime.models.tiny_vl import vl_processor
+    from kubedistill.demo.tiny_vl import vl_processor
 
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
@@ -139,7 +139,7 @@ def new_vl(tok: PreTrainedTokenizerFast, seed: int, **shape: Any) -> PreTrainedM
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
-    from kubedistill.runtime.models.tiny_vl import tiny_vl_config
+    from kubedistill.demo.tiny_vl import tiny_vl_config
 
     torch.manual_seed(seed)
     model: PreTrainedModel = Qwen3VLForConditionalGeneration._from_config(
@@ -233,7 +233,7 @@ def prepare_vl(base: Path = VL_DIR, *, recipe: VLRecipe = FULL, log: Callable[[s
     seconds it took and (models) the held-out accuracies."""
     import torch
 
-    from kubedistill.runtime.models.tiny_vl import vl_processor, vl_tokenizer
+    from kubedistill.demo.tiny_vl import vl_processor, vl_tokenizer
 
     base = Path(base)
     marker = base / MARKER
@@ -301,10 +301,8 @@ def evaluate_vl(student_dir: Path, n_problems: int = 400) -> dict[str, float]:
     return accuracies(model, processor, n_problems)
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "prepare-vl", help=f"make the models and data of {VL_JOB} (a VL student, a text and a vision teacher)"
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`kubedistill prepare-vl` (kubedistill.cli.DEMO_COMMANDS)."""
     p.add_argument("--dir", default=str(VL_DIR), help="where they go (must match the job's paths; default %(default)s)")
     p.add_argument("--quick", action="store_true", help="barely trained models and small data (seconds; for tests)")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from kubedistill.runtime.tasks import arith
+from kubedistill.demo import arith
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,7 +79,7 @@ def train(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kubedistill.runtime.models.tiny import tiny_config
+    from kubedistill.demo.tiny import tiny_config
 
     train_set, held_out = arith.split()
     probe = held_out[:200]  # enough to show the trend, cheap enough to measure every `every` steps
@@ -145,7 +145,7 @@ def prepare(
     same schedules (a directory from an older version with another student gets a new student)."""
     import torch
 
-    from kubedistill.runtime.models.tiny import char_tokenizer
+    from kubedistill.demo.tiny import char_tokenizer
 
     base = Path(base)
     marker = base / MARKER
@@ -283,8 +283,8 @@ def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log: 
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("quickstart", help="CPU demo: make a teacher and a student, distill on-policy, show the gain")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`kubedistill quickstart` (kubedistill.cli.DEMO_COMMANDS)."""
     p.add_argument("--job", default=str(QUICKSTART_JOB), help="the job to run (default %(default)s)")
     p.add_argument(
         "--dir",

@@ -3,7 +3,7 @@
 A 64x64 white picture holds 1 to 4 black dots of one size, never touching each other or the border;
 the prompt is `<image>How many dots?` and the answer the digit, then <eos>. Every dot darkens the
 same number of pixels, so the count is a linear function of the picture: a tiny Qwen3-VL
-(runtime/models/tiny_vl.py) learns it in a couple of CPU minutes. Measured on 2 cores with
+(kubedistill/demo/tiny_vl.py) learns it in a couple of CPU minutes. Measured on 2 cores with
 `train_supervised` (batch 32, lr 3e-3): a 2-layer build reaches 100 % held out after 600 steps,
 about 35 s; its loss sits at chance (~0.69) for the first ~400 steps, then falls.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubedistill.runtime.tasks import arith
-from kubedistill.runtime.tasks.sft import train_loop
+from kubedistill.demo import arith
+from kubedistill.demo.sft import train_loop
 
 if TYPE_CHECKING:
     import torch

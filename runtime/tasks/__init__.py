@@ -1,1 +1,0 @@
-"""Synthetic tasks for the CPU quickstart and the learning benchmark."""
