@@ -181,9 +181,60 @@ async def test_abort_returns_the_partial_output(hf_servers) -> None:
     assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
 
 
+def teacher_tokens(metrics: str) -> float:
+    prefix = 'kubedistill_teacher_tokens_total{job="test",replica="0",role="teacher",teacher="math"} '
+    return float(next(ln for ln in metrics.splitlines() if ln.startswith(prefix)).rsplit(" ", 1)[1])
+
+
+async def batches_served(c: RolloutClient | TeacherClient, endpoint: str, at_least: float = 0.0) -> float:
+    """The server's count of answered batch requests to `endpoint`, once it reaches `at_least` (a
+    stream's last frame reaches the client a moment before the server counts the request)."""
+    for _ in range(100):
+        text = await c.metrics_text()
+        prefix = f'kubedistill_requests_total{{code="200",endpoint="{endpoint}"'
+        served = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(prefix))
+        if served >= at_least:
+            return served
+        await asyncio.sleep(0.02)
+    return served
+
+
+async def test_requests_made_together_go_as_one_batch_and_each_is_answered_when_done(hf_servers) -> None:
+    long_tokens = 256 - len(PROMPT)
+    async with RolloutClient(hf_servers.rollout_urls[0]) as c:
+        before = await batches_served(c, "/generate/batch")
+        greedy = Sampling(max_tokens=long_tokens, temperature=0.0, ignore_eos=True)
+        long = asyncio.ensure_future(
+            c.generate(GenerateRequest(request_id="b-long", prompt_token_ids=PROMPT, sampling=greedy))
+        )
+        short = asyncio.ensure_future(
+            c.generate(GenerateRequest(request_id="b-short", prompt_token_ids=PROMPT, sampling=Sampling(max_tokens=1)))
+        )
+        bad = asyncio.ensure_future(c.generate(GenerateRequest(request_id="b-bad", prompt_token_ids=[1, 99])))
+        done, _ = await asyncio.wait([long, short], return_when=asyncio.FIRST_COMPLETED)
+        # The short answer streams back while the long generation of the same batch goes on.
+        assert done == {short} and len(short.result().token_ids) == 1
+        with pytest.raises(ServerError, match="token id 99") as e:
+            await bad
+        assert e.value.status == 400
+        assert (await long).request_id == "b-long" and len(long.result().token_ids) == long_tokens
+        assert await batches_served(c, "/generate/batch", before + 1) == before + 1
+    tokens = PROMPT + [8, 9, 10, 11]
+    async with TeacherClient(hf_servers.teacher.url) as t:
+        before = await batches_served(t, "/score/batch")
+        a, b = await asyncio.gather(
+            t.score(ScoreRequest(token_ids=tokens, prompt_len=len(PROMPT), top_k=4)),
+            t.score(ScoreRequest(token_ids=tokens[:-1], prompt_len=len(PROMPT), top_k=4)),
+        )
+        assert await batches_served(t, "/score/batch", before + 1) == before + 1
+    assert len(a.logprobs) == 4 and len(b.logprobs) == 3
+    assert b.logprobs == pytest.approx(a.logprobs[:3], abs=1e-5)  # causal: the same prefix, the same scores
+
+
 async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
     tokens, prompt_len = PROMPT + [8, 9, 10, 11], len(PROMPT)
     async with TeacherClient(hf_servers.teacher.url) as c:
+        scored_before = teacher_tokens(await c.metrics_text())
         out = await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=4))
         with pytest.raises(ServerError, match="prompt_len") as bad:
             await c.score(ScoreRequest(token_ids=PROMPT, prompt_len=len(PROMPT), top_k=4))
@@ -201,9 +252,8 @@ async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
     top = lp.topk(4, -1)
     assert out.topk_ids == top.indices.tolist()
     assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=1e-4)
-    metrics = httpx.get(hf_servers.teacher.url + "/metrics").text
-    scored = 'kubedistill_teacher_tokens_total{job="test",replica="0",role="teacher",teacher="math"} 8.0'
-    assert scored in metrics  # out's 4 tokens and bare's
+    # out's 4 tokens and bare's (other tests score on the same server)
+    assert teacher_tokens(httpx.get(hf_servers.teacher.url + "/metrics").text) == scored_before + 8
 
 
 def test_weight_sync_reaches_both_replicas_bit_for_bit(hf_servers, tiny_models) -> None:

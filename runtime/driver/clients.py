@@ -3,19 +3,25 @@
 They are thin: every request goes through the runtime's one HTTP stack (runtime/wire/http.py:
 aiohttp, pydantic's JSON code, TRANSPORT_ERRORS for a request that may be sent again and
 ServerError for an answer that is an error), which the weight sender and `kubedistill run` use too.
+
+/generate and /score calls made in the same turn of the event loop (the driver starts a step's
+worth of samples at once, and scores them as they finish) go to their server as one batch
+(`_Batcher`, runtime/wire/streams.py); each caller still gets its own answer as soon as the server
+has it, or its own error, as if it had sent its request alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, Self, TypeVar
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, Self, TypeVar
 
 import aiohttp
 from pydantic import BaseModel
 
 from kubedistill.runtime.wire.http import TRANSPORT_ERRORS as TRANSPORT_ERRORS
 from kubedistill.runtime.wire.http import ServerError as ServerError
-from kubedistill.runtime.wire.http import call, fetch, new_session
+from kubedistill.runtime.wire.http import call, error_message, fetch, new_session, stream_frames
 from kubedistill.runtime.wire.protocol import (
     AbortRequest,
     AbortResponse,
@@ -26,8 +32,10 @@ from kubedistill.runtime.wire.protocol import (
     ScoreResponse,
     VersionResponse,
 )
+from kubedistill.runtime.wire.streams import GenerateBatch, ScoreBatch
 
 M = TypeVar("M", bound=BaseModel)
+Q = TypeVar("Q", bound=BaseModel)
 
 
 class _Client:
@@ -68,9 +76,74 @@ class _Client:
         await self.aclose()
 
 
+class _Batcher(Generic[Q, M]):
+    """Sends the requests made in one turn of the event loop as one batch to `path` and hands
+    each caller its own answer as it streams back. A caller that goes away leaves the batch; the
+    batch's connection closes (cancelling the server's work) once all of its callers are gone."""
+
+    def __init__(self, client: _Client, path: str, batch: Callable[[list[Q]], BaseModel], answer: type[M]):
+        self.client, self.path, self.batch, self.answer = client, path, batch, answer
+        self._pending: list[tuple[Q, asyncio.Future[M]]] = []
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, req: Q) -> M:
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        fut: asyncio.Future[M] = loop.create_future()
+        self._pending.append((req, fut))
+        return await fut
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        futures = [f for _, f in batch]
+        task = asyncio.ensure_future(self._send([q for q, _ in batch], futures))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+        def left(f: asyncio.Future[M]) -> None:
+            if f.cancelled() and all(g.done() for g in futures):
+                task.cancel()
+
+        for f in futures:
+            f.add_done_callback(left)
+
+    async def _send(self, requests: list[Q], futures: list[asyncio.Future[M]]) -> None:
+        url = self.client.base_url + self.path
+        error: BaseException = aiohttp.ClientPayloadError(f"{url}: the batch's stream ended before every answer")
+        try:
+            async for index, status, body in stream_frames(self.client.session, url, self.batch(requests)):
+                fut = futures[index]
+                if fut.done():
+                    continue
+                if status == 200:
+                    fut.set_result(self.answer.model_validate_json(body))
+                else:
+                    fut.set_exception(ServerError(url, status, error_message(body)))
+        except asyncio.CancelledError:
+            for f in futures:
+                f.cancel()
+            raise
+        except Exception as e:
+            error = e
+        for f in futures:
+            if not f.done():
+                f.set_exception(error)
+
+    def cancel(self) -> None:
+        for task in self._sending:
+            task.cancel()
+
+
 class RolloutClient(_Client):
+    def __init__(self, base_url: str, timeout: float = 600.0, session: aiohttp.ClientSession | None = None):
+        super().__init__(base_url, timeout, session)
+        self._generate: _Batcher[GenerateRequest, GenerateResponse] = _Batcher(
+            self, "/generate/batch", lambda rs: GenerateBatch(requests=rs), GenerateResponse
+        )
+
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        return await self._post("/generate", req, GenerateResponse)
+        return await self._generate(req)
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> AbortResponse:
         body = AbortRequest(request_ids=list(request_ids) if request_ids is not None else None)
@@ -81,8 +154,14 @@ class RolloutClient(_Client):
 
 
 class TeacherClient(_Client):
+    def __init__(self, base_url: str, timeout: float = 600.0, session: aiohttp.ClientSession | None = None):
+        super().__init__(base_url, timeout, session)
+        self._score: _Batcher[ScoreRequest, ScoreResponse] = _Batcher(
+            self, "/score/batch", lambda rs: ScoreBatch(requests=rs), ScoreResponse
+        )
+
     async def score(self, req: ScoreRequest) -> ScoreResponse:
-        return await self._post("/score", req, ScoreResponse)
+        return await self._score(req)
 
 
 class RolloutClientLike(Protocol):

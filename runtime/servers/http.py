@@ -3,16 +3,27 @@ errors turned into 4xx JSON `{"error": "..."}` that leave the server serving."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Lifespan, Message, Receive, Scope, Send
 
 from kubedistill.runtime.engines.base import BadRequest, Engine
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.wire.protocol import HealthResponse
+from kubedistill.runtime.wire.streams import FRAMES_MEDIA_TYPE, frame
+
+log = logging.getLogger("kubedistill.servers")
+
+R = TypeVar("R", bound=BaseModel)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -77,6 +88,37 @@ def make_app(role: str, engine: Engine, metrics: RoleMetrics, lifespan: Lifespan
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def answer_each(requests: Sequence[R], handle: Callable[[R], Awaitable[BaseModel]]) -> StreamingResponse:
+    """A batch's answers (runtime/wire/streams.py): every request handled at once, as its single
+    endpoint handles it, and framed as soon as it is done. A client that goes away cancels the
+    unfinished ones, as it would cancel single requests by closing their connections."""
+
+    async def frames() -> AsyncIterator[bytes]:
+        tasks = {asyncio.ensure_future(handle(r)): i for i, r in enumerate(requests)}
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    yield frame(tasks[task], *_outcome(task))
+        finally:
+            for task in pending:
+                task.cancel()
+
+    return StreamingResponse(frames(), media_type=FRAMES_MEDIA_TYPE)
+
+
+def _outcome(task: asyncio.Future[BaseModel]) -> tuple[int, bytes]:
+    """(status, body) as the single endpoint would answer: a BadRequest its 4xx, another error 500."""
+    exc = task.exception()
+    if exc is None:
+        return 200, task.result().model_dump_json().encode()
+    if isinstance(exc, BadRequest):
+        return exc.status, json.dumps({"error": str(exc)}).encode()
+    log.error("a batched request failed: %r", exc, exc_info=exc)
+    return 500, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
 
 
 def serve(app: FastAPI, host: str, port: int) -> None:

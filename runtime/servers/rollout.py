@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kubedistill.api.roleconfig import Identity, JobConfig, weight_sync_rank, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec, PartialRolloutStrategy
 from kubedistill.runtime.engines.base import Engine, PauseMode
 from kubedistill.runtime.metrics import RoleMetrics
-from kubedistill.runtime.servers.http import make_app
+from kubedistill.runtime.servers.http import answer_each, make_app
 from kubedistill.runtime.servers.weight_group import WeightGroupMembership
 from kubedistill.runtime.weight_sync.group import GroupAddress, resolve_backend
 from kubedistill.runtime.weight_sync.manifest import check_layout
@@ -33,6 +33,7 @@ from kubedistill.runtime.wire.protocol import (
     WeightsGroupRequest,
     WeightsGroupResponse,
 )
+from kubedistill.runtime.wire.streams import GenerateBatch
 
 log = logging.getLogger("kubedistill.rollout")
 
@@ -149,6 +150,11 @@ def build_rollout_app(
         out = await engine.generate(req)
         metrics["rollout_tokens"].inc(len(out.token_ids))
         return out
+
+    @app.post("/generate/batch", response_model=None)
+    async def generate_batch(batch: GenerateBatch) -> StreamingResponse:
+        """Many /generate at once, each answer streamed as it finishes (runtime/wire/streams.py)."""
+        return answer_each(batch.requests, generate)
 
     @app.post("/abort", response_model=AbortResponse)
     async def abort(req: AbortRequest) -> AbortResponse:

@@ -6,13 +6,15 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
 from kubedistill.api.roleconfig import Identity, JobConfig
 from kubedistill.api.spec import TeacherSpec
 from kubedistill.runtime.engines.base import Engine
 from kubedistill.runtime.metrics import RoleMetrics
-from kubedistill.runtime.servers.http import make_app
+from kubedistill.runtime.servers.http import answer_each, make_app
 from kubedistill.runtime.wire.protocol import ScoreRequest, ScoreResponse
+from kubedistill.runtime.wire.streams import ScoreBatch
 
 
 def find_teacher(config: JobConfig, name: str | None) -> TeacherSpec:
@@ -48,5 +50,10 @@ def build_teacher_app(
         out = await engine.score(req)
         metrics["teacher_tokens"].labels(teacher=teacher.name).inc(len(out.logprobs))
         return out
+
+    @app.post("/score/batch", response_model=None)
+    async def score_batch(batch: ScoreBatch) -> StreamingResponse:
+        """Many /score at once, each answer streamed as it is ready (runtime/wire/streams.py)."""
+        return answer_each(batch.requests, score)
 
     return app

@@ -23,11 +23,13 @@ import asyncio
 import json
 import threading
 import weakref
-from collections.abc import Collection, Coroutine, Mapping
+from collections.abc import AsyncIterator, Collection, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
 from pydantic import BaseModel
+
+from kubedistill.runtime.wire.streams import read_frame
 
 KEEPALIVE_SECONDS = 2.0
 """Idle connections are dropped before the servers' keep-alive (uvicorn: 5 s) closes them, so a
@@ -118,6 +120,25 @@ async def call(
 ) -> M:
     """`fetch`, the answer decoded into `model` by pydantic's JSON code."""
     return model.model_validate_json(await fetch(session, method, url, body, ok=ok, timeout=timeout))
+
+
+async def stream_frames(
+    session: aiohttp.ClientSession, url: str, body: BaseModel
+) -> AsyncIterator[tuple[int, int, bytes]]:
+    """POST a batch (runtime/wire/streams.py) and yield each answer's (index, status, body) as it
+    arrives. The batch itself refused raises ServerError; a broken connection TRANSPORT_ERRORS."""
+    data = body.model_dump_json(exclude_none=True)
+    async with session.post(url, data=data, headers=_JSON) as r:
+        if r.status != 200:
+            raise ServerError(url, r.status, error_message(await r.read()))
+        while True:
+            try:
+                answer = await read_frame(r.content)
+            except asyncio.IncompleteReadError as e:
+                raise aiohttp.ClientPayloadError(f"{url}: the stream ended inside an answer") from e
+            if answer is None:
+                return
+            yield answer
 
 
 class BlockingClient:
