@@ -164,3 +164,39 @@ async def test_blocking_client_classifies_the_same() -> None:
     finally:
         await asyncio.to_thread(client.close)
     client.close()  # closing twice is harmless
+
+
+def frames_then_cut(*frames: bytes) -> Handler:
+    """A batch endpoint that streams `frames` (chunked), then drops the connection."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-kubedistill-frames\r\n")
+        writer.write(b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        for f in frames:
+            writer.write(b"%x\r\n" % len(f) + f + b"\r\n")
+        await writer.drain()
+        writer.close()
+
+    return handle
+
+
+async def test_a_batch_cut_short_fails_only_its_unanswered_requests() -> None:
+    """Requests made together go as one batch (runtime/wire/streams.py): the caller whose answer
+    came keeps it, the one whose request the server refused gets its ServerError, and those left
+    unanswered when the connection broke get a transport error, so the driver sends them again."""
+    from kubedistill.runtime.driver.clients import RolloutClient
+    from kubedistill.runtime.wire.protocol import GenerateRequest
+    from kubedistill.runtime.wire.streams import frame
+
+    answered = b'{"request_id": "b", "token_ids": [4], "logprobs": [-0.5], "versions": [2], "finish_reason": "length"}'
+    handler = frames_then_cut(
+        frame(1, 200, answered), frame(2, 400, b'{"error": "token id 99 is outside the vocabulary"}'), b"0 200 50\n{"
+    )
+    async with serving(handler) as url, RolloutClient(url) as c:
+        outs = await asyncio.gather(
+            *(c.generate(GenerateRequest(request_id=r, prompt_token_ids=[1])) for r in "abcd"), return_exceptions=True
+        )
+    assert outs[1].request_id == "b" and outs[1].token_ids == [4] and outs[1].versions == [2]
+    assert isinstance(outs[2], ServerError) and outs[2].status == 400 and "token id 99" in outs[2].message
+    assert all(isinstance(o, TRANSPORT_ERRORS) for o in (outs[0], outs[3])), outs
