@@ -118,6 +118,30 @@ def test_run_refuses_a_value_from_it_cannot_resolve(tmp_path: Path) -> None:
     ]
 
 
+def test_run_refuses_a_suspended_job_and_a_ray_address_without_ray(tmp_path: Path) -> None:
+    raw = read_manifest(ROOT / "examples" / "quickstart-cpu.yaml")
+    raw["spec"]["suspend"] = True
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    lines: list[str] = []
+    assert run(path, workdir=tmp_path / "run", log=lines.append) == 1
+    assert lines == [f"{path}: spec.suspend is true, so the job starts nothing; set it to false to run it"]
+    lines.clear()
+    assert run(path, address="ray://head:10001", launcher="processes", log=lines.append) == 1
+    assert lines == ["kubedistill run: --address (or RAY_ADDRESS) names a Ray cluster; use it with --launcher ray"]
+
+
+def test_ttl_after_finished_is_named_as_not_applying_locally(tmp_path: Path) -> None:
+    from kubedistill.runtime.entrypoints.local import prepare
+
+    lines: list[str] = []
+    local = prepare(ROOT / "examples" / "one-gpu.yaml", tmp_path / "run", lines.append)  # ttl 86400
+    assert local is not None and local.gang[0].env["KUBEDISTILL_HISTORY"] == str(tmp_path / "run" / "history.jsonl")
+    assert lines == [
+        "kubedistill run: spec.ttlSecondsAfterFinished applies in a cluster only; a local run keeps its directory"
+    ]
+
+
 def test_one_gpu_is_shared_by_trainer_rollout_and_teacher(tmp_path: Path) -> None:
     """examples/one-gpu.yaml asks for three GPUs; on a machine with one, the launcher places each role on a
     third of it, each vLLM server is held to 0.3 of its memory (the trainer keeps the rest), and

@@ -354,6 +354,9 @@ def run(
 ) -> int:
     """Run a job locally; returns the process exit code (0 = the trainer succeeded). `launcher`:
     "processes" or "ray"; default Ray with an `address`, else plain processes."""
+    if address and launcher == "processes":
+        log("kubedistill run: --address (or RAY_ADDRESS) names a Ray cluster; use it with --launcher ray")
+        return 1
     local = prepare(job_path, workdir, log)
     if local is None:
         return 1
