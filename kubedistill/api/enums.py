@@ -142,3 +142,8 @@ def vllm_max_lora_rank(rank: int) -> int:
         if r >= rank:
             return r
     raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank {VLLM_MAX_LORA_RANKS[-1]} at most")
+
+
+class WandbMode(str, Enum):
+    online = "online"
+    offline = "offline"

@@ -19,6 +19,7 @@ from kubedistill.api.enums import (
     LORA_MAX_RANK,
     Advantage,
     AdvantageBaseline,
+    DeltaMode,
     Device,
     DType,
     Engine,
@@ -35,8 +36,8 @@ from kubedistill.api.enums import (
     ProximalPolicy,
     PullPolicy,
     ResumePolicy,
-    DeltaMode,
     SyncBackend,
+    WandbMode,
 )
 from kubedistill.api.rules import violations
 
@@ -92,6 +93,11 @@ __all__ = [
     "TeacherSpec",
     "TrainerSpec",
     "WeightSyncSpec",
+    "MlflowSpec",
+    "TensorBoardSpec",
+    "TrackersSpec",
+    "WandbMode",
+    "WandbSpec",
 ]
 
 
@@ -451,6 +457,57 @@ class EvaluationSpec(ApiModel):
     evaluation are exported before it runs (one export each), and kept when they score best so far."""
 
 
+class MlflowSpec(ApiModel):
+    """An MLflow tracking server. Credentials, when it needs them, come from the trainer's
+    environment (MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD):
+    set them with env.valueFrom.secretKeyRef in spec.trainer.overrides.env."""
+
+    tracking_uri: Annotated[str, Field(min_length=1, max_length=2048)]
+    """The server's URI, e.g. http://mlflow.mlops:5000."""
+    experiment: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Experiment name (created if missing). Unset: the job's name."""
+    run_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Run name. Unset: the job's name."""
+
+
+class TensorBoardSpec(ApiModel):
+    """TensorBoard event files."""
+
+    log_dir: Path
+    """Directory the trainer writes event files to (a volume TensorBoard reads, e.g. under
+    checkpoint.path). Each trainer start writes its own file there."""
+
+
+class WandbSpec(ApiModel):
+    """A Weights & Biases run. The API key comes from the trainer's environment (WANDB_API_KEY):
+    set it with env.valueFrom.secretKeyRef in spec.trainer.overrides.env."""
+
+    project: Annotated[str, Field(min_length=1, max_length=128)]
+    """W&B project."""
+    entity: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    """W&B entity (team or user). Unset: the API key's default."""
+    run_name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    """Run name. Unset: the job's name."""
+    mode: WandbMode = WandbMode.online
+    """online (sent as it runs) or offline (written to dir, uploaded later with `wandb sync`)."""
+    dir: Path | None = None
+    """Directory of the run's local files. Unset: a temporary directory (offline: set it to keep them)."""
+
+
+class TrackersSpec(ApiModel):
+    """Experiment trackers that receive every train step's metrics and every held-out evaluation
+    from trainer rank 0 (docs/monitoring.md#experiment-trackers). Each needs its Python package
+    (pip extras kubedistill[mlflow], [tensorboard], [wandb]); a tracker that fails warns and the
+    job goes on."""
+
+    mlflow: MlflowSpec | None = None
+    """Log to an MLflow tracking server."""
+    tensorboard: TensorBoardSpec | None = None
+    """Write TensorBoard event files."""
+    wandb: WandbSpec | None = None
+    """Log to a Weights & Biases run."""
+
+
 class CheckpointSpec(ApiModel):
     """Atomic checkpoints (model, optimiser, data cursor and buffered samples)."""
 
@@ -556,6 +613,8 @@ class DistillationJobSpec(ApiModel):
     evaluation: EvaluationSpec | None = None
     """Held-out evaluation on spec.data.val while the job runs. Unset: none. A change on a running
     job applies from the trainer's next start."""
+    trackers: TrackersSpec | None = None
+    """Experiment trackers (MLflow, TensorBoard, Weights & Biases). Unset: none."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpointing and resume."""
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)

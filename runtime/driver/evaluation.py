@@ -283,8 +283,8 @@ def status_of(result: EvalResult) -> HeldOutEvaluation:
         weight_version=result.weight_version,
         score=result.score,
         sources={
-            name: HeldOutSource(
-                score=s.score, response_length=s.response_length, reverse_kl=s.reverse_kl, teacher=s.teacher
+            name: HeldOutSource.model_validate(
+                {"score": s.score, "responseLength": s.response_length, "reverseKL": s.reverse_kl, "teacher": s.teacher}
             )
             for name, s in sorted(result.sources.items())
         },

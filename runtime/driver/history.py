@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,18 +22,22 @@ HistoryLine = dict[str, Any]
 
 @dataclass
 class HistoryWriter:
-    """Appends one JSON line per train step to a file (nothing when path is None)."""
+    """Appends one JSON line per train step to a file (nothing when path is None), and hands each
+    line to the sinks (the experiment trackers, runtime/trackers.py)."""
 
     path: Path | None = None
     _lines: list[HistoryLine] = field(default_factory=list)
+    sinks: list[Callable[[HistoryLine], None]] = field(default_factory=list)
 
     @classmethod
-    def from_env(cls) -> HistoryWriter:
+    def from_env(cls, sinks: list[Callable[[HistoryLine], None]] | None = None) -> HistoryWriter:
         p = os.environ.get(HISTORY_ENV)
-        return cls(Path(p) if p else None)
+        return cls(Path(p) if p else None, sinks=list(sinks or []))
 
     def write(self, line: HistoryLine) -> None:
         self._lines.append(line)
+        for sink in self.sinks:
+            sink(line)
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -107,12 +107,14 @@ async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetr
     from kubedistill.api.progress import TrainerProgress
     from kubedistill.runtime.driver.history import HistoryWriter
     from kubedistill.runtime.entrypoints.status_server import StatusServer
+    from kubedistill.runtime.trackers import Trackers, run_params
 
     spec = config.spec
     status = TrainerProgress(total_steps=spec.trainer.total_steps)
     server = StatusServer(status, metrics, host, port)
     await server.start()
     trainer = None
+    trackers: Trackers | None = None
     try:
         trainer, driver = await asyncio.to_thread(_build, config, metrics, status, rollout_source(config_path))
         resumed = await asyncio.to_thread(trainer.resume)
@@ -127,7 +129,8 @@ async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetr
             # The rollout servers may hold other weights (fresh start, or a newer un-checkpointed
             # version): give them the checkpoint's, under its version number.
             await driver.sync_weights(resumed.weight_version)
-        driver.history = HistoryWriter.from_env()
+        trackers = Trackers.open(spec.trackers, config.job, run_params(spec))
+        driver.history = HistoryWriter.from_env(sinks=[trackers.log_line] if trackers is not None else None)
         await driver.run()
         # In order: the weight-sync group (the rollout servers are in it), then the trainer ranks
         # (Trainer.close releases the followers and ends on their barrier).
@@ -140,6 +143,8 @@ async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetr
         traceback.print_exc()
         return 1
     finally:
+        if trackers is not None:
+            await asyncio.to_thread(trackers.close)
         await server.stop()
 
 
