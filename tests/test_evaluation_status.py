@@ -87,3 +87,22 @@ def test_the_progress_line_shows_the_last_held_out_score() -> None:
     progress = TrainerProgress.from_json({"step": 21, "totalSteps": 50, "evaluation": EVALUATION})
     assert _progress_line(progress, 50, 12.0).endswith("| held-out 0.625 @20")
     assert "held-out" not in _progress_line(TrainerProgress.from_json({"step": 3}), 50, 1.0)
+
+
+def test_the_quickstart_takes_its_accuracies_from_the_jobs_evaluations() -> None:
+    from kubedistill.demo.quickstart import held_out_scores, summary_line, with_job_accuracy
+
+    history = [
+        {"step": 1, "evaluations": [{"step": 0, "score": 0.43}]},
+        {"step": 2},
+        {"step": 21, "evaluations": [{"step": 20, "score": 0.292}]},
+        {"step": 40, "evaluations": [{"step": 40, "score": 0.516}]},
+    ]
+    scores = held_out_scores(history)
+    assert scores == [(0, 0.43), (20, 0.292), (40, 0.516)]
+    measured = {"accuracy": 0.1, "reverse_kl": 1.3}, {"accuracy": 0.2, "reverse_kl": 1.2}
+    before, after = with_job_accuracy(*measured, scores)
+    assert (before["accuracy"], after["accuracy"]) == (0.43, 0.516)
+    assert summary_line(before, after, 0.9).endswith("accuracy 43.0% → 51.6% (teacher 90.0%)")
+    # No evaluation before the first step (or none at all): evaluate()'s accuracies stay.
+    assert with_job_accuracy(*measured, scores[1:]) == measured

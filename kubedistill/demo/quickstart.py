@@ -252,6 +252,22 @@ def summary_line(before: dict[str, float], after: dict[str, float], teacher_accu
     )
 
 
+def held_out_scores(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, held-out score) of every evaluation the job reported (spec.evaluation), in order."""
+    found = [(int(e["step"]), e["score"]) for line in history for e in line.get("evaluations") or []]
+    return [(step, float(score)) for step, score in found if score is not None]
+
+
+def with_job_accuracy(
+    before: dict[str, float], after: dict[str, float], scores: list[tuple[int, float]]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The accuracies the job measured itself (its evaluations before step 1 and after the last
+    step: the same problems and greedy answers as evaluate()) in place of evaluate()'s."""
+    if not scores or scores[0][0] != 0:
+        return before, after
+    return {**before, "accuracy": scores[0][1]}, {**after, "accuracy": scores[-1][1]}
+
+
 def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log: Callable[[str], object] = print) -> int:
     """Prepare the models and data, run the job with `kubedistill run`, compare the student before
     and after against the teacher. Run from the repository root (the job's paths are relative)."""
@@ -272,9 +288,14 @@ def quickstart(job: Path = QUICKSTART_JOB, base: Path = QUICKSTART_DIR, *, log: 
     if code != 0:
         log(f"kubedistill quickstart: the job failed (exit {code}); see the logs above")
         return code
+    scores = held_out_scores(json.loads((base / "report.json").read_text()).get("history") or [])
+    if scores:
+        steps = " → ".join(f"{score:.1%} (step {step})" for step, score in scores)
+        log(f"quickstart: held-out accuracy measured by the job: {steps}")
     log("quickstart: evaluating the student before and after distillation ...")
-    before = evaluate(base / "student-init", base / "teacher")
-    after = evaluate(ckpt / "student-hf", base / "teacher")
+    before, after = with_job_accuracy(
+        evaluate(base / "student-init", base / "teacher"), evaluate(ckpt / "student-hf", base / "teacher"), scores
+    )
     teacher_acc = float(info.get("teacher", {}).get("accuracy", float("nan")))
     result = {"before": before, "after": after, "teacher_accuracy": teacher_acc, "seconds": round(time.time() - t0, 1)}
     (base / "result.json").write_text(json.dumps(result, indent=2))
