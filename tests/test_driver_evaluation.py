@@ -192,3 +192,53 @@ async def test_keep_best_exports_each_evaluated_student_and_keeps_the_best(tmp_p
     assert (root / BEST_DIR / "trained-steps").read_text() == "0"
     assert json.loads((root / BEST_DIR / EVAL_META).read_text())["step"] == 0
     assert sorted(p.name for p in root.iterdir()) == [BEST_DIR]
+
+
+async def test_image_rows_are_evaluated_with_their_images() -> None:
+    """A VL row's held-out requests carry its images, to the rollout server and to the teacher."""
+    from kubedistill.api.spec import EvaluationSpec
+    from kubedistill.runtime.driver.data import PromptItem
+    from kubedistill.runtime.driver.evaluation import Evaluator
+    from kubedistill.runtime.driver.rewards import RewardRegistry
+    from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
+
+    image = b"\x89PNG fake"
+    item = PromptItem(
+        uid=0, row=0, epoch=0, prompt_ids=[1, 2, 3], messages=[], data_source="geo3k", route_value="geo3k",
+        ground_truth="5", images=[{"bytes": image}],
+    )  # fmt: skip
+    generated: list[GenerateRequest] = []
+    scored: list[ScoreRequest] = []
+
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        generated.append(req)
+        return GenerateResponse(
+            request_id=req.request_id, token_ids=[5], logprobs=[-0.5], versions=[3], finish_reason="stop"
+        )
+
+    async def score(route: str, source: str, req: ScoreRequest) -> tuple[str, ScoreResponse]:
+        scored.append(req)
+        return "vision", ScoreResponse(logprobs=[-1.5], topk_ids=[[]], topk_logprobs=[[]])
+
+    class Digits:
+        def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+            return "\\\\boxed{" + "".join(map(str, ids)) + "}"
+
+    done = []
+    evaluator = Evaluator(
+        EvaluationSpec(scoreWithTeachers=True),
+        [item],
+        default_max_tokens=8,
+        tokenizer=Digits(),  # type: ignore[arg-type]
+        rewards=RewardRegistry(strict=False),
+        generate=generate,
+        score=score,
+        on_result=done.append,
+    )
+    evaluator.start(6, 3)
+    await evaluator.settle()
+    [result] = done
+    assert [r.images for r in generated] == [item.images_base64()] and generated[0].images
+    assert [r.images for r in scored] == [item.images_base64()] and scored[0].token_ids == [1, 2, 3, 5]
+    geo = result.sources["geo3k"]
+    assert (geo.score, geo.reverse_kl, geo.teacher) == (1.0, 1.0, "vision")
