@@ -30,15 +30,15 @@ torch.set_num_threads(1)
 
 
 def test_encoding_is_the_fewest_bytes_and_whole_past_the_threshold() -> None:
-    # bf16 values (2 bytes), int32 positions: index costs 6 bytes a change, a mask n/8 + 2 a change.
+    # bf16 values (2 bytes): index costs 4 bytes a change (+4 per 65536 elements), a mask n/8 + 2 a change.
     n = 1 << 20
     assert choose(n, 0, 2, 0.5) == "none"
-    assert choose(n, n // 64, 2, 0.5) == "index"  # 6/64 < 1/8 + 2/64
-    assert choose(n, n // 16, 2, 0.5) == "mask"  # 1/8 + 2/16 < 6/16
+    assert choose(n, n // 32, 2, 0.5) == "index"  # 4/32 < 1/8 + 2/32
+    assert choose(n, n // 8, 2, 0.5) == "mask"  # 1/8 + 2/8 < 4/8
     assert choose(n, n // 2 + 1, 2, 0.5) == "whole"  # past the threshold
     assert choose(n, n // 2 + 1, 2, 1.0) == "mask"  # 1/8 + 1 < 2
     assert choose(n, n - 1, 2, 1.0) == "whole"  # a mask and nearly every value costs more
-    assert choose(1000, 1, 4, 1.0) == "index" and choose(8, 1, 4, 1.0) == "mask"  # 8 > 1 + 4 bytes
+    assert choose(1000, 1, 4, 1.0) == "index" and choose(8, 1, 4, 1.0) == "mask"  # 4 + 6 > 1 + 4 bytes
 
 
 def test_bits_pack_and_unpack() -> None:
@@ -50,19 +50,28 @@ def test_bits_pack_and_unpack() -> None:
         assert torch.equal(unpack_bits(packed, n), mask)
 
 
-@pytest.mark.parametrize(("dtype", "fraction"), [(torch.bfloat16, 0.001), (torch.bfloat16, 0.1), (torch.float32, 0.9)])
-def test_a_patched_copy_is_bit_identical_to_the_new_tensor(dtype: torch.dtype, fraction: float) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "fraction", "shape"),
+    [
+        (torch.bfloat16, 0.001, (64, 97)),
+        (torch.bfloat16, 0.001, (400, 700)),  # 5 blocks of 65536, offsets past int16's range
+        (torch.bfloat16, 0.1, (64, 97)),
+        (torch.float32, 0.9, (64, 97)),
+    ],
+)
+def test_a_patched_copy_is_bit_identical_to_the_new_tensor(dtype: torch.dtype, fraction: float, shape) -> None:
     g = torch.Generator().manual_seed(1)
-    old = torch.randn(64, 97, generator=g).to(dtype)
+    old = torch.randn(*shape, generator=g).to(dtype)
     old.view(-1)[:4] = torch.tensor([0.0, -0.0, float("nan"), 1.0]).to(dtype)
     new = old.clone()
     hit = torch.rand(old.shape, generator=g) < fraction
     new[hit] = (new[hit].float() + 1e-2).to(dtype)
     new.view(-1)[:4] = torch.tensor([-0.0, 0.0, float("nan"), 1.0]).to(dtype)  # sign flips; NaN stays
-    kind, k, pieces = encode("w", new, old, threshold=0.5)
+    enc = encode("w", new, old, threshold=0.5)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
-    assert k == int((new.view(bits) != old.view(bits)).sum()) >= 2  # the signed zeros count, the NaN not
-    assert kind == {0.001: "index", 0.1: "mask", 0.9: "whole"}[fraction]
+    assert enc.changed == int((new.view(bits) != old.view(bits)).sum()) >= 2  # signed zeros count, the NaN not
+    assert enc.kind == {0.001: "index", 0.1: "mask", 0.9: "whole"}[fraction]
+    pieces = enc.pieces
     receiver = old.clone()
     patches = Assembler([TensorMeta(name="w", dtype=str(dtype).removeprefix("torch."), shape=list(old.shape))])
     for name, piece in reversed(pieces):  # values may arrive before their positions (another bucket)
@@ -75,7 +84,8 @@ def test_a_patched_copy_is_bit_identical_to_the_new_tensor(dtype: torch.dtype, f
 
 def test_unchanged_tensors_send_nothing() -> None:
     t = torch.randn(10, 10)
-    assert encode("w", t.clone(), t, 0.5) == ("none", 0, [])
+    enc = encode("w", t.clone(), t, 0.5)
+    assert (enc.kind, enc.changed, enc.pieces) == ("none", 0, [])
 
 
 def test_the_senders_copy_follows_what_it_sent() -> None:
@@ -87,8 +97,8 @@ def test_the_senders_copy_follows_what_it_sent() -> None:
     nxt["b"][:30] += 1.0  # a's change stays below half a bf16 ulp: nothing to send for it
     nxt["a"] += 1e-7
     pieces, tensors, stats = copy.delta(metas, nxt.items(), threshold=0.5)
-    assert [p.name for p in pieces] == ["b#index", "b#values"]
-    assert [list(t.shape) for t in tensors] == [[30], [30]]
+    assert [p.name for p in pieces] == ["b#blocks", "b#index", "b#values"]
+    assert [list(t.shape) for t in tensors] == [[1], [60], [30]]  # int16 offsets travel as bytes
     assert stats.changed == 30 and stats.elements == 3800 and stats.full_bytes == 3800 * 2
     assert stats.encodings == {"none": 1, "index": 1}
     for n, t in nxt.items():

@@ -10,9 +10,11 @@ patches its copy of the last tensors it loaded (unfused, HF names) and feeds the
 which fuses qkv/gate_up as for a full sync.
 
 Per tensor the sender picks the cheapest encoding (bytes on the wire, pure: `choose`): nothing
-(unchanged), `index` (flat positions + values: 4 or 8 bytes a change more), `mask` (one bit per
-element + values) or the whole tensor; a tensor whose changed fraction exceeds densityThreshold
-goes whole. The pieces are ordinary tensors of the manifest, so bucketing, double buffering and
+(unchanged), `index` (16-bit offsets within blocks of 65536 elements plus each block's count, and
+the values: 2 bytes a change more), `mask` (one bit per element, and the values) or the whole
+tensor; a tensor whose changed fraction exceeds densityThreshold goes whole. The comparison runs
+where the trainer's weights are (a GPU's memory on GPU); the copy stays in host memory.
+The pieces are ordinary tensors of the manifest, so bucketing, double buffering and
 in-place receives work as for a full sync.
 
 Anything that breaks the chain makes the next sync a full one that restarts it (`plan`): a server
@@ -35,7 +37,10 @@ from kubedistill.api.spec import DeltaMode, DeltaSyncSpec
 from kubedistill.runtime.wire.dtypes import numel
 from kubedistill.runtime.wire.protocol import DeltaBase, Manifest, TensorMeta
 
-INDEX, MASK, VALUES = "#index", "#mask", "#values"
+INDEX, BLOCKS, MASK, VALUES = "#index", "#blocks", "#mask", "#values"
+BLOCK = 1 << 16
+"""Positions travel as 16-bit offsets within blocks of this many elements, with each block's
+count of changes (int32): 2 bytes a change instead of 4 or 8."""
 Encoding = Literal["none", "index", "mask", "whole"]
 Plan = Literal["full", "keep", "delta"]
 """full: a plain full sync, nothing kept; keep: a full sync that (re)starts the chain, both sides
@@ -59,10 +64,6 @@ def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return (_bits(new.reshape(-1)) != _bits(old.reshape(-1))).view(-1)
 
 
-def index_dtype(n: int) -> torch.dtype:
-    return torch.int32 if n < 2**31 else torch.int64
-
-
 def choose(n: int, k: int, value_bytes: int, threshold: float) -> Encoding:
     """The cheapest way to send k changed elements of n: fewest bytes, the whole tensor past
     `threshold` (a changed fraction)."""
@@ -71,7 +72,7 @@ def choose(n: int, k: int, value_bytes: int, threshold: float) -> Encoding:
     if k > threshold * n:
         return "whole"
     costs: dict[Encoding, int] = {
-        "index": k * (value_bytes + torch.empty(0, dtype=index_dtype(n)).element_size()),
+        "index": 4 * math.ceil(n / BLOCK) + k * (2 + value_bytes),
         "mask": math.ceil(n / 8) + k * value_bytes,
         "whole": n * value_bytes,
     }
@@ -93,22 +94,44 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.view(-1, 1) >> _SHIFTS.to(packed.device)) & 1).view(-1)[:n].bool()
 
 
-def encode(
-    name: str, new: torch.Tensor, old: torch.Tensor, threshold: float
-) -> tuple[Encoding, int, list[tuple[str, torch.Tensor]]]:
-    """(encoding, changed count, the pieces to send) for `new` against `old` (same dtype)."""
+@dataclass
+class Encoded:
+    """One tensor's delta: its encoding, the changed count, the pieces to send, and the flat
+    positions and values that turn the old tensor into the new one (None: unchanged or whole)."""
+
+    kind: Encoding
+    changed: int
+    pieces: list[tuple[str, torch.Tensor]]
+    positions: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+def encode(name: str, new: torch.Tensor, old: torch.Tensor, threshold: float) -> Encoded:
+    """The delta from `old` to `new` (same dtype and device)."""
     mask = changed(new, old)
-    k = int(mask.sum())
-    kind = choose(mask.numel(), k, new.element_size(), threshold)
-    flat = new.reshape(-1)
+    n = mask.numel()
+    k = int(torch.count_nonzero(mask))  # a bool sum() would widen every element to int64 first
+    kind = choose(n, k, new.element_size(), threshold)
     if kind == "none":
-        return kind, k, []
+        return Encoded(kind, k, [])
     if kind == "whole":
-        return kind, k, [(name, new)]
-    if kind == "index":
-        idx = mask.nonzero().view(-1).to(index_dtype(mask.numel()))
-        return kind, k, [(name + INDEX, idx), (name + VALUES, flat[idx.long()])]
-    return kind, k, [(name + MASK, pack_bits(mask)), (name + VALUES, flat[mask])]
+        return Encoded(kind, k, [(name, new)])
+    idx = mask.nonzero().view(-1)
+    values = new.reshape(-1)[idx]
+    if kind == "mask":
+        return Encoded(kind, k, [(name + MASK, pack_bits(mask)), (name + VALUES, values)], idx, values)
+    counts = torch.bincount(idx // BLOCK, minlength=math.ceil(n / BLOCK)).to(torch.int32)
+    # As the bytes of int16s (32768.. wrap to negative, undone on arrival): neither gloo nor NCCL
+    # broadcasts int16.
+    offsets = (idx % BLOCK).to(torch.int32).to(torch.int16).view(torch.uint8)
+    pieces = [(name + BLOCKS, counts), (name + INDEX, offsets), (name + VALUES, values)]
+    return Encoded(kind, k, pieces, idx, values)
+
+
+def block_positions(counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Flat int64 positions from per-block counts and in-block offsets (int16s as bytes)."""
+    blocks = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts.long())
+    return blocks * BLOCK + (offsets.view(torch.int16).long() & (BLOCK - 1))
 
 
 @dataclass
@@ -158,17 +181,19 @@ class SentCopy:
             if name != meta.name:
                 raise ValueError(f"weight {name!r} where the manifest has {meta.name!r}")
             old = self.tensors[name]
-            new = t.detach().to(device=old.device, dtype=torch_dtype(meta.dtype))
-            kind, k, out = encode(name, new, old, threshold)
-            if k:
+            # Compared where the weights are (a GPU's memory is the fastest place for this pass);
+            # only the host copy's changed elements are written back.
+            new = t.detach().to(dtype=torch_dtype(meta.dtype))
+            enc = encode(name, new, old.to(new.device, non_blocking=True), threshold)
+            if enc.kind == "whole":
                 old.copy_(new)
-            stats.changed += k
+            elif enc.positions is not None and enc.values is not None:
+                old.view(-1)[enc.positions.cpu()] = enc.values.cpu()
+            stats.changed += enc.changed
             stats.elements += old.numel()
             stats.full_bytes += old.numel() * old.element_size()
-            stats.encodings[kind] = stats.encodings.get(kind, 0) + 1
-            for pname, piece in out:
-                # A whole tensor is sent from the copy: it holds the new weights until the next sync.
-                piece = old if pname == name else piece
+            stats.encodings[enc.kind] = stats.encodings.get(enc.kind, 0) + 1
+            for pname, piece in enc.pieces:
                 pieces.append(TensorMeta(name=pname, dtype=_dtype(piece), shape=list(piece.shape)))
                 tensors.append(piece)
         stats.encode_seconds = time.perf_counter() - t0
@@ -255,7 +280,7 @@ def check_delta(manifest: Manifest, expected: Mapping[str, Sequence[int]], held:
         n = numel(t.shape)
         if kind == MASK[1:] and p.shape != [math.ceil(n / 8)]:
             raise ValueError(f"delta piece {p.name!r}: a mask of {n} elements has {math.ceil(n / 8)} bytes")
-        if kind and kind not in (INDEX[1:], MASK[1:], VALUES[1:]):
+        if kind and kind not in (INDEX[1:], BLOCKS[1:], MASK[1:], VALUES[1:]):
             raise ValueError(f"delta piece {p.name!r}: unknown kind {kind!r}")
 
 
@@ -264,33 +289,35 @@ Patch = tuple[str, torch.Tensor | None, torch.Tensor]
 
 
 class Assembler:
-    """A receiver's side: pieces arrive bucket by bucket (an index and its values may travel in
+    """A receiver's side: pieces arrive bucket by bucket (a target's pieces may travel in
     different buckets, one per dtype); `add` returns each target's patch once it is complete.
     The pieces it holds are views of their buckets, which receive() never reuses."""
 
     def __init__(self, targets: Sequence[TensorMeta]):
         self.numel = {t.name: numel(t.shape) for t in targets}
-        self._positions: dict[str, torch.Tensor] = {}
-        self._values: dict[str, torch.Tensor] = {}
+        self._pieces: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, name: str, t: torch.Tensor) -> list[Patch]:
         target, _, kind = name.partition("#")
         if not kind:
             return [(target, None, t)]
-        if kind == VALUES[1:]:
-            self._values[target] = t
-        elif kind == MASK[1:]:
-            self._positions[target] = unpack_bits(t, self.numel[target])
+        got = self._pieces.setdefault(target, {})
+        got[kind] = t
+        if VALUES[1:] not in got:
+            return []
+        if MASK[1:] in got:
+            positions = unpack_bits(got[MASK[1:]], self.numel[target])
+        elif INDEX[1:] in got and BLOCKS[1:] in got:
+            positions = block_positions(got[BLOCKS[1:]], got[INDEX[1:]])
         else:
-            self._positions[target] = t.long()
-        if target in self._positions and target in self._values:
-            return [(target, self._positions.pop(target), self._values.pop(target))]
-        return []
+            return []
+        del self._pieces[target]
+        return [(target, positions, got[VALUES[1:]])]
 
     def check_done(self) -> None:
-        left = sorted(set(self._positions) | set(self._values))
+        left = sorted(self._pieces)
         if left:
-            raise ValueError(f"delta pieces without their pair: {left[:3]}")
+            raise ValueError(f"delta pieces of {left[:3]} arrived incomplete")
 
 
 def apply(dest: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor) -> None:

@@ -138,10 +138,11 @@ class DeltaBase(Wire):
 
 class ManifestDelta(WireRequest):
     """A sync in the delta chain (runtime/weight_sync/delta.py). Without `base` the tensors are the
-    model's own, whole; with it they are pieces of `targets`: `<name>` (the whole tensor),
-    `<name>#index` (int32/int64 flat positions) or `<name>#mask` (a packed bitmask, LSB first)
-    each followed by `<name>#values` (the new values at those positions). A target without
-    pieces did not change."""
+    model's own, whole; with it they are pieces of `targets`: `<name>` (the whole tensor), or
+    `<name>#values` (the new values at the changed positions, in order) with either
+    `<name>#blocks` (int32 changes per block of 65536 elements) and `<name>#index` (int16 offsets
+    within those blocks, as bytes), or `<name>#mask` (a packed bitmask, LSB first). A target without pieces
+    did not change."""
 
     keep: DeltaBase
     """What the receiver holds once it loaded this sync (the next delta's base)."""
