@@ -171,14 +171,19 @@ def frames_then_cut(*frames: bytes) -> Handler:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-kubedistill-frames\r\n")
-        writer.write(b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
-        for f in frames:
-            writer.write(b"%x\r\n" % len(f) + f + b"\r\n")
-        await writer.drain()
-        writer.close()
+        await send_frames(writer, *frames)
 
     return handle
+
+
+async def send_frames(writer: asyncio.StreamWriter, *frames: bytes) -> None:
+    """Answer with `frames` (chunked), then close the connection."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-kubedistill-frames\r\n")
+    writer.write(b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    for f in frames:
+        writer.write(b"%x\r\n" % len(f) + f + b"\r\n")
+    await writer.drain()
+    writer.close()
 
 
 async def test_a_batch_cut_short_fails_only_its_unanswered_requests() -> None:
@@ -200,3 +205,40 @@ async def test_a_batch_cut_short_fails_only_its_unanswered_requests() -> None:
     assert outs[1].request_id == "b" and outs[1].token_ids == [4] and outs[1].versions == [2]
     assert isinstance(outs[2], ServerError) and outs[2].status == 400 and "token id 99" in outs[2].message
     assert all(isinstance(o, TRANSPORT_ERRORS) for o in (outs[0], outs[3])), outs
+
+
+async def test_a_batch_whose_connection_closes_before_any_answer_goes_out_once_more() -> None:
+    """The server closing an idle connection as a batch goes out (nothing started): the batch is
+    sent again, once, rather than failing each of its requests; a second close fails them all."""
+    from kubedistill.runtime.driver.clients import RolloutClient
+    from kubedistill.runtime.wire.protocol import GenerateRequest
+    from kubedistill.runtime.wire.streams import frame
+
+    def answer_of(rid: str) -> bytes:
+        return json.dumps(
+            {"request_id": rid, "token_ids": [4], "logprobs": [-0.5], "versions": [0], "finish_reason": "length"}
+        ).encode()
+
+    def closing_first(closes: int) -> tuple[Handler, list[int]]:
+        seen: list[int] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            seen.append(1)
+            if len(seen) > closes:
+                await send_frames(writer, *(frame(i, 200, answer_of(r)) for i, r in enumerate("abc")))
+                return
+            writer.close()
+
+        return handle, seen
+
+    handler, seen = closing_first(1)
+    async with serving(handler) as url, RolloutClient(url) as c:
+        outs = await asyncio.gather(*(c.generate(GenerateRequest(request_id=r, prompt_token_ids=[1])) for r in "abc"))
+    assert [o.request_id for o in outs] == ["a", "b", "c"] and len(seen) == 2
+    handler, seen = closing_first(2)
+    async with serving(handler) as url, RolloutClient(url) as c:
+        failed = await asyncio.gather(
+            *(c.generate(GenerateRequest(request_id=r, prompt_token_ids=[1])) for r in "abc"), return_exceptions=True
+        )
+    assert all(isinstance(o, TRANSPORT_ERRORS) for o in failed) and len(seen) == 2

@@ -111,15 +111,22 @@ class _Batcher(Generic[Q, M]):
     async def _send(self, requests: list[Q], futures: list[asyncio.Future[M]]) -> None:
         url = self.client.base_url + self.path
         error: BaseException = aiohttp.ClientPayloadError(f"{url}: the batch's stream ended before every answer")
+        body = self.batch(requests)
         try:
-            async for index, status, body in stream_frames(self.client.session, url, self.batch(requests)):
-                fut = futures[index]
-                if fut.done():
-                    continue
-                if status == 200:
-                    fut.set_result(self.answer.model_validate_json(body))
-                else:
-                    fut.set_exception(ServerError(url, status, error_message(body)))
+            for attempt in (1, 2):
+                answered = False
+                try:
+                    async for index, status, raw in stream_frames(self.client.session, url, body):
+                        answered = True
+                        self._answer(futures[index], url, status, raw)
+                    break
+                except aiohttp.ServerDisconnectedError as e:
+                    # Closed before any answer: the server was closing that idle connection as the
+                    # batch went out (its requests were not started), so it goes out again, once.
+                    # One retry here rather than a failure per request of the batch.
+                    if answered or attempt == 2:
+                        raise
+                    error = e
         except asyncio.CancelledError:
             for f in futures:
                 f.cancel()
@@ -129,6 +136,14 @@ class _Batcher(Generic[Q, M]):
         for f in futures:
             if not f.done():
                 f.set_exception(error)
+
+    def _answer(self, fut: asyncio.Future[M], url: str, status: int, raw: bytes) -> None:
+        if fut.done():
+            return
+        if status == 200:
+            fut.set_result(self.answer.model_validate_json(raw))
+        else:
+            fut.set_exception(ServerError(url, status, error_message(raw)))
 
     def cancel(self) -> None:
         for task in self._sending:

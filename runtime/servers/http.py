@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Lifespan, Message, Receive, Scope, Send
 
 from kubedistill.runtime.engines.base import BadRequest, Engine
 from kubedistill.runtime.metrics import RoleMetrics
+from kubedistill.runtime.wire.http import SERVER_KEEPALIVE_SECONDS
 from kubedistill.runtime.wire.protocol import HealthResponse
 from kubedistill.runtime.wire.streams import FRAMES_MEDIA_TYPE, frame
 
@@ -124,7 +125,14 @@ def _outcome(task: asyncio.Future[BaseModel]) -> tuple[int, bytes]:
 def serve(app: FastAPI, host: str, port: int) -> None:
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=int(SERVER_KEEPALIVE_SECONDS),
+    )
 
 
 def now() -> float:

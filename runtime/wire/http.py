@@ -32,8 +32,13 @@ from pydantic import BaseModel
 from kubedistill.runtime.wire.streams import read_frame
 
 KEEPALIVE_SECONDS = 2.0
-"""Idle connections are dropped before the servers' keep-alive (uvicorn: 5 s) closes them, so a
-request rarely goes out on a connection the server is closing (callers retry it if it does)."""
+"""Idle connections are dropped well before the servers' keep-alive (SERVER_KEEPALIVE_SECONDS)
+closes them, so a request rarely goes out on a connection the server is closing (callers retry it
+if it does)."""
+SERVER_KEEPALIVE_SECONDS = 60.0
+"""How long our servers keep an idle connection (uvicorn's default: 5 s). Far above the clients'
+2 s, since a client's event loop stalled for seconds on a starved host would otherwise reuse
+connections the server is closing, and a burst of those failures can fail the only server."""
 
 TRANSPORT_ERRORS: tuple[type[Exception], ...] = (
     aiohttp.ClientConnectionError,  # refused, reset, disconnected mid-answer, socket timeouts
