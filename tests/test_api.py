@@ -99,6 +99,7 @@ def test_crd_identity_and_columns() -> None:
         "Mode",
         "Phase",
         "Step",
+        "Score",
         "Trainer",
         "Rollout",
         "Teachers",
