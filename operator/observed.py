@@ -219,12 +219,20 @@ def job_of(obj: Mapping[str, Any]) -> str | None:
 def set_condition(
     status: DistillationJobStatus, kind: ConditionType, value: bool, reason: str, message: str, now: datetime
 ) -> None:
-    """Set a condition, keeping lastTransitionTime unless the status flips; keep a fixed order."""
+    """Set a condition, keeping lastTransitionTime unless the status flips; keep a fixed order.
+    Its observedGeneration is the status's (the generation this pass planned from)."""
     new = ConditionStatus.true if value else ConditionStatus.false
     existing = {c.type: c for c in status.conditions}
     old = existing.get(kind)
     since = old.last_transition_time if old is not None and old.status is new else rfc3339(now)
-    existing[kind] = Condition(type=kind, status=new, reason=reason, message=message, last_transition_time=since)
+    existing[kind] = Condition(
+        type=kind,
+        status=new,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=status.observed_generation,
+    )
     status.conditions = [existing[k] for k in CONDITION_ORDER if k in existing]
 
 

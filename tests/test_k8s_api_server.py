@@ -287,6 +287,8 @@ class Server:
     (kubectl's fieldValidation=Strict: unknown fields)."""
     says: tuple[str, ...] = ()
     """Server phrases besides the `# expect:` lines' messages, which CEL rules share verbatim."""
+    items: tuple[str, ...] = ()
+    """Fields the server names besides validate's: a map list's duplicate key, at the item."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,8 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "bad-yaml.yaml": ValidateOnly(
         "not YAML: kubectl cannot turn it into JSON", "mapping values are not allowed in this context"
     ),
-    "duplicate-teacher-names.yaml": CEL,
+    # spec.teachers is a map list keyed by name: the server also refuses the second item itself.
+    "duplicate-teacher-names.yaml": Server("cel", ("Duplicate value",), ("spec.teachers[1]",)),
     "fully-async-without-async.yaml": CEL,
     "gpus-on-cpu.yaml": CEL,
     "grpo-with-one-sample.yaml": CEL,
@@ -378,7 +381,8 @@ def test_broken_manifest_is_refused_by_its_layer(api: ControlPlane, namespaces: 
         return
     entries = refusal_entries(r.stderr)
     # The server and `kubedistill validate` complain about the same fields.
-    assert {entry_field(e) for e in entries} == {p.field for p in problems}, entries
+    items = layer.items if isinstance(layer, Server) else ()
+    assert {entry_field(e) for e in entries} == {p.field for p in problems} | set(items), entries
     expected = _expect_lines(path)
     cel_messages = [m for e in entries for m in RULE_MESSAGES if m in e]
     if layer.by == "cel":
@@ -832,30 +836,82 @@ def test_scale_subresource_sets_rollout_replicas_and_reports_status(
         assert r.returncode != 0 and "spec.rollout.replicas" in r.stderr, (replicas, r.stdout, r.stderr)
 
 
-def test_status_keeps_the_last_evaluation_and_kubectl_shows_its_score(
-    api: ControlPlane, namespaces: dict[str, str]
-) -> None:
-    """What the operator writes after a held-out evaluation survives the status schema (nothing
-    pruned), and `kubectl get dj` shows the headline score."""
-    from kubedistill.api.status import DistillationJobStatus, HeldOutEvaluation
+# -- 5. server-side apply: lists merge by key ------------------------------------------------------
 
-    ns, name = namespaces["scale"], "evaluated"
-    _create(api, ns, name, _base())
-    evaluation = {
-        "step": 20,
-        "weightVersion": 20,
-        "score": 0.625,
-        "sources": {
-            "arith": {"score": 0.75, "responseLength": 3.0, "reverseKL": 0.125, "teacher": "arith"},
-            "gsm8k": {"score": 0.5, "responseLength": 90.5},
-        },
-    }
-    status = DistillationJobStatus(evaluation=HeldOutEvaluation.model_validate(evaluation)).to_api()
-    api.kubectl(
-        "patch", "-n", ns, f"dj/{name}", "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
+
+def _ssa(api: ControlPlane, manager: str, doc: dict[str, Any], *extra: str) -> subprocess.CompletedProcess[str]:
+    return api.kubectl(
+        "apply", "--server-side", f"--field-manager={manager}", "-f", "-", *extra, stdin=json.dumps(doc), check=False
     )
-    stored = json.loads(api.kubectl("get", "-n", ns, f"dj/{name}", "-o", "json").stdout)
-    assert stored["status"]["evaluation"] == evaluation
-    table = api.kubectl("get", "-n", ns, f"dj/{name}").stdout.splitlines()
-    header, row = table[0].split(), table[1].split()
-    assert row[header.index("SCORE")] == "0.625"
+
+
+def _get(api: ControlPlane, plural: str, group: str, namespace: str, name: str) -> dict[str, Any]:
+    got = api.kubectl("get", f"{plural}.{group}", name, "-n", namespace, "-o", "json", "--show-managed-fields")
+    out: dict[str, Any] = json.loads(got.stdout)
+    return out
+
+
+def test_every_list_in_the_crd_says_how_server_side_apply_merges_it() -> None:
+    lists = {path: node for path, node in schema_nodes(openapi_schema(committed_crd())) if node.get("type") == "array"}
+    assert lists and all(n.get("x-kubernetes-list-type") in ("atomic", "map") for n in lists.values()), lists
+    keyed = {p: n["x-kubernetes-list-map-keys"] for p, n in lists.items() if n["x-kubernetes-list-type"] == "map"}
+    assert keyed[".spec.teachers"] == ["name"] and keyed[".spec.env"] == ["name"]
+    assert keyed[".spec.teachers[].overrides.env"] == ["name"] and keyed[".status.conditions"] == ["type"]
+    assert lists[".spec.data.train"]["x-kubernetes-list-type"] == "atomic"  # file order matters
+
+
+def test_two_managers_edit_different_env_vars_of_a_stored_job(api: ControlPlane, namespaces: dict[str, str]) -> None:
+    ns, name = namespaces["updates"], "ssa-env"
+    alice = _base()
+    alice["metadata"] = {"name": name, "namespace": ns}
+    alice["spec"]["env"] = [{"name": "NCCL_DEBUG", "value": "INFO"}]
+    assert _ssa(api, "alice", alice).returncode == 0
+    bob = {"apiVersion": alice["apiVersion"], "kind": alice["kind"], "metadata": alice["metadata"]}
+    bob["spec"] = {"env": [{"name": "HF_HOME", "value": "/cache"}]}
+    r = _ssa(api, "bob", bob)
+    assert r.returncode == 0, r.stderr  # an atomic list would conflict with alice's
+    alice["spec"]["env"][0]["value"] = "WARN"
+    assert _ssa(api, "alice", alice).returncode == 0
+    env = _get(api, PLURAL, GROUP, ns, name)["spec"]["env"]
+    assert env == [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "HF_HOME", "value": "/cache"}]
+
+
+@pytest.fixture(scope="module")
+def editable_teachers(api: ControlPlane) -> Iterator[str]:
+    """The committed CRD's schema in a group of its own, without its CEL rules: teachers are
+    immutable on a stored job (IMMUTABLE_SPEC_FIELDS), and a routed second teacher needs rules
+    this test is not about. What remains is the schema and its list types, as committed."""
+    crd = renamed(committed_crd(), "ssa-probe.kubedistill.io")
+    for _, node in schema_nodes(openapi_schema(crd)):
+        node.pop("x-kubernetes-validations", None)
+    api.kubectl("apply", "-f", "-", stdin=json.dumps(crd))
+    name = crd["metadata"]["name"]
+    api.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    yield "ssa-probe.kubedistill.io"
+    api.kubectl("delete", "crd", name, "--wait=false", check=False)
+
+
+def test_two_managers_edit_different_teachers_without_clobbering(
+    api: ControlPlane, namespaces: dict[str, str], editable_teachers: str
+) -> None:
+    ns, name, api_version = namespaces["updates"], "ssa-teachers", f"{editable_teachers}/{VERSION}"
+    alice = _base()
+    alice["apiVersion"] = api_version
+    alice["metadata"] = {"name": name, "namespace": ns}
+    (math,) = alice["spec"]["teachers"]
+    bob = {"apiVersion": api_version, "kind": alice["kind"], "metadata": alice["metadata"]}
+    bob["spec"] = {"teachers": [{"name": "code", "model": "/models/code", "replicas": 1}]}
+    assert _ssa(api, "alice", alice).returncode == 0
+    r = _ssa(api, "bob", bob)
+    assert r.returncode == 0, r.stderr
+    bob["spec"]["teachers"][0]["replicas"] = 2
+    alice["spec"]["teachers"][0]["replicas"] = 3
+    assert _ssa(api, "bob", bob).returncode == 0 and _ssa(api, "alice", alice).returncode == 0
+    stored = _get(api, PLURAL, editable_teachers, ns, name)
+    teachers = {t["name"]: t for t in stored["spec"]["teachers"]}
+    assert list(teachers) == [math["name"], "code"]
+    assert teachers[math["name"]]["replicas"] == 3 and teachers["code"]["replicas"] == 2
+    assert teachers[math["name"]]["model"] == math["model"] and teachers["code"]["model"] == "/models/code"
+    # Each manager owns its own teacher, not the list.
+    owned = {m["manager"]: json.dumps(m.get("fieldsV1", {})) for m in stored["metadata"]["managedFields"]}
+    assert '{\\"name\\":\\"code\\"}' in owned["bob"] and '{\\"name\\":\\"code\\"}' not in owned["alice"]

@@ -19,6 +19,26 @@ from pydantic.alias_generators import to_camel
 FREE_FORM = "kubedistill-free-form"
 FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={FREE_FORM: True})]
 
+LIST_MAP_KEYS = "kubedistill-list-map-keys"
+
+
+def keyed_by(*keys: str) -> dict[str, Any]:
+    """`json_schema_extra` of a list whose items are identified by `keys`: the CRD marks it
+    x-kubernetes-list-type map, so server-side apply merges items by key (two managers may own
+    different teachers) instead of replacing the list. Every other list is atomic."""
+    return {LIST_MAP_KEYS: list(keys)}
+
+
+def unique_names(items: list[Any]) -> list[Any]:
+    """Refuse two items of one name, as the API server refuses a duplicate key of a map list."""
+    seen: set[str] = set()
+    for item in items:
+        if item.name in seen:
+            raise ValueError(f"names must be unique: {item.name!r} appears twice")
+        seen.add(item.name)
+    return items
+
+
 # The largest integer any API field may take; every integer field is bounded by it (or less), so
 # pydantic and the CRD refuse the same values. Unbounded, they did not: the API server holds an
 # int64 and refuses 2^63 and above, which a Python int takes (tests/test_k8s_api_server.py).

@@ -20,7 +20,7 @@ from pydantic_core import PydanticUndefined
 
 from kubedistill.api import job as api
 from kubedistill.api import kubeyaml
-from kubedistill.api.base import FREE_FORM
+from kubedistill.api.base import FREE_FORM, LIST_MAP_KEYS
 from kubedistill.api.rules import (
     IMMUTABLE_MESSAGE,
     IMMUTABLE_SPEC_FIELDS,
@@ -117,7 +117,8 @@ def type_schema(tp: Any, meta: list[Any] | None = None) -> dict[str, Any]:
         schema = {"type": "string"}
     elif origin is list:
         (item,) = typing.get_args(tp)
-        schema = {"type": "array", "items": type_schema(item)}
+        # Replaced whole by server-side apply unless model_schema marks it a map (base.keyed_by).
+        schema = {"type": "array", "items": type_schema(item), "x-kubernetes-list-type": "atomic"}
     elif origin is dict:
         _, value = typing.get_args(tp)
         if value is Any:
@@ -161,6 +162,10 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
                 description = (bare.__doc__ or "").strip() or None
         if description:
             prop = {"description": " ".join(description.split()), **prop}
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get(LIST_MAP_KEYS):
+            prop["x-kubernetes-list-type"] = "map"
+            prop["x-kubernetes-list-map-keys"] = list(extra[LIST_MAP_KEYS])  # type: ignore[arg-type]
         has_default, default = _default_of(info)
         if has_default:
             prop["default"] = default

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from kubedistill.api.base import DNS_LABEL, MAX_SAFE_INT, ApiModel, FreeForm
+from kubedistill.api.base import DNS_LABEL, MAX_SAFE_INT, ApiModel, FreeForm, keyed_by, unique_names
 from kubedistill.api.enums import (
     ALL_LINEAR,
     KUEUE_MAX_TEACHERS,
@@ -130,7 +130,9 @@ class RoleOverrides(ApiModel):
 
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """Extra resources for this role's containers."""
-    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    env: Annotated[list[EnvVar], AfterValidator(unique_names)] = Field(
+        default_factory=list, max_length=64, json_schema_extra=keyed_by("name")
+    )
     """Extra environment variables for this role's containers."""
     node_selector: dict[str, Annotated[str, Field(max_length=253)]] = Field(default_factory=dict, max_length=32)
     """Node labels this role's pods must run on, merged over spec.nodeSelector."""
@@ -596,7 +598,7 @@ class DistillationJobSpec(ApiModel):
     """Image pull policy of every role."""
     student: ModelSpec
     """The student model (trained; served by the rollout pods)."""
-    teachers: list[TeacherSpec] = Field(min_length=1, max_length=8)
+    teachers: list[TeacherSpec] = Field(min_length=1, max_length=8, json_schema_extra=keyed_by("name"))
     """Teacher models; samples are routed to them by spec.routing."""
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     """Routing of samples to teachers."""
@@ -623,7 +625,9 @@ class DistillationJobSpec(ApiModel):
     """Queue, gang scheduler, scheduler and priority of the job's pods."""
 
     # Pod template overrides shared by every role.
-    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    env: Annotated[list[EnvVar], AfterValidator(unique_names)] = Field(
+        default_factory=list, max_length=128, json_schema_extra=keyed_by("name")
+    )
     """Environment variables for every container (e.g. NCCL_* settings)."""
     volumes: list[FreeForm] = Field(default_factory=list, max_length=64)
     """Extra pod volumes (Kubernetes Volume objects), e.g. the model and checkpoint PVCs."""

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from kubedistill.api.base import MAX_SAFE_INT, ApiModel
+from kubedistill.api.base import MAX_SAFE_INT, ApiModel, keyed_by
 
 SCALE_REPLICAS_MAX = 2**31 - 1
 """The scale subresource's replicas are an autoscaling/v1 Scale's int32: the API server refuses a
@@ -58,6 +58,9 @@ class Condition(ApiModel):
     """Human-readable detail."""
     last_transition_time: str | None = None
     """RFC 3339 time the status last changed."""
+    observed_generation: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] | None = None
+    """The job's metadata.generation the condition was set from: older than the job's means the
+    operator has not acted on the latest spec yet."""
 
 
 class RoleStatus(ApiModel):
@@ -115,7 +118,7 @@ class DistillationJobStatus(ApiModel):
     """Pending, Initializing, Running, Restarting, Succeeded, Failed, Suspended or Blocked."""
     message: Annotated[str, Field(max_length=4096)] = ""
     """Why the job is Blocked or Failed, in one line (empty otherwise)."""
-    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    conditions: list[Condition] = Field(default_factory=list, max_length=16, json_schema_extra=keyed_by("type"))
     """Created, Ready, Running, Succeeded, Failed, Suspended, and Disrupted once the cluster
     took a trainer pod away."""
     roles: dict[str, RoleStatus] = Field(default_factory=dict, max_length=64)
