@@ -836,6 +836,35 @@ def test_scale_subresource_sets_rollout_replicas_and_reports_status(
         assert r.returncode != 0 and "spec.rollout.replicas" in r.stderr, (replicas, r.stdout, r.stderr)
 
 
+def test_status_keeps_the_last_evaluation_and_kubectl_shows_its_score(
+    api: ControlPlane, namespaces: dict[str, str]
+) -> None:
+    """What the operator writes after a held-out evaluation survives the status schema (nothing
+    pruned), and `kubectl get dj` shows the headline score."""
+    from kubedistill.api.status import DistillationJobStatus, HeldOutEvaluation
+
+    ns, name = namespaces["scale"], "evaluated"
+    _create(api, ns, name, _base())
+    evaluation = {
+        "step": 20,
+        "weightVersion": 20,
+        "score": 0.625,
+        "sources": {
+            "arith": {"score": 0.75, "responseLength": 3.0, "reverseKL": 0.125, "teacher": "arith"},
+            "gsm8k": {"score": 0.5, "responseLength": 90.5},
+        },
+    }
+    status = DistillationJobStatus(evaluation=HeldOutEvaluation.model_validate(evaluation)).to_api()
+    api.kubectl(
+        "patch", "-n", ns, f"dj/{name}", "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
+    )
+    stored = json.loads(api.kubectl("get", "-n", ns, f"dj/{name}", "-o", "json").stdout)
+    assert stored["status"]["evaluation"] == evaluation
+    table = api.kubectl("get", "-n", ns, f"dj/{name}").stdout.splitlines()
+    header, row = table[0].split(), table[1].split()
+    assert row[header.index("SCORE")] == "0.625"
+
+
 # -- 5. server-side apply: lists merge by key ------------------------------------------------------
 
 
