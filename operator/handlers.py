@@ -51,7 +51,7 @@ from kubedistill.operator.policy import (
     plan,
     refusal_reason,
 )
-from kubedistill.operator.render import KEPT_CURRENT, LABEL_ATTEMPT, LABEL_JOB, content_digest
+from kubedistill.operator.render import KEPT_CURRENT, LABEL_ATTEMPT, LABEL_JOB, content_digest, owned_by_job
 
 if TYPE_CHECKING:
     # kopf checks its decorators' handlers against these Protocols but does not re-export them.
@@ -323,7 +323,8 @@ class Reconciler:
                 else:
                     recent[(ref.kind, ref.name)] = (time.monotonic(), obj)
         if p.create:
-            kopf.adopt(p.create, owner=body)
+            # A retained checkpoint claim gets no owner reference: it outlives the job.
+            kopf.adopt([o for o in p.create if owned_by_job(o)], owner=body)
             for obj in p.create:
                 # kopf.adopt copies the job's labels; ours must win on the children.
                 obj["metadata"]["labels"].update(_own_labels(obj))

@@ -58,10 +58,11 @@ CHILDREN: tuple[Resource, ...] = (
 """The children the operator watches (label-selected), creates, patches and deletes."""
 JOB = Resource("DistillationJob", f"{GROUP}/{VERSION}", PLURAL)
 RESOURCES: dict[str, Resource] = {r.kind: r for r in (*CHILDREN, JOB)}
-UNWATCHED: dict[str, str] = {"PodGroup": "podgroups"}
+UNWATCHED: dict[str, str] = {"PodGroup": "podgroups", "PersistentVolumeClaim": "persistentvolumeclaims"}
 """kind -> plural of children the operator only creates and patches (never lists, watches or
-deletes: the job's owner reference deletes them), under the apiVersion the object names. A PodGroup's kind is
-served by two projects (Volcano, scheduler-plugins), hence no fixed API prefix here."""
+deletes: the job's owner reference deletes them, or nothing for a retained checkpoint claim), under
+the apiVersion the object names. A PodGroup's kind is served by two projects (Volcano,
+scheduler-plugins), hence no fixed API prefix here."""
 
 
 class KubeError(Exception):
@@ -139,7 +140,8 @@ def object_collection_path(obj: Mapping[str, Any]) -> str:
     """Where an object is created: by kind, or for UNWATCHED kinds by its own apiVersion."""
     kind, namespace = obj["kind"], obj["metadata"]["namespace"]
     if kind in UNWATCHED:
-        return f"/apis/{obj['apiVersion']}/namespaces/{namespace}/{UNWATCHED[kind]}"
+        prefix = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
+        return f"{prefix}/namespaces/{namespace}/{UNWATCHED[kind]}"
     return collection_path(kind, namespace)
 
 

@@ -70,6 +70,7 @@ from kubedistill.operator.running import (
     is_surplus,
     rollout_drain_seconds,
 )
+from kubedistill.operator.volumes import resume_problem
 
 TERMINAL = (Phase.succeeded, Phase.failed)
 
@@ -287,6 +288,7 @@ def plan(
     if status.phase not in TERMINAL:
         status.message = ""
         _hold_unscheduled(p, spec, missing_apis, now)
+        _hold_unresumable(p, spec, now)
         _hold_refused(p, refusals or {}, now)
         _blocked_by_volumes(p, observed, now)
     _conditions(p, spec, observed, now)
@@ -313,6 +315,22 @@ def _hold_unscheduled(p: Plan, spec: DistillationJobSpec, missing: Collection[Ga
     p.status.phase = Phase.blocked
     p.status.message = message
     set_condition(p.status, ConditionType.created, False, "GangSchedulerMissing", message, now)
+
+
+def _hold_unresumable(p: Plan, spec: DistillationJobSpec, now: datetime) -> None:
+    """With checkpoint.resume auto, a job whose checkpoints a gang restart would lose (an emptyDir
+    or a relative path at checkpoint.path) would promise a resume it cannot do: its pods are held
+    until spec.volumes or spec.volumeMounts change, and the job is Blocked and says why."""
+    if p.status.phase is Phase.blocked:
+        return
+    why = resume_problem(spec)
+    if why is None:
+        return
+    p.create = [o for o in p.create if o["kind"] != "Pod"]
+    message = f"checkpoint.resume is auto, but a gang restart could not resume: {why}"
+    p.status.phase = Phase.blocked
+    p.status.message = message[:4096]
+    set_condition(p.status, ConditionType.created, False, "CheckpointNotResumable", message, now)
 
 
 def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime) -> None:

@@ -34,6 +34,9 @@ NAMESPACED: list[PolicyRule] = [
         "resources": ["networkpolicies"],
         "verbs": ["get", "list", "watch", "create", "delete"],
     },
+    # The checkpoint claim a job without a volume at checkpoint.path gets: created once (a 409
+    # when it exists), deleted by the job's owner reference or kept (whenDeleted Retain).
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create"]},
     # Events for every phase transition and error (kopf.info/warn).
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]

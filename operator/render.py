@@ -39,9 +39,15 @@ from kubedistill.api.roleconfig import (
     role_overrides,
     user_env,
 )
-from kubedistill.api.spec import DistillationJobSpec, EnvVar, GangScheduler, RoleOverrides
+from kubedistill.api.spec import ClaimRetention, DistillationJobSpec, EnvVar, GangScheduler, RoleOverrides
 from kubedistill.operator.requests import default_requests
-from kubedistill.operator.volumes import SCRATCH_DIR, scratch_volumes, user_volumes
+from kubedistill.operator.volumes import (
+    SCRATCH_DIR,
+    checkpoint_claim_name,
+    provisions_checkpoint_claim,
+    scratch_volumes,
+    user_volumes,
+)
 
 LABEL_JOB = "kubedistill.io/job"
 LABEL_ROLE = "kubedistill.io/role"
@@ -402,7 +408,7 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
     lbl = labels(job, slot.role, slot.replica, slot.teacher)
     if in_gang(spec, slot.role):
         lbl[LABEL_ATTEMPT] = str(attempt)
-    scratch = scratch_volumes(spec, slot.role)
+    scratch = scratch_volumes(job, spec, slot.role, slot.replica)
     volumes, mounts = user_volumes(spec, slot.role, slot.replica, slot.teacher)
     ports = [{"name": "http", "containerPort": Ports.HTTP, "protocol": "TCP"}]
     if slot.role is Role.trainer:
@@ -578,19 +584,50 @@ def static_refs(job: str, spec: DistillationJobSpec) -> list[tuple[str, str]]:
     out += [("Service", service_name(job, Role.trainer)), ("Service", service_name(job, Role.rollout))]
     out += [("Service", service_name(job, Role.teacher, t.name)) for t in spec.teachers]
     out.append(("NetworkPolicy", job))
+    if provisions_checkpoint_claim(spec):
+        out.append(("PersistentVolumeClaim", checkpoint_claim_name(job)))
     if spec.scheduling.gang_scheduler in POD_GROUP_API:
         out.append(("PodGroup", pod_group_name(job)))
     return out
 
 
+RETAINED_ANNOTATION = "kubedistill.io/retained"
+"""Set on a child the job must not own (a checkpoint claim with whenDeleted Retain): the operator
+creates it without an owner reference, so the garbage collector leaves it when the job goes."""
+
+
+def render_checkpoint_claim(job: str, namespace: str, spec: DistillationJobSpec) -> dict[str, Any] | None:
+    """The checkpoint claim trainer pod 0 mounts at checkpoint.path (volumes.scratch_volumes), when
+    no user volume holds that path. ReadWriteOnce: no other pod opens it."""
+    if not provisions_checkpoint_claim(spec):
+        return None
+    c = spec.checkpoint.claim
+    meta = _meta(checkpoint_claim_name(job), namespace, labels(job, SHARED_ROLE, ALL_REPLICAS))
+    if c.when_deleted is ClaimRetention.retain:
+        meta["annotations"] = {RETAINED_ANNOTATION: "true"}
+    claim_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": c.size}}}
+    if c.storage_class_name is not None:
+        claim_spec["storageClassName"] = c.storage_class_name
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim_spec}
+
+
+def owned_by_job(obj: Mapping[str, Any]) -> bool:
+    """Whether a child gets the job's owner reference (and goes with the job)."""
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(RETAINED_ANNOTATION) != "true"
+
+
 def render_static(job: str, namespace: str, spec: DistillationJobSpec) -> list[dict[str, Any]]:
-    """The children that live as long as the job: ConfigMap, Services, NetworkPolicy, and the
-    PodGroup of a Volcano or coscheduling gang (before the pods: the scheduler needs it)."""
+    """The children that live as long as the job: ConfigMap, Services, NetworkPolicy, the
+    checkpoint claim, and the PodGroup of a Volcano or coscheduling gang (before the pods: the
+    scheduler needs it)."""
     out = [
         render_config_map(job, namespace, spec),
         *render_services(job, namespace, spec),
         render_network_policy(job, namespace),
     ]
+    claim = render_checkpoint_claim(job, namespace, spec)
+    if claim is not None:
+        out.append(claim)
     group = render_pod_group(job, namespace, spec)
     if group is not None:
         out.append(group)

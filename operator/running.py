@@ -13,7 +13,7 @@ from typing import Any
 
 from kubedistill.api.failures import GangDecision, GangFailure, decide_gang_failure
 from kubedistill.api.roleconfig import Role
-from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import DistillationJobSpec, ResumePolicy
 from kubedistill.api.status import DistillationJobStatus, Phase
 from kubedistill.operator import render
 from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, parse_time, rfc3339
@@ -123,6 +123,7 @@ def check_gang(
         disruptions=status.disruptions,
         backoff_limit=spec.backoff_limit,
         last_checkpoint=status.last_checkpoint,
+        resumes=spec.checkpoint.resume is ResumePolicy.auto,
     )
     return GangCheck(failed, lost, decision)
 

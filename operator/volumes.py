@@ -1,6 +1,6 @@
-"""Which volumes each pod of a job mounts: the runtime's own (scratch, and a checkpoint directory
-when no user volume holds it), the job-wide user volumes it needs, and its role's own
-(`overrides.volumes` / `overrides.volumeMounts`).
+"""Which volumes each pod of a job mounts: the runtime's own (scratch, and the checkpoint claim
+the operator provisions when no user volume holds checkpoint.path), the job-wide user volumes it
+needs, and its role's own (`overrides.volumes` / `overrides.volumeMounts`).
 
 Only trainer rank 0 touches the checkpoint path (runtime/trainer/state.py). A job-wide mount that
 holds it is therefore left out of every other pod, unless that pod also reads something under it
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kubedistill.api.roleconfig import Role, role_overrides
-from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import DistillationJobSpec, ResumePolicy
 
 SCRATCH_DIR = "/tmp"
 """The writable emptyDir of every pod; HOME points here, so every cache (HF, vLLM, torch,
@@ -53,20 +53,64 @@ def needs_mount(spec: DistillationJobSpec, mount: Mount, role: Role, replica: in
     return any(holds(mount, p) for p in reads(spec, role, teacher))
 
 
-def scratch_volumes(spec: DistillationJobSpec, role: Role) -> list[tuple[Volume, Mount]]:
-    """(volume, mount) pairs for what the runtime writes under a read-only root: the scratch
-    directory, and on trainer pods the checkpoint path when no user volume holds it (the
-    checkpoints then live as long as the pod, as they would on the container's own disk)."""
-    out = [({"name": "scratch", "emptyDir": {}}, {"name": "scratch", "mountPath": SCRATCH_DIR})]
+def checkpoint_claim_name(job: str) -> str:
+    return f"{job}-checkpoint"
+
+
+def _trainer_mounts(spec: DistillationJobSpec) -> list[Mount]:
+    """The user's mounts on trainer pod 0, the one that writes checkpoints."""
+    return [*spec.volume_mounts, *spec.trainer.overrides.volume_mounts]
+
+
+def _under_scratch(path: str) -> bool:
+    return path == SCRATCH_DIR or path.startswith(SCRATCH_DIR + "/")
+
+
+def provisions_checkpoint_claim(spec: DistillationJobSpec) -> bool:
+    """Whether the operator makes the checkpoint claim: checkpoint.path is an absolute path outside
+    the scratch directory that no user volume on trainer pod 0 holds."""
     ckpt = spec.checkpoint.path.rstrip("/") or "/"
-    if (
-        role is Role.trainer
-        and ckpt.startswith("/")
-        and ckpt != SCRATCH_DIR
-        and not ckpt.startswith(SCRATCH_DIR + "/")
-        and not any(holds(m, ckpt) for m in spec.volume_mounts)
-    ):
-        out.append(({"name": "checkpoint", "emptyDir": {}}, {"name": "checkpoint", "mountPath": ckpt}))
+    return ckpt.startswith("/") and not _under_scratch(ckpt) and not any(holds(m, ckpt) for m in _trainer_mounts(spec))
+
+
+def resume_problem(spec: DistillationJobSpec) -> str | None:
+    """Why a gang restart of this job could not resume from its last checkpoint, in one line; None
+    when it can, or when checkpoint.resume is never (a restart then starts over, as asked)."""
+    if spec.checkpoint.resume is ResumePolicy.never:
+        return None
+    ckpt = spec.checkpoint.path.rstrip("/") or "/"
+    fix = "mount a persistentVolumeClaim there, or set checkpoint.resume never"
+    if not ckpt.startswith("/"):
+        return f"checkpoint.path {spec.checkpoint.path} is relative: set an absolute path"
+    if _under_scratch(ckpt):
+        return f"checkpoint.path {ckpt} is on the pods' scratch emptyDir ({SCRATCH_DIR}), which a gang restart empties"
+    mount = next((m for m in reversed(_trainer_mounts(spec)) if holds(m, ckpt)), None)
+    if mount is None:
+        return None  # the operator's claim holds it
+    volumes = [*spec.volumes, *spec.trainer.overrides.volumes]
+    volume = next((v for v in volumes if v.get("name") == mount.get("name")), None)
+    if volume is not None and "emptyDir" in volume:
+        return (
+            f"checkpoint.path {ckpt} is on emptyDir volume {volume['name']}, which a gang restart empties: {fix}"
+            " (or remove the mount, and the operator provisions a claim)"
+        )
+    return None
+
+
+def scratch_volumes(job: str, spec: DistillationJobSpec, role: Role, replica: int) -> list[tuple[Volume, Mount]]:
+    """(volume, mount) pairs for what the runtime writes under a read-only root: the scratch
+    directory, and on trainer pods the checkpoint path when no user volume holds it: the claim the
+    operator provisions on pod 0, which writes checkpoints (they survive a gang restart), an
+    emptyDir on the other ranks, which never open it."""
+    out = [({"name": "scratch", "emptyDir": {}}, {"name": "scratch", "mountPath": SCRATCH_DIR})]
+    if role is Role.trainer and provisions_checkpoint_claim(spec):
+        ckpt = spec.checkpoint.path.rstrip("/") or "/"
+        source: Volume = (
+            {"persistentVolumeClaim": {"claimName": checkpoint_claim_name(job)}}
+            if writes_checkpoints(role, replica)
+            else {"emptyDir": {}}
+        )
+        out.append(({"name": "checkpoint", **source}, {"name": "checkpoint", "mountPath": ckpt}))
     return out
 
 

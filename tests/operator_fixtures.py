@@ -155,6 +155,8 @@ class Cluster:
         out |= {
             ("NetworkPolicy", n) for n in mine((await self.call(self.net.list_namespaced_network_policy, NS)).items)
         }
+        claims = (await self.call(self.core.list_namespaced_persistent_volume_claim, NS)).items
+        out |= {("PersistentVolumeClaim", n) for n in mine(claims)}
         return out
 
     async def set_pod_status(self, name: str, phase: str, ready: bool = False, **extra: Any) -> None:

@@ -3,8 +3,9 @@ control plane, tests/control_plane.py), the real operator (`kubedistill operator
 logged in by a kubeconfig) reconciling it, the real kube-scheduler binding its pods to the Node
 the node-agent twin registers (tests/node_agent.py), and the twin running every pod as real
 processes from the pod specs alone: own network namespace and address, cluster DNS names,
-volumes (the models on a hostPath, the checkpoints on a PersistentVolumeClaim bound to a static
-PersistentVolume, the ServiceAccount's projected token), env with fieldRefs, non-root user,
+volumes (the models on a hostPath, the checkpoints on the PersistentVolumeClaim the operator
+provisions for a job with the default checkpoint settings, bound to a static PersistentVolume: the
+cluster has no dynamic provisioner; the ServiceAccount's projected token), env with fieldRefs, non-root user,
 read-only root, readiness probes, graceful deletion finished by the twin as a kubelet does.
 
 One job lives through every scenario, in order, so that the models load a few times rather than
@@ -40,6 +41,7 @@ import torch
 from control_plane import CONTROLLERS, SCHEDULER
 from e2e_jobs import write_prompts
 from kubedistill.api.job import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kubedistill.api.spec import CheckpointClaimSpec
 from node_agent import TWIN_TOLERATION, ApiAccess, NodeAgent, NodeRegistration
 from operator_fixtures import eventually
 from real_cluster import CRD_NAME, operator_process
@@ -53,7 +55,8 @@ JOB = "k8s"
 # Steps take ~0.4 s here once running, and a deleted rollout pod serves for up to 5 s more
 # (uvicorn's graceful shutdown): enough steps that the job is still running for each scenario.
 STEPS, EVERY, N, MINI = 40, 2, 2, 4
-CLAIM = "k8s-checkpoints"
+CLAIM = f"{JOB}-checkpoint"
+"""The claim the operator makes for checkpoint.path (the default /ckpt, no volume of the job there)."""
 
 
 def manifest(models: Path, data: Path, node: str) -> dict[str, Any]:
@@ -81,7 +84,8 @@ def manifest(models: Path, data: Path, node: str) -> dict[str, Any]:
         },
         "algorithm": {"distillation": {"lossMode": "forwardKLTopK", "topK": 4}},
         "data": {"train": ["/data/train.jsonl"], "maxPromptLength": 32},
-        "checkpoint": {"path": "/ckpt", "everySteps": EVERY},
+        # The default path, resume and claim: only the interval is the test's.
+        "checkpoint": {"everySteps": EVERY},
         "weightSync": {"bucketMB": 4, "timeoutSeconds": 180},
         "backoffLimit": 3,
         # The twin's Node and nothing else: its taint keeps every other pod off it, and these
@@ -93,12 +97,10 @@ def manifest(models: Path, data: Path, node: str) -> dict[str, Any]:
         "volumes": [
             {"name": "models", "hostPath": {"path": str(models), "type": "Directory"}},
             {"name": "data", "hostPath": {"path": str(data), "type": "Directory"}},
-            {"name": "ckpt", "persistentVolumeClaim": {"claimName": CLAIM}},
         ],
         "volumeMounts": [
             {"name": "models", "mountPath": "/models", "readOnly": True},
             {"name": "data", "mountPath": "/data", "readOnly": True},
-            {"name": "ckpt", "mountPath": "/ckpt"},
         ],
     }
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": JOB, "namespace": NAMESPACE}, "spec": spec}
@@ -152,31 +154,24 @@ class Cluster:
         await self.call(self.core.delete_namespaced_pod, name, self.ns)
 
 
-def claim_objects(agent: NodeAgent, namespace: str) -> list[dict[str, Any]]:
-    """The checkpoint claim and a static PersistentVolume bound to it: the scheduler does not
-    place a pod whose claim is missing or unbound. The twin backs the claim with a directory of
-    its own; the volume's hostPath names it."""
-    pv_name = f"{namespace}-{CLAIM}"
-    storage = {"accessModes": ["ReadWriteMany"], "storageClassName": ""}
-    pv = {
+def checkpoint_volume(agent: NodeAgent, namespace: str) -> dict[str, Any]:
+    """A static PersistentVolume reserved (claimRef) for the checkpoint claim the operator makes, as
+    large as the claim's default size and without a class, like the claim on a cluster with no
+    default StorageClass; the volume binder binds the two. The twin backs the claim with a
+    directory of its own; the volume's hostPath names it."""
+    return {
         "apiVersion": "v1",
         "kind": "PersistentVolume",
-        "metadata": {"name": pv_name},
+        "metadata": {"name": f"{namespace}-{CLAIM}"},
         "spec": {
-            **storage,
-            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "",
+            "capacity": {"storage": CheckpointClaimSpec().size},
             "persistentVolumeReclaimPolicy": "Retain",
             "hostPath": {"path": str(agent.claim_dir(CLAIM))},
             "claimRef": {"namespace": namespace, "name": CLAIM},
         },
     }
-    pvc = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": CLAIM, "namespace": namespace},
-        "spec": {**storage, "volumeName": pv_name, "resources": {"requests": {"storage": "1Gi"}}},
-    }
-    return [pv, pvc]
 
 
 def history(agent: NodeAgent) -> list[dict[str, Any]]:
@@ -259,13 +254,26 @@ async def test_a_job_applied_to_the_api_trains_through_real_pods(
     await agent.start()
     pv_name = ""
     try:
-        claim = claim_objects(agent, NAMESPACE)
-        pv_name = claim[0]["metadata"]["name"]
-        plane.apply(claim)
-        plane.kubectl("wait", "-n", NAMESPACE, "--for=jsonpath={.status.phase}=Bound", f"pvc/{CLAIM}", "--timeout=60s")
+        pv = checkpoint_volume(agent, NAMESPACE)
+        pv_name = pv["metadata"]["name"]
+        plane.apply([pv])
         with operator_process(plane.kubeconfig, [NAMESPACE], operator_log, resync_seconds=0.5):
             try:
                 await cluster.create_job(manifest(models, data, agent.node_name))
+
+                async def claim_bound() -> Any:
+                    try:
+                        c = await cluster.call(cluster.core.read_namespaced_persistent_volume_claim, CLAIM, NAMESPACE)
+                    except kubernetes.client.ApiException as exc:
+                        if exc.status == 404:
+                            return None
+                        raise
+                    return c if c.status is not None and c.status.phase == "Bound" else None
+
+                claim = await until(claim_bound, 60, "the operator's checkpoint claim Bound")
+                # whenDeleted Retain (the default): no owner, so deleting the job keeps the checkpoints.
+                assert not claim.metadata.owner_references, claim.metadata
+                assert claim.spec.access_modes == ["ReadWriteOnce"], claim.spec
 
                 async def checkpointed() -> Any:
                     # Read from the claim: the job's status lags by the operator's polling.
@@ -277,7 +285,14 @@ async def test_a_job_applied_to_the_api_trains_through_real_pods(
                 placed = {n: p.spec.node_name for n, p in (await cluster.pods(JOB)).items()}
                 assert set(placed.values()) == {agent.node_name}, placed  # the scheduler's binding
 
-                # (b) the trainer's process SIGKILLed (as the OOM killer would): a gang restart.
+                # (b) the trainer's process SIGKILLed (as the OOM killer would): a gang restart. Once
+                # the newest checkpoint's step is in the history: the driver writes a step's line
+                # after its checkpoint, and a kill in between would leave that step out of it.
+                async def logged() -> Any:
+                    step = newest_checkpoint(agent).get("step")
+                    return step if step in {h["step"] for h in history(agent)} else None
+
+                await until(logged, 60, "the newest checkpoint's step in the history")
                 pid = agent.pid(f"{JOB}-trainer-0")
                 assert pid is not None
                 os.kill(pid, signal.SIGKILL)

@@ -79,6 +79,7 @@ CHILD_PATHS = {
     "Service": "/api/v1/namespaces/{ns}/services",
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
     "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    "PersistentVolumeClaim": "/api/v1/namespaces/{ns}/persistentvolumeclaims",
 }
 """Where the kinds of child the operator makes are listed."""
 
@@ -304,6 +305,7 @@ def test_the_operator_runs_as_the_chart_service_account_with_least_privilege(clu
         ("delete", "pods"),
         ("patch", "configmaps"),
         ("create", "networkpolicies.networking.k8s.io"),
+        ("create", "persistentvolumeclaims"),
         ("create", "events"),
     ]:
         assert cluster.can_i(verb, resource, LIFE_NS), (verb, resource)
@@ -331,9 +333,9 @@ def test_lifecycle_create_run_succeed_and_clean_up_the_servers(cluster: Cluster)
     children = cluster.all_children(LIFE_NS, job)
     for (kind, name), obj in children.items():
         owners = obj["metadata"].get("ownerReferences") or []
-        assert [(o["kind"], o["name"], o["uid"], o.get("controller")) for o in owners] == [
-            (KIND, "life", job["metadata"]["uid"], True)
-        ], (kind, name)
+        # The checkpoint claim outlives the job (checkpoint.claim.whenDeleted Retain, the default).
+        owner = [] if kind == "PersistentVolumeClaim" else [(KIND, "life", job["metadata"]["uid"], True)]
+        assert [(o["kind"], o["name"], o["uid"], o.get("controller")) for o in owners] == owner, (kind, name)
     st = cluster.phase_is(LIFE_NS, "life", "Pending")
     assert condition(st, "Created")["status"] == "True" and st["startTime"]
     assert FINALIZER in (cluster.job(LIFE_NS, "life") or {})["metadata"]["finalizers"]
@@ -456,7 +458,12 @@ def test_pod_security_restricted_blocks_a_relaxed_job_until_the_namespace_allows
     server = assert_blocked_by_the_server(cluster, PSA_NS, job, "PodSecurity")
     assert 'violates PodSecurity "restricted' in server
     # The rest of the job was created meanwhile.
-    assert {k for k, _ in cluster.children(PSA_NS, "psa")} == {"Service", "ConfigMap", "NetworkPolicy"}
+    assert {k for k, _ in cluster.children(PSA_NS, "psa")} == {
+        "Service",
+        "ConfigMap",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+    }
 
     cluster.plane.kubectl("label", "namespace", PSA_NS, f"{PSA_ENFORCE}=baseline", "--overwrite")
     pods = assert_recovered(cluster, PSA_NS, job)
@@ -638,6 +645,8 @@ async def test_without_the_service_account_token_the_same_calls_are_refused(
 def test_kubectl_delete_removes_every_child_through_the_garbage_collector(cluster: Cluster) -> None:
     job = cluster.create_job(LIFE_NS, "gone")
     children = cluster.all_children(LIFE_NS, job)
+    kept = {("PersistentVolumeClaim", "gone-checkpoint")}  # checkpoint.claim.whenDeleted Retain, the default
+    assert kept <= set(children)
     assert FINALIZER in (cluster.job(LIFE_NS, "gone") or {})["metadata"]["finalizers"]
     # kubectl waits until the job is gone: the operator must have released its finalizer.
     cluster.plane.kubectl("delete", DJ, "gone", "-n", LIFE_NS, "--timeout=30s")
@@ -646,7 +655,11 @@ def test_kubectl_delete_removes_every_child_through_the_garbage_collector(cluste
     # reference, through kube-controller-manager's garbage collector. That one sees a new CRD's
     # objects only from its next discovery pass (every 30 s; measured 41 s after the chart's
     # install): hence this test's place near the end of the module, and its longer wait.
-    cluster.wait(lambda: not cluster.children(LIFE_NS, "gone"), f"{len(children)} children garbage-collected", GC_WAIT)
+    cluster.wait(
+        lambda: set(cluster.children(LIFE_NS, "gone")) == kept,
+        f"{len(children) - 1} children garbage-collected, the checkpoint claim kept",
+        GC_WAIT,
+    )
 
 
 def test_the_operator_log_shows_no_refused_api_call(cluster: Cluster) -> None:

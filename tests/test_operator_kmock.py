@@ -31,6 +31,7 @@ pytestmark = pytest.mark.kmock(cls=FastEmulator)
 JOB_CHILDREN = {
     ("ConfigMap", "{j}-config"),
     ("NetworkPolicy", "{j}"),
+    ("PersistentVolumeClaim", "{j}-checkpoint"),
     ("Service", "{j}-trainer"),
     ("Service", "{j}-rollout"),
     ("Service", "{j}-t-math"),

@@ -88,7 +88,9 @@ def test_first_pass_creates_every_child_and_stays_pending() -> None:
     job = _job()
     p = plan(job, Observed(), T0)
     kinds = sorted(o["kind"] for o in p.create)
-    assert kinds == sorted(["ConfigMap", "Service", "Service", "Service", "NetworkPolicy"] + ["Pod"] * 5)
+    assert kinds == sorted(
+        ["ConfigMap", "Service", "Service", "Service", "NetworkPolicy", "PersistentVolumeClaim"] + ["Pod"] * 5
+    )
     assert p.status.phase is Phase.pending
     assert p.status.start_time == "2026-01-01T00:00:00Z"
     assert p.status.observed_generation == 3

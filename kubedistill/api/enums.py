@@ -95,6 +95,13 @@ class ResumePolicy(str, Enum):
     never = "never"
 
 
+class ClaimRetention(str, Enum):
+    """What happens to the checkpoint claim the operator made when its job is deleted."""
+
+    retain = "Retain"
+    delete = "Delete"
+
+
 class SyncBackend(str, Enum):
     auto = "auto"
     nccl = "nccl"

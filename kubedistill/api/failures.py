@@ -86,9 +86,11 @@ def decide_gang_failure(
     disruptions: int,
     backoff_limit: int,
     last_checkpoint: str | None = None,
+    resumes: bool = True,
 ) -> GangDecision | None:
     """The decision for the failing members of the current gang attempt (in rank order), given
-    the restarts and disruptions so far; None when nothing failed."""
+    the restarts and disruptions so far; None when nothing failed. `resumes`: whether the
+    restarted gang resumes from the last checkpoint (checkpoint.resume auto) or starts over."""
     if not failures:
         return None
     own = [f for f in failures if not f.disruption]
@@ -104,9 +106,10 @@ def decide_gang_failure(
     cause = failures[0]
     disruptions += 1
     ckpt = f" ({last_checkpoint})" if last_checkpoint else ""
+    start = f"from the last checkpoint{ckpt}" if resumes else "from step 0 (checkpoint.resume never)"
     msg = (
         f"{cause.what} {cause.name} was {taken_how(cause.disruption)} by the cluster ({cause.disruption}); "
-        f"restarting the trainer gang from the last checkpoint{ckpt}; not counted against backoffLimit (disruption "
+        f"restarting the trainer gang {start}; not counted against backoffLimit (disruption "
         f"{disruptions}, restarts {restarts}/{backoff_limit})"
     )
     return GangDecision(GangOutcome.disrupted, restarts, disruptions, cause, msg)

@@ -19,6 +19,7 @@ from kubedistill.api.enums import (
     LORA_MAX_RANK,
     Advantage,
     AdvantageBaseline,
+    ClaimRetention,
     DeltaMode,
     Device,
     DType,
@@ -48,7 +49,9 @@ __all__ = [
     "AdvantageBaseline",
     "AlgorithmSpec",
     "AsyncSpec",
+    "CheckpointClaimSpec",
     "CheckpointSpec",
+    "ClaimRetention",
     "DType",
     "DataSpec",
     "Device",
@@ -510,11 +513,33 @@ class TrackersSpec(ApiModel):
     """Log to a Weights & Biases run."""
 
 
+Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$", max_length=32)]
+
+
+class CheckpointClaimSpec(ApiModel):
+    """The PersistentVolumeClaim the operator makes for checkpoint.path on Kubernetes when no
+    volume of the job is mounted there (docs/operator.md#checkpoints-and-resume). Only trainer
+    pod 0 mounts it (ReadWriteOnce). Not used by `kubedistill run`, which writes to local disk."""
+
+    size: Quantity = "100Gi"
+    """Requested storage: room for keep + 1 checkpoints (a full fine-tune's is about 16 bytes per
+    student parameter: weights and AdamW state) and the exported model."""
+    storage_class_name: Name | None = None
+    """StorageClass of the claim. Unset: the cluster's default StorageClass."""
+    when_deleted: ClaimRetention = ClaimRetention.retain
+    """Retain: the claim (checkpoints and exported model) outlives the job; a job created again
+    under the same name resumes from it. Delete: the claim is owned by the job and deleted with it."""
+
+
 class CheckpointSpec(ApiModel):
     """Atomic checkpoints (model, optimiser, data cursor and buffered samples)."""
 
     path: Path = "/ckpt"
-    """Directory on a volume shared across trainer restarts."""
+    """Absolute directory on a volume shared across trainer restarts. On Kubernetes the operator
+    provisions a claim for it (checkpoint.claim) unless spec.volumeMounts or the trainer's
+    overrides mount a volume there."""
+    claim: CheckpointClaimSpec = Field(default_factory=CheckpointClaimSpec)
+    """Kubernetes: the claim the operator makes for checkpoint.path when no volume is mounted there."""
     every_steps: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] = 50
     """Checkpoint interval in train steps (and always at the end)."""
     resume: ResumePolicy = ResumePolicy.auto

@@ -92,6 +92,11 @@ same data (NAMESPACED, CLUSTER); tests/test_helm_chart.py checks that the chart 
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "delete"]
+# The checkpoint claim of a job without a volume at checkpoint.path: created once, deleted with
+# the job (owner reference) or kept (checkpoint.claim.whenDeleted Retain).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["create"]
 # Events for every phase transition and error.
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
