@@ -15,7 +15,17 @@ per rank adapter-only syncs (PEFT adapters on every linear layer, applied by the
 --serve-as says) in the same run; rows give bytes on the wire and sync seconds (medians), LoRA
 and full, and their ratios. Last line: the ratios at the first rank.
 
+With --delta-lrs (e.g. 1e-6,1e-5,1e-4) it measures delta syncs (spec.weightSync.delta) instead:
+receivers keep SmolLM2-135M in bf16, this process trains an fp32 copy with AdamW at each learning
+rate (real optimizer steps on random tokens; the full model, tied embedding included), and after
+every step syncs with delta on; rows give per step the bytes and seconds over a full sync's
+(the median of --repeats full syncs of the same weights) and the changed fraction. --links runs
+it over loopback and over a pod-like link: a network namespace joined by a veth pair shaped with
+tc to --link-gbit (needs root and `ip`/`tc`). auto rows: delta auto at the last rate. Last line:
+the seconds ratio at the first rate over the last link.
+
     .venv/bin/python bench/weight_sync.py --engine hf --receivers 2 --repeats 5
+    .venv/bin/python bench/weight_sync.py --receivers 1 --delta-lrs 1e-6,1e-5,1e-4 --links loopback,veth
     .venv/bin/python bench/weight_sync.py --engine vllm --receivers 1 --lora 8,64
 """
 
@@ -23,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +110,10 @@ def main() -> int:
         help="bucket layouts, interleaved per repeat: chosen (the sender's: large tensors alone only when "
         "every server receives in place), alone (large tensors alone always: the layout before), packed",
     )
+    ap.add_argument("--delta-lrs", default="", help="learning rates of delta-sync rows, e.g. 1e-6,1e-5,1e-4")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps (delta syncs) per learning rate")
+    ap.add_argument("--links", default="loopback", help="loopback and/or veth (a tc-shaped pod-like link)")
+    ap.add_argument("--link-gbit", type=float, default=10.0, help="the veth link's rate")
     args = ap.parse_args()
 
     import httpx
@@ -118,6 +134,8 @@ def main() -> int:
         flush=True,
     )
 
+    if args.delta_lrs:
+        return delta_rows(mdir, work, model, args)
     ranks = [int(r) for r in args.lora.split(",") if r]
     if ranks:
         return lora_rows(mdir, work, model, named, ranks, args)
@@ -189,17 +207,145 @@ def layout_of(sender: Any, named: list[Any], mb: int) -> Any:
     return layout(metas, mb * 2**20, sender.direct_bytes)
 
 
+@dataclass(frozen=True)
+class Link:
+    """A pod-like link: the servers run in network namespace `netns`, reached over a veth pair
+    (`ours` here at `host`, theirs at `peer`) shaped with tc on both ends."""
+
+    netns: str
+    ours: str
+    theirs: str
+    host: str
+    peer: str
+
+
+@contextlib.contextmanager
+def pod_link(kind: str, gbit: float) -> Iterator[Link | None]:
+    """None for loopback; for veth, the namespace and pair made here and removed after."""
+    if kind == "loopback":
+        yield None
+        return
+    if kind != "veth":
+        raise SystemExit(f"--links: loopback or veth, not {kind!r}")
+    import subprocess
+
+    link = Link(netns=f"kd-ws-{os.getpid()}", ours="kdws0", theirs="kdws1", host="10.77.0.1", peer="10.77.0.2")
+    ns = ["ip", "netns", "exec", link.netns]
+    # tbf needs a burst of at least rate / HZ; 8 MB covers 10 Gbit/s at HZ 250 with room.
+    shape = ["root", "tbf", "rate", f"{gbit}gbit", "burst", "8mb", "latency", "50ms"]
+    steps = [
+        ["ip", "netns", "add", link.netns],
+        ["ip", "link", "add", link.ours, "type", "veth", "peer", "name", link.theirs],
+        ["ip", "link", "set", link.theirs, "netns", link.netns],
+        ["ip", "addr", "add", f"{link.host}/24", "dev", link.ours],
+        ["ip", "link", "set", link.ours, "up"],
+        [*ns, "ip", "addr", "add", f"{link.peer}/24", "dev", link.theirs],
+        [*ns, "ip", "link", "set", link.theirs, "up"],
+        [*ns, "ip", "link", "set", "lo", "up"],
+        ["tc", "qdisc", "add", "dev", link.ours, *shape],
+        [*ns, "tc", "qdisc", "add", "dev", link.theirs, *shape],
+    ]
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        for cmd in steps:
+            subprocess.run(cmd, check=True, capture_output=True)
+        os.environ["GLOO_SOCKET_IFNAME"] = link.ours  # this process's end of the gloo group
+        yield link
+    finally:
+        if saved is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = saved
+        subprocess.run(["ip", "link", "del", link.ours], capture_output=True)
+        subprocess.run(["ip", "netns", "del", link.netns], capture_output=True)
+
+
+def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> int:
+    """Full syncs, then per learning rate a full sync that starts the chain and --steps optimizer
+    steps each followed by a delta sync (mode on; auto too at the last rate); per link."""
+    import torch
+
+    from kubedistill.api.spec import DeltaMode
+
+    med = statistics.median
+    lrs = [float(x) for x in args.delta_lrs.split(",")]
+    last: tuple[str, float, float, float] | None = None
+    print(
+        f"{'link':>8} {'lr':>7} {'mode':>5} {'step':>4} {'plan':>5} {'MiB':>8} {'bytes':>6} "
+        f"{'sync_s':>7} {'time':>6} {'density':>8} {'encode_s':>8}"
+    )
+    for kind in args.links.split(","):
+        with pod_link(kind, args.link_gbit) as link, rollout_servers(mdir, work, args, link, "bfloat16") as (sender, _):
+            start = {k: v.clone() for k, v in model.state_dict().items()}
+            named = [(n, p) for n, p in model.named_parameters()]  # live: each sync reads the weights as they are
+            version = 0
+
+            def sync(mode: DeltaMode, named: list[tuple[str, Any]] = named) -> tuple[float, Any]:
+                nonlocal version
+                sender.spec.weight_sync.delta.mode = mode
+                version += 1
+                t = time.perf_counter()
+                stats = sender.sync(version, [(n, p.detach()) for n, p in named])
+                return time.perf_counter() - t, stats
+
+            full = [sync(DeltaMode.off) for _ in range(args.repeats)]
+            full_s, full_b = med(s for s, _ in full), full[-1][1].bytes
+            print(f"{kind:>8} {'-':>7} {'off':>5} {'-':>4} {'full':>5} {full_b / 2**20:>8.1f} {1:>6.3f} {full_s:>7.3f}")
+            g = torch.Generator().manual_seed(0)
+            vocab = model.config.vocab_size
+            for i, lr in enumerate(lrs):
+                for mode in [DeltaMode.on] + ([DeltaMode.auto] if i == len(lrs) - 1 else []):
+                    model.load_state_dict(start)
+                    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+                    sync(mode)  # a full sync that starts the chain
+                    rows = []
+                    for step in range(args.steps):
+                        ids = torch.randint(0, vocab, (1, 32), generator=g)
+                        model(input_ids=ids, labels=ids).loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                        seconds, stats = sync(mode)
+                        d = sender.last_delta
+                        rows.append((stats.bytes / full_b, seconds / full_s, d.density))
+                        print(
+                            f"{kind:>8} {lr:>7.0e} {mode.value:>5} {step + 1:>4} {d.plan:>5} "
+                            f"{stats.bytes / 2**20:>8.2f} {rows[-1][0]:>6.3f} {seconds:>7.3f} {rows[-1][1]:>6.3f} "
+                            f"{d.density if d.plan == 'delta' else float('nan'):>8.5f} {d.encode_seconds:>8.3f}",
+                            flush=True,
+                        )
+                    b, t, dens = (med(r[j] for r in rows) for j in range(3))
+                    blank = ""
+                    print(
+                        f"{kind:>8} {lr:>7.0e} {mode.value:>5} {'med':>4} {blank:>5} {blank:>8} {b:>6.3f} "
+                        f"{blank:>7} {t:>6.3f} {dens:>8.5f}"
+                    )
+                    if i == 0 and mode is DeltaMode.on:
+                        last = (kind, lr, b, t)
+    assert last is not None
+    kind, lr, b, t = last
+    print(f"delta / full sync at lr {lr:g}, bf16, over {kind}: bytes {b:.4f}")
+    print(f"delta / full sync at lr {lr:g}, bf16, over {kind}: seconds {t:.3f}")
+    return 0
+
+
 @contextlib.contextmanager
 def rollout_servers(
-    mdir: Path, work: Path, args: argparse.Namespace, lora: Any = None
+    mdir: Path,
+    work: Path,
+    args: argparse.Namespace,
+    link: Link | None = None,
+    dtype: str | None = None,
+    lora: Any = None,
 ) -> Iterator[tuple[Any, list[str]]]:
     """args.receivers rollout servers of `mdir` (spec.trainer.lora = `lora`, which sizes a vLLM
-    engine's LoRA support) in a weight-sync group with this process as the trainer: (sender, urls)."""
+    engine's LoRA support; `dtype` their weights' dtype) in a weight-sync group with this process
+    as the trainer, over loopback or `link`: (sender, urls)."""
     from kubedistill.runtime.weight_sync.sender import WeightSender
     from server_fixtures import Server, free_port, job_config
 
     ports = [free_port() for _ in range(args.receivers)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    host = link.peer if link else "127.0.0.1"
+    urls = [f"http://{host}:{p}" for p in ports]
     cfg = job_config(
         mdir,
         mdir,
@@ -210,9 +356,26 @@ def rollout_servers(
         bucket_mb=int(args.buckets_mb.split(",")[-1]),
     )
     cfg.spec.trainer.lora = lora
+    if dtype is not None:
+        from kubedistill.api.enums import DType
+
+        cfg.spec.rollout.inference.dtype = DType(dtype)
+    if link is not None:
+        cfg.endpoints = cfg.endpoints.model_copy(update={"master_addr": link.host})
     cfg_path = work / f"config-{ports[0]}.json"
     cfg.dump(cfg_path)
-    servers = [Server("rollout", cfg_path, p, replica=i) for i, p in enumerate(ports)]
+    servers = [
+        Server(
+            "rollout",
+            cfg_path,
+            p,
+            replica=i,
+            host=host,
+            netns=link.netns if link else None,
+            extra_env={"GLOO_SOCKET_IFNAME": link.theirs} if link else None,
+        )
+        for i, p in enumerate(ports)
+    ]
     try:
         t0 = time.perf_counter()
         sender = WeightSender(cfg.spec, cfg.endpoints)  # returns once every server has joined
@@ -283,7 +446,7 @@ def lora_rows(
     results = []
     for rank in ranks:
         lora = LoraSpec(rank=rank, alpha=2 * rank, serve_as=args.serve_as)
-        with rollout_servers(mdir, work, args, lora) as (sender, _):
+        with rollout_servers(mdir, work, args, lora=lora) as (sender, _):
             # One more than the repeats: a merged server's first adapter reads the base weights
             # from disk once; the rest is the steady state.
             lora_s, lora_b = timed_syncs(sender, AdapterSource(model, lora), args.repeats + 1)

@@ -88,9 +88,14 @@ class Server:
         replica: int = 0,
         log_path: Path | None = None,
         cpus: set[int] | None = None,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        extra_env: dict[str, str] | None = None,
     ):
-        """`cpus`: pin the server (and the engine processes it starts) to these cores (benchmarks)."""
-        self.url = f"http://127.0.0.1:{port}"
+        """`cpus`: pin the server (and the engine processes it starts) to these cores (benchmarks).
+        `netns`: run it inside that network namespace, listening on `host` (bench/weight_sync.py's
+        pod-like link)."""
+        self.url = f"http://{host}:{port}"
         self.log_path = log_path or config_path.with_suffix(f".{role}{replica}.log")
         env = dict(
             os.environ,
@@ -98,9 +103,11 @@ class Server:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
+            **(extra_env or {}),
         )
         self.proc = subprocess.Popen(
             [
+                *(["ip", "netns", "exec", netns] if netns else []),
                 sys.executable,
                 "-m",
                 "kubedistill.cli",
@@ -111,7 +118,7 @@ class Server:
                 "--replica",
                 str(replica),
                 "--host",
-                "127.0.0.1",
+                host,
                 "--port",
                 str(port),
                 # The tests compare weights through GET /weights/checksums.
