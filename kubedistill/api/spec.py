@@ -215,7 +215,10 @@ class RoutingSpec(ApiModel):
 
 
 class SamplingSpec(ApiModel):
-    """Sampling parameters of the student's rollouts."""
+    """Sampling parameters of the student's rollouts, applied by both engines (vLLM and hf) as vLLM
+    applies them: repetition penalty, temperature, top-k, top-p. The log-probs the losses read as
+    the behaviour policy stay the model's own (docs/servers.md): any setting other than temperature
+    1, topP 1, no topK and repetitionPenalty 1 samples from a processed distribution."""
 
     samples_per_prompt: Annotated[int, Field(ge=1, le=1024)] = 1
     """Responses sampled per prompt (the GRPO group size; verl's rollout.n)."""
@@ -223,6 +226,16 @@ class SamplingSpec(ApiModel):
     """Sampling temperature; 1.0 keeps the samples on-policy."""
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """Nucleus sampling mass."""
+    top_k: Annotated[int, Field(ge=1, le=1048576)] | None = None
+    """Sample among the k most likely tokens only (before topP). Unset: every token."""
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    """Divide the positive logits (multiply the negative ones) of every token already in the
+    prompt or the response by this (CTRL's, as vLLM and transformers apply it); 1: none."""
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=16)
+    """Stop strings: a response ends with the token that completes one (that token is kept, the
+    sample finishes as stopped). Checked on the text of the tokens a request generated."""
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_SAFE_INT)]] = Field(default_factory=list, max_length=64)
+    """Token ids that end a response besides the model's EOS (the token is kept)."""
     max_tokens: Annotated[int, Field(ge=1, le=1048576)] = 1024
     """Maximum response tokens per sample."""
     seed: Annotated[int, Field(ge=0, le=MAX_SAFE_INT)] | None = None

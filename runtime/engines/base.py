@@ -78,6 +78,7 @@ def check_generate(req: GenerateRequest, max_model_len: int, vocab_size: int) ->
         )
     _check_vocab(req.prompt_token_ids, vocab_size, "prompt_token_ids")
     _check_vocab(req.prefix_token_ids, vocab_size, "prefix_token_ids")
+    _check_vocab(req.sampling.stop_token_ids, vocab_size, "sampling.stop_token_ids")
     remaining = req.sampling.max_tokens - len(req.prefix_token_ids)
     if remaining <= 0:
         raise BadRequest(

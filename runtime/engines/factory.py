@@ -26,6 +26,7 @@ def make_engine(
 
         return HFEngine(
             model.model,
+            tokenizer=model.tokenizer,
             dtype=inference.dtype.value,
             max_model_len=inference.max_model_len,
             trust_remote_code=model.trust_remote_code,

@@ -11,10 +11,12 @@ tokens, and N concurrent requests cost about one forward per token instead of N.
 cache and why it was chosen over recomputation or transformers' own continuous-batching
 manager: runtime/engines/hf_batch.py.
 
-Each request keeps its own sampling (temperature, top_p, seed, max_tokens, EOS or ignore_eos);
-a seeded request samples from its own generator with the same per-row arithmetic whatever the
-batch holds, so it is reproducible. Log-probs are the log-softmax of the raw logits. Concurrent
-/score requests are scored together in right-padded forwards. Weights load with `copy_` while
+Each request keeps its own sampling (temperature, top_k, top_p, repetition penalty, seed,
+max_tokens, stop strings and ids, EOS or ignore_eos), applied as vLLM applies them (penalty, then
+temperature, top-k, top-p); a seeded request samples from its own generator with the same per-row
+arithmetic whatever the batch holds, so it is reproducible. Log-probs are the log-softmax of the
+raw logits. Concurrent /score requests are scored together in right-padded forwards, at most
+max_num_seqs at a time. Weights load with `copy_` while
 the scheduler is parked.
 
 Vision-language models (Qwen-VL style: a config with a `vision_config`, loaded as its
@@ -101,6 +103,9 @@ class _Request:
     stop_ids: frozenset[int]
     finished: asyncio.Future[FinishReason]
     top_k_ids: int = 0
+    top_k: int = 0  # 0: every token
+    repetition_penalty: float = 1.0
+    stop_texts: tuple[str, ...] = ()
     vision: RowVision | None = None  # the prompt's images (a vision-language model)
     reason: FinishReason | Literal["error"] | None = None  # set when it leaves the batch
 
@@ -141,9 +146,14 @@ class HFEngine(Engine):
         trust_remote_code: bool = False,
         max_num_seqs: int | None = None,
         device: str = "cpu",
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         self.model_path = model_path
+        self.tokenizer_path = tokenizer or model_path
+        """The tokenizer (model.tokenizer, else the model's directory): it decodes responses for
+        stop strings and names a vision-language model's image pad when its config does not."""
+        self._tokenizer: Any = None  # loaded by the first request with stop strings
         self.dtype = dtype
         self.device = torch.device(device)
         """Where the model computes: the CPU, or this process's GPU on a cuda job (a torch device)."""
@@ -218,7 +228,7 @@ class HFEngine(Engine):
         processor = AutoProcessor.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         self._image_processor = processor.image_processor
         self._vision = VisionTokens(
-            image_token_id=image_pad_id(model.config, self.model_path),
+            image_token_id=image_pad_id(model.config, self.tokenizer_path),
             merge=int(model.config.vision_config.spatial_merge_size),
         )
         self._never_sampled = vision_token_ids(model.config)
@@ -355,7 +365,7 @@ class HFEngine(Engine):
                     if st.topk_ids is None:
                         st.topk_ids = []
                     st.topk_ids.append(topk)
-                if token in r.stop_ids:
+                if token in r.stop_ids or (r.stop_texts and self._stop_text_hit(r)):
                     r.finish("stop")
                 elif len(st.token_ids) >= r.max_new:
                     r.finish("length")
@@ -366,6 +376,20 @@ class HFEngine(Engine):
                     s.done.set_exception(out)
                 else:
                     s.done.set_result(out)
+
+    def _stop_text_hit(self, r: _Request) -> bool:
+        """Whether the token just generated completes one of the request's stop strings, on the
+        text of its generated tokens (as vLLM matches them). Only the tail is decoded: a string of
+        L characters lies within the last 4L tokens (a byte-level token holds at least a quarter
+        of a character)."""
+        window = 4 * max(len(s) for s in r.stop_texts) + 4
+        text = self._tokenizer.decode(r.state.token_ids[-window:], skip_special_tokens=True)
+        return any(s in text for s in r.stop_texts)
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
 
     async def _idle(self) -> None:
         self._wake.clear()
@@ -443,6 +467,8 @@ class HFEngine(Engine):
             check_prefix(req.prefix_token_ids, self._vision.image_token_id)
         # The prefix follows the prompt's images: its positions continue as text.
         vision = await self._images_of(context, req.images, "prompt_token_ids")
+        if s.stop and self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(self._load_tokenizer)
         r = _Request(
             state=state,
             context=context,
@@ -451,9 +477,13 @@ class HFEngine(Engine):
             temperature=s.temperature,
             top_p=s.top_p,
             generator=torch.Generator().manual_seed(s.seed) if s.seed is not None else None,
-            stop_ids=frozenset() if s.ignore_eos else self._eos,
+            # vLLM's: ignore_eos ignores EOS only, the stop ids still end the response.
+            stop_ids=(frozenset() if s.ignore_eos else self._eos) | frozenset(s.stop_token_ids),
             finished=asyncio.get_running_loop().create_future(),
             top_k_ids=s.top_k_ids,
+            top_k=s.top_k,
+            repetition_penalty=s.repetition_penalty,
+            stop_texts=tuple(s.stop),
         )
         self._queue.append(r)
         self._wake.set()
@@ -498,7 +528,7 @@ class HFEngine(Engine):
 
         for j in jobs:
             width = max([len(c.req.token_ids) for c in chunk] + [len(j.req.token_ids)])
-            if chunk and (len(chunk) + 1) * width * vocab > SCORE_LOGIT_BUDGET:
+            if len(chunk) >= self.max_num_seqs or (chunk and (len(chunk) + 1) * width * vocab > SCORE_LOGIT_BUDGET):
                 flush()
             chunk.append(j)
         flush()
@@ -748,15 +778,33 @@ def never_sampled(logits: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
     return logits.index_fill(-1, torch.tensor(list(ids), device=logits.device), float("-inf"))
 
 
+def penalized(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:
+    """`logits` with each row's repetition penalty applied to the ids in its prompt and response
+    (positive logits divided by it, negative ones multiplied), as vLLM and transformers do."""
+    out = logits
+    for i, r in enumerate(rows):
+        if r.repetition_penalty == 1.0:
+            continue
+        if out is logits:
+            out = logits.clone()
+        seen = torch.tensor(sorted({*r.context, *r.state.token_ids}), dtype=torch.long, device=logits.device)
+        chosen = out[i, seen]
+        out[i, seen] = torch.where(chosen > 0, chosen / r.repetition_penalty, chosen * r.repetition_penalty)
+    return out
+
+
 def sample_rows(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:
     """One token per row of float logits [rows, vocab] with each row's own sampling: greedy rows
     take the argmax, seeded rows sample alone from their generator, the rest in one batched draw."""
+    logits = penalized(logits, rows)
     tokens = logits.argmax(-1).cpu()
     batched = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.generator is None]
     if batched:
         idx = torch.tensor(batched, dtype=torch.long, device=logits.device)
         temps = torch.tensor([rows[i].temperature for i in batched], device=logits.device)[:, None]
         probs = torch.softmax(logits.index_select(0, idx) / temps, -1)
+        if any(rows[i].top_k for i in batched):
+            probs = _top_k(probs, torch.tensor([rows[i].top_k for i in batched], device=logits.device)[:, None])
         if any(rows[i].top_p < 1.0 for i in batched):
             # Sorting every row's whole vocabulary costs ~100 ms per step at 32 rows of a 49k
             # vocabulary on one core (SmolLM2, bench/servers.py); top_p 1 keeps every token anyway.
@@ -765,8 +813,18 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:
         tokens[batched] = torch.multinomial(probs, 1)[:, 0].cpu()
     for i, r in enumerate(rows):
         if r.temperature > 0.0 and r.generator is not None:
-            tokens[i] = _sample_one(logits[i].cpu(), r.temperature, r.top_p, r.generator)
+            tokens[i] = _sample_one(logits[i].cpu(), r.temperature, r.top_p, r.generator, r.top_k)
     return tokens
+
+
+def _top_k(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k most likely tokens (k [rows, 1]; 0 keeps every token), renormalised so
+    that top-p then reads the top-k distribution's mass."""
+    vocab = probs.shape[-1]
+    k = k.clamp(max=vocab)
+    kth = probs.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp(min=0))
+    kept = probs * ((probs >= kth) | (k == 0))
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -776,8 +834,10 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
 
 
-def _sample_one(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+def _sample_one(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator, top_k: int = 0) -> int:
     probs = torch.softmax(logits / temperature, -1)
+    if top_k:
+        probs = _top_k(probs[None], torch.tensor([[top_k]]))[0]
     if top_p < 1.0:
         probs = _top_p(probs[None], torch.tensor([[top_p]]))[0]
     return int(torch.multinomial(probs, 1, generator=gen))

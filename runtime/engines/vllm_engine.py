@@ -27,7 +27,14 @@ from kubedistill.runtime.engines.images import (
 from kubedistill.runtime.weight_sync.group import GroupAddress, GroupWedged
 from kubedistill.runtime.weight_sync.lora import adapters_to_retire, vllm_lora_args
 from kubedistill.runtime.wire.dtypes import dtype_name
-from kubedistill.runtime.wire.protocol import FinishReason, GenerateRequest, Manifest, ScoreRequest, ScoreResponse
+from kubedistill.runtime.wire.protocol import (
+    FinishReason,
+    GenerateRequest,
+    Manifest,
+    Sampling,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
@@ -174,6 +181,26 @@ def engine_kwargs(
     )
 
 
+def sampling_params(s: Sampling, max_new: int, vocab: int, logit_bias: dict[int, float] | None) -> dict[str, Any]:
+    """vLLM's SamplingParams for one /generate request's sampling."""
+    return dict(
+        n=1,
+        max_tokens=max_new,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=min(s.top_k, vocab),
+        repetition_penalty=s.repetition_penalty,
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        seed=s.seed,
+        logprobs=s.top_k_ids,
+        detokenize=bool(s.stop),  # stop strings are matched on the text; else token ids suffice
+        ignore_eos=s.ignore_eos,
+        # After the raw log-probs are taken (logprobs_mode raw_logprobs): they stay the model's.
+        logit_bias=logit_bias,
+    )
+
+
 def score_response(final: Any, req: ScoreRequest, token_ids: Sequence[int], v2: bool) -> ScoreResponse:
     """A /score answer from vLLM's output for it (a RequestOutput: `prompt_logprobs`, one dict of
     ids -> Logprob per position, `prompt_token_ids` as vLLM expanded them, and with the V2 model
@@ -316,18 +343,7 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
 
         s = req.sampling
-        params = SamplingParams(
-            n=1,
-            max_tokens=max_new,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            logprobs=s.top_k_ids,
-            detokenize=False,
-            ignore_eos=s.ignore_eos,
-            # After the raw log-probs are taken (logprobs_mode raw_logprobs): they stay the model's.
-            logit_bias=self._never_sampled,
-        )
+        params = SamplingParams(**sampling_params(s, max_new, self._vocab, self._never_sampled))
         # The prompt with each image's pads collapsed to one (vLLM expands them), then the prefix.
         prompt = self.vllm_ids(req.prompt_token_ids, req.images, "prompt_token_ids") + req.prefix_token_ids
         if self._image_pad is not None:

@@ -28,6 +28,13 @@ class Sampling(WireRequest):
     max_tokens: Annotated[int, Field(ge=1)] = 256
     temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    """Sample among the k most likely tokens; 0: every token."""
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    """Stop strings, matched on the text of this request's generated tokens."""
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    """Ids that end generation besides EOS (also with ignore_eos)."""
     n: Literal[1] = 1
     """One sample per request: the driver sends n requests so each can be aborted and resumed alone."""
     seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
