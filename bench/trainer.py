@@ -86,7 +86,7 @@ def worker(rank: int, world: int, port: int, model: str, steps: int, samples: in
         if rank != 0:
             trainer.follow()
         else:
-            batch = _batch(trainer.hf_config.vocab_size, samples, prompt, response)
+            batch = _batch(trainer.hf_config.vocab_size, samples, prompt, response).to_parts()
             trainer.step(batch)  # warm-up
             rates = []
             for _ in range(steps):

@@ -25,7 +25,7 @@ from kubedistill.runtime.trainer.model import packing_is_exact
 from kubedistill.runtime.trainer.schedule import lr_factor
 from kubedistill.runtime.trainer.stats import StepSums
 from kubedistill.runtime.wire.batch import TrainBatch
-from trainer_cases import make_batch, make_spec
+from trainer_cases import make_batch, make_parts, make_spec
 
 torch.set_num_threads(1)
 
@@ -84,7 +84,7 @@ def test_micro_batch_split_does_not_change_the_step(tiny_models: dict[str, Path]
         )
         assert t.pack == packed
         try:
-            stats = t.step(make_batch())
+            stats = t.step(make_parts())
             results.append((stats, {n: w.clone() for n, w in t.named_full_weights()}))
         finally:
             t.close()
@@ -107,7 +107,7 @@ def test_steps_learn_and_report_metrics(tiny_models: dict[str, Path], tmp_path: 
     t = Trainer(spec, metrics=metrics)
     try:
         batch = make_batch()
-        stats = [t.step(batch) for _ in range(6)]
+        stats = [t.step(batch.to_parts()) for _ in range(6)]
     finally:
         t.close()
     assert stats[-1].loss_total < 0.6 * stats[0].loss_total
@@ -136,7 +136,7 @@ def test_full_weights_have_hf_names_and_export_round_trips(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    trainer.step(make_batch())
+    trainer.step(make_parts())
     weights = list(trainer.named_full_weights())
     names = [n for n, _ in weights]
     on_disk = set(load_file(str(tiny_models["student"] / "model.safetensors")))
@@ -170,7 +170,7 @@ def test_k1_policy_gradient_and_grpo_run(tiny_models: dict[str, Path], tmp_path:
     )
     t = Trainer(spec)
     try:
-        s = t.step(make_batch())
+        s = t.step(make_parts())
     finally:
         t.close()
     assert math.isfinite(s.loss_total) and s.loss_pg != 0.0
@@ -194,7 +194,7 @@ def test_advantage_chooses_the_task_reward_estimator(tiny_models: dict[str, Path
         )
         t = Trainer(spec)
         try:
-            pg[estimator] = t.step(make_batch()).loss_pg
+            pg[estimator] = t.step(make_parts()).loss_pg
         finally:
             t.close()
     assert pg["groupMean"] != 0.0
@@ -206,7 +206,7 @@ def test_missing_teacher_signal_is_a_clear_error(trainer: Trainer) -> None:
     batch = make_batch()
     del batch.signals["teacher_topk_ids"], batch.signals["teacher_topk_logprobs"]
     with pytest.raises(ValueError, match=r"TrainBatch.signals\['teacher_topk_ids'\]: lossMode forwardKLTopK needs"):
-        trainer.step(batch)
+        trainer.step(batch.to_parts())
 
 
 @pytest.mark.parametrize(
@@ -286,7 +286,7 @@ def test_lr_schedule_counts_train_steps_with_several_mini_batches(
     t = Trainer(spec)
     try:
         batch = make_batch(n=2)
-        steps = [t.train([batch] * require_batches) for _ in range(6)]
+        steps = [t.train([batch.to_parts()] * require_batches) for _ in range(6)]
     finally:
         t.close()
     cos = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(4)]
@@ -353,7 +353,7 @@ def test_one_rank_learns_the_same_with_or_without_fsdp(
         t = Trainer(make_spec(tiny_models["student"], tmp_path / "c"))
         assert t.sharded == sharded
         try:
-            stats = [t.step(make_batch(seed)) for seed in range(3)]
+            stats = [t.step(make_parts(seed)) for seed in range(3)]
             results.append((stats, {n: w.detach().clone() for n, w in t.named_full_weights()}))
         finally:
             t.close()
@@ -443,7 +443,7 @@ def test_proximal_pass_anchors_later_mini_batches_to_the_step_start(
         start = t._proximal.pop()
         batch.rollout_logprobs = [start[i].tolist() for i in range(len(batch))]
         batch.trainer_version = 0
-        first, second = t.train([batch, batch])
+        first, second = t.train([batch.to_parts()] * 2)
     finally:
         t.close()
     assert first.off_policy["logprobDiffLag0AbsMax"] == pytest.approx(0.0, abs=1e-5)

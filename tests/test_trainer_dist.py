@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kubedistill.runtime.trainer import Trainer
-from trainer_cases import make_batch, make_spec, run_ranks, saved_batch_path
+from trainer_cases import make_batch, make_parts, make_spec, run_ranks, saved_batch_path
 
 torch.set_num_threads(1)
 
@@ -68,7 +68,7 @@ def test_proximal_pass_over_two_ranks_matches_one_rank(tiny_models: dict[str, Pa
     two = run_ranks(2, spec.model_dump_json(by_alias=True), tmp_path, "proximal")
     reference = Trainer(make_spec(tiny_models["student"], tmp_path / "ckpt-1", **overrides))
     try:
-        stats = reference.train([make_batch(), make_batch(seed=1)])
+        stats = reference.train([make_parts(), make_parts(seed=1)])
         one = {n: t.clone() for n, t in reference.named_full_weights()}
     finally:
         reference.close()
@@ -127,7 +127,7 @@ def _one_rank_step(spec: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """make_batch()'s step on one rank in this process: its stats and the weights after it."""
     reference = Trainer(spec)
     try:
-        stats = reference.step(make_batch())
+        stats = reference.step(make_parts())
         return stats, {n: t.clone() for n, t in reference.named_full_weights()}
     finally:
         reference.close()

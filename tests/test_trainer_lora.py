@@ -12,7 +12,7 @@ import torch
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.trainer import Trainer
 from kubedistill.runtime.trainer.lora import adapted_leaf_names, wire_name
-from trainer_cases import make_batch, make_spec, run_ranks
+from trainer_cases import make_batch, make_parts, make_spec, run_ranks
 
 torch.set_num_threads(1)
 
@@ -63,7 +63,7 @@ def test_only_adapters_train_and_sync(trainer: Trainer, tiny_models: dict[str, P
     before = {n: t.clone() for n, t in trainer.named_full_weights()}
     assert all(torch.count_nonzero(t) == 0 for n, t in before.items() if "lora_B" in n)  # PEFT's init
 
-    stats = trainer.step(make_batch())
+    stats = trainer.step(make_parts())
     assert stats.grad_norm > 0
     after = dict(trainer.named_full_weights())
     assert [m.shape for m in metas] == [list(t.shape) for t in after.values()]
@@ -87,17 +87,17 @@ def test_bad_target_module_is_one_clear_line(tiny_models: dict[str, Path], tmp_p
 
 
 def test_checkpoint_holds_adapters_only_and_resume_replays(trainer: Trainer, tiny_models: dict[str, Path]) -> None:
-    trainer.step(make_batch())
+    trainer.step(make_parts())
     path = trainer.save_checkpoint(1, 3, {"cursor": 5})
     state = torch.load(path / "trainer.pt", weights_only=False)
     assert {wire_name(k) for k in state["model"]} == {m.name for m in trainer.weight_metas()}
     assert len(state["optimizer"]["state"]) == len(trainer.trainable)
 
-    trainer.step(make_batch(seed=2))
+    trainer.step(make_parts(seed=2))
     two = {n: t.clone() for n, t in trainer.named_full_weights()}
     resumed = trainer.resume()
     assert resumed is not None and (resumed.step, resumed.weight_version, resumed.driver_state) == (1, 3, {"cursor": 5})
-    trainer.step(make_batch(seed=2))
+    trainer.step(make_parts(seed=2))
     for name, t in trainer.named_full_weights():
         assert torch.allclose(t, two[name], atol=1e-7), name
 
@@ -121,7 +121,7 @@ def test_merged_export_loads_in_transformers_with_the_trainers_log_probs(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    trainer.step(make_batch())
+    trainer.step(make_parts())
     ids = make_batch(seed=3).token_ids[0]
     out = trainer.export_hf(tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
@@ -138,7 +138,7 @@ def test_adapter_export_is_a_peft_folder_naming_its_base(tiny_models: dict[str, 
 
     t = Trainer(lora_spec(tiny_models["student"], tmp_path / "ckpt", export="adapter"))
     try:
-        t.step(make_batch())
+        t.step(make_parts())
         ids = make_batch(seed=3).token_ids[0]
         out = t.export_hf(tmp_path / "adapter")
         want = _trainer_logprobs(t, ids)
@@ -160,7 +160,7 @@ def test_two_ranks_match_one_rank(tiny_models: dict[str, Path], tmp_path: Path) 
     assert two["checkpointing"]
     reference = Trainer(lora_spec(tiny_models["student"], tmp_path / "ckpt-1"))
     try:
-        s1 = reference.step(make_batch())
+        s1 = reference.step(make_parts())
         one = {n: t.clone() for n, t in reference.named_full_weights()}
     finally:
         reference.close()

@@ -18,8 +18,13 @@ import torch
 from kubedistill.api.losses import CONTRACTS, TEACHER_TOP_K
 from kubedistill.api.spec import LossMode
 from kubedistill.runtime.trainer import Trainer
-from kubedistill.runtime.trainer.microbatch import collate, mrope_positions, plan_step
-from kubedistill.runtime.trainer.trainer import micro_batch_rows, vision_lockstep
+from kubedistill.runtime.trainer.microbatch import (
+    collate,
+    micro_batch_rows,
+    mrope_positions,
+    plan_step,
+    vision_lockstep,
+)
 from kubedistill.runtime.wire.batch import SampleImages, TrainBatch
 from trainer_cases import make_batch, make_spec, run_ranks, saved_batch_path
 
@@ -173,7 +178,7 @@ def test_log_probs_of_image_and_text_samples_match_transformers(
 
 def _step(trainer: Trainer, batch: TrainBatch) -> tuple[Any, dict[str, torch.Tensor]]:
     try:
-        stats = trainer.step(batch)
+        stats = trainer.step(batch.to_parts())
         return stats, {n: w.clone() for n, w in trainer.named_full_weights()}
     finally:
         trainer.close()
@@ -236,7 +241,7 @@ def test_a_step_trains_the_vision_tower_unless_frozen(student: Path, processor: 
     assert synced == [n for n in names if not n.startswith("model.visual.")]
     assert not vision_params & {id(p) for group in frozen.optimizer.param_groups for p in group["params"]}
     try:
-        frozen.step(batch)
+        frozen.step(batch.to_parts())
         assert not vision_params & {id(p) for p in frozen.optimizer.state}  # no AdamW state for the tower
         after = {
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -262,7 +267,7 @@ def test_freeze_vision_on_a_text_student_is_refused_in_one_line(tiny_models: dic
     t = Trainer(make_spec(tiny_models["student"], tmp_path / "d"))
     try:
         with pytest.raises(ValueError, match="has image samples but the student .* is a text model"):
-            t.step(batch)
+            t.step(batch.to_parts())
     finally:
         t.close()
 
@@ -302,7 +307,7 @@ def test_export_loads_in_transformers_with_its_processor(student: Path, processo
     batch, inputs = mixed_batch(processor)
     trainer = Trainer(spec(student, tmp_path / "ckpt"))
     try:
-        trainer.step(batch)
+        trainer.step(batch.to_parts())
         weights = dict(trainer.named_full_weights())
         out = trainer.export_hf(tmp_path / "export")
     finally:

@@ -14,7 +14,7 @@ import torch
 
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.entrypoints.roles import finish_process
-from kubedistill.runtime.wire.batch import TrainBatch
+from kubedistill.runtime.wire.batch import BatchParts, TrainBatch
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,6 +36,11 @@ def make_spec(student: Path, ckpt: Path, **overrides: Any) -> DistillationJobSpe
             node = node.setdefault(k, {})
         node[keys[-1]] = value
     return DistillationJobSpec.model_validate(doc)
+
+
+def make_parts(seed: int = 0, n: int = 5, vocab: int = 16, k: int = 3) -> BatchParts:
+    """make_batch as the trainer takes it."""
+    return make_batch(seed, n, vocab, k).to_parts()
 
 
 def make_batch(seed: int = 0, n: int = 5, vocab: int = 16, k: int = 3) -> TrainBatch:
@@ -128,25 +133,25 @@ def worker(rank: int, world: int, port: int, spec_json: str, out: str, scenario:
             "checkpointing": bool(getattr(trainer.model.hf_model(), "is_gradient_checkpointing", False))
         }
         if scenario == "step_resume":
-            result["stats"] = trainer.step(make_batch())
+            result["stats"] = trainer.step(make_parts())
             result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
             trainer.save_checkpoint(1, 7, {"cursor": 11})
-            trainer.step(make_batch(seed=2))
+            trainer.step(make_parts(seed=2))
             result["after_two"] = {n: t.clone() for n, t in trainer.named_full_weights()}
             resumed = trainer.resume()
             result["resumed"] = (resumed.step, resumed.weight_version, resumed.driver_state, trainer.step_count)
-            trainer.step(make_batch(seed=2))
+            trainer.step(make_parts(seed=2))
             result["replayed"] = {n: t.clone() for n, t in trainer.named_full_weights()}
         elif scenario == "saved_batch":
             # A batch the test saved beside `out` (e.g. image samples, tests/test_trainer_vl.py).
-            result["stats"] = trainer.step(torch.load(saved_batch_path(out), weights_only=False))
+            result["stats"] = trainer.step(torch.load(saved_batch_path(out), weights_only=False).to_parts())
             result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
         elif scenario == "exit":
             # One step, then the end of every rank as the product ends it (tests/test_trainer_dist.py).
-            result["stats"] = trainer.step(make_batch())
+            result["stats"] = trainer.step(make_parts())
         elif scenario == "proximal":
             # Two mini-batches in one step: the proximal pass runs its forwards on every rank.
-            result["stats"] = trainer.train([make_batch(), make_batch(seed=1)])
+            result["stats"] = trainer.train([make_parts(), make_parts(seed=1)])
             result["weights"] = {n: t.clone() for n, t in trainer.named_full_weights()}
         trainer.close()
         torch.save(result, out)

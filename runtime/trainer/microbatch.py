@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kubedistill.api.losses import TOKEN_SIGNALS, TopKSignals
-from kubedistill.runtime.wire.batch import TensorBatch
+from kubedistill.runtime.wire.batch import Plan, TensorBatch
 
 
 def shard_samples(lengths: list[int], world: int) -> list[list[int]]:
@@ -334,3 +334,22 @@ def _offsets(lengths: list[int]) -> list[int]:
     for n in lengths:
         out.append(out[-1] + n)
     return out
+
+
+def micro_batch_rows(mine: list[list[list[int]]], j: int) -> list[list[int]]:
+    """A rank's rows of micro-batch j: its own, or past its last, a filler repeating that last
+    micro-batch's rows (zero weights)."""
+    if j < len(mine):
+        return mine[j]
+    return mine[-1] if mine else [[0]]
+
+
+def vision_lockstep(plans: Plan, image_counts: list[int] | None, world: int) -> list[bool] | None:
+    """Per micro-batch index, whether any rank's micro-batch there (fillers included) has images;
+    then every rank runs the vision tower at that index, so the sharded tower's all-gathers and
+    reduce-scatters match (MicroBatch.touch_vision). None when nothing needs it: one rank, or no
+    images in the batch."""
+    if world == 1 or image_counts is None:
+        return None
+    n_micro = max(len(p) for p in plans)
+    return [any(image_counts[i] for p in plans for row in micro_batch_rows(p, j) for i in row) for j in range(n_micro)]

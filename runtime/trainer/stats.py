@@ -163,6 +163,28 @@ class StepSums:
     def kl(self) -> float | None:
         return self.kl_sum / self.kl_tokens if self.kl_tokens > 0 else None
 
+    def stats(
+        self, step: int, *, grad_norm: float, lr: float, samples: int, seconds: float, compute_seconds: float
+    ) -> StepStats:
+        """The step's StepStats from these totals (all_reduce's) and what the step timed."""
+        tokens = int(self.tokens)
+        return StepStats(
+            step=step,
+            loss_total=self.loss_total,
+            loss_distill=self.loss_distill,
+            loss_pg=self.loss_pg,
+            grad_norm=grad_norm,
+            lr=lr,
+            samples=samples,
+            tokens=tokens,
+            response_tokens=int(self.response_tokens),
+            kl=self.kl,
+            seconds=seconds,
+            compute_seconds=compute_seconds,
+            tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+            off_policy=self.off_policy(),
+        )
+
 
 def record_step(metrics: RoleMetrics, s: StepStats) -> None:
     metrics["step"].set(s.step)

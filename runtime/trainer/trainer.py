@@ -1,16 +1,14 @@
 """The student trainer: log-probs, the configured loss, AdamW, checkpoints, full weights.
 
 One ``Trainer`` per trainer rank. Rank 0 (the only rank running the driver) *leads*: each call
-it makes (``step``, ``named_full_weights``, ``save_checkpoint``, ``resume``, ``export_hf``,
-``close``) first broadcasts a command (and, for ``step``, the batch: a small pickled header, then
-its flat tensors with ``torch.distributed.broadcast``, see ``TensorBatch``); the other
-ranks sit in :meth:`Trainer.follow` and run the same call, so every collective happens on every
-rank in the same order. Usage::
+it makes first broadcasts a command (for ``step``, the batch: a small header, then its flat
+tensors), and the other ranks, in :meth:`Trainer.follow`, run the same call, so every collective
+happens on every rank in the same order. Usage::
 
     trainer = Trainer(spec)            # every rank; joins the default process group
     if trainer.rank == 0:
         resumed = trainer.resume()     # -> Resumed(step, weight_version, driver_state) | None
-        stats = trainer.step(batch)    # -> StepStats (global values)
+        stats = trainer.step(batch)    # BatchParts -> StepStats (global values)
         for name, tensor in trainer.named_full_weights(): ...   # HF names; exhaust it
         trainer.save_checkpoint(step, weight_version, driver_state)
         trainer.export_hf(out_dir)
@@ -18,47 +16,8 @@ rank in the same order. Usage::
     else:
         trainer.follow()               # returns after rank 0's close()
 
-The ``Trainer`` holds the model, the optimiser and the step; its components, in this package:
-
-* distributed.py: process groups, this rank's device, FSDP2 sharding (a vision-language student's
-  vision blocks and tower, each decoder layer, then the root; NCCL on GPU, gloo on CPU; a
-  single-rank group when none is initialised; no FSDP on one rank computing in its weights' dtype);
-* commands.py: the rank-0-leads protocol (rank 0 broadcasts a command, followers dispatch it
-  through a table);
-* model.py: the HF model wrapped to return log-probs, the packing check, full weights;
-* microbatch.py: the batch split over ranks and micro-batches, and a micro-batch's tensors sliced
-  from the batch's flat ones;
-* losses.py and schedule.py: the loss per token, the learning-rate schedule;
-* stats.py: the step's sums over micro-batches and ranks, StepStats, the metrics;
-* state.py: checkpoint, resume, HF export, RNG state.
-
-Batch split: rank 0 plans the split (microbatch.py), lays the batch out as flat tensors in the
-order of that plan and broadcasts them with the plan; every rank then slices its share, in
-token-bounded micro-batches (``trainer.microBatchTokens``), from its copy; ranks with
-fewer micro-batches run zero-weight fillers so FSDP's collectives stay matched. Per-token loss
-weights are computed over the whole batch and multiplied by the world size (FSDP averages
-gradients over ranks), so the gradient equals the 1-rank gradient of the same global batch.
-
-Packing (``trainer.packSequences``, on by default): samples are laid end to end in rows no wider
-than the batch's longest sample, with position ids restarting per sample, so a step computes on
-real tokens rather than padding (long-tailed response lengths waste most of a padded batch); a
-start-up check falls back to padded rows for a model whose attention ignores such packing.
-
-Vision-language students (Qwen-VL style): image samples and text samples train in one step. Each
-image sample carries its processor's pixel rows and image grids (TensorBatch), a micro-batch
-exactly those of its samples, and the forward runs the vision tower, then the language model with
-M-RoPE positions (microbatch.py, model.py). Image samples pack like text ones (checked at
-start-up). With several ranks, a micro-batch index where any rank has images runs the sharded
-tower on every rank (a placeholder image, weighted 0, where a rank has none), so FSDP's
-collectives match. ``trainer.freezeVision`` keeps the tower as loaded: no gradients, no AdamW
-state, not in weight syncs (``frozen_prefixes`` names what a receiver keeps).
-
-One optimiser step per ``step(batch)``. The driver calls ``train(batches)`` with a step's
-mini-batches: with ``algorithm.offPolicy.proximal: recompute`` and more than one mini-batch it
-first computes every sample's log-prob under the weights at the start of the step (the proximal
-policy of decoupled PPO), so later mini-batches clip against those rather than against weights
-earlier mini-batches already moved. With one mini-batch the two are the same weights, and the
-pass is skipped.
+Its components are the other modules of this package; how a step splits its batch, packs rows,
+trains vision-language students and computes the proximal policy: docs/architecture.md#the-train-step.
 """
 
 from __future__ import annotations
@@ -70,19 +29,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kubedistill.api.losses import LossContract, Signal, active_contract
+from kubedistill.api.losses import Signal, active_contract
 from kubedistill.api.spec import (
-    Advantage,
-    AdvantageBaseline,
-    AlgorithmSpec,
     DistillationJobSpec,
-    ImportanceMode,
-    ProximalPolicy,
 )
 from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.commands import Command, CommandChannel, Handler
 from kubedistill.runtime.trainer.distributed import Ranks, compute_dtype, shard
-from kubedistill.runtime.trainer.microbatch import MicroBatch, collate, plan_order, plan_step
+from kubedistill.runtime.trainer.loss_inputs import distillation_baseline, needs_proximal_pass, task_advantages
+from kubedistill.runtime.trainer.microbatch import (
+    MicroBatch,
+    collate,
+    micro_batch_rows,
+    plan_order,
+    plan_step,
+    vision_lockstep,
+)
 from kubedistill.runtime.trainer.model import (
     frozen_prefixes,
     full_weights,
@@ -95,7 +57,7 @@ from kubedistill.runtime.trainer.model import (
 from kubedistill.runtime.trainer.schedule import lr_factor, updates_per_step
 from kubedistill.runtime.trainer.state import Resumed, TrainerState
 from kubedistill.runtime.trainer.stats import StepStats, StepSums, record_step
-from kubedistill.runtime.wire.batch import BatchBuffers, BatchParts, Plan, TensorBatch, TrainBatch
+from kubedistill.runtime.wire.batch import BatchBuffers, BatchParts, Plan, TensorBatch
 from kubedistill.runtime.wire.protocol import LoraAdapter, TensorMeta
 
 if TYPE_CHECKING:
@@ -105,8 +67,7 @@ __all__ = ["Resumed", "StepStats", "Trainer"]
 
 
 class Trainer:
-    """One trainer rank: the model, the optimiser and the step; the rest is delegated to the
-    components listed in the module docstring."""
+    """One trainer rank: the model, the optimiser and the step; the rest is delegated."""
 
     def __init__(
         self, spec: DistillationJobSpec, *, metrics: RoleMetrics | None = None, model_path: str | Path | None = None
@@ -187,7 +148,7 @@ class Trainer:
 
     # ---- train step ----------------------------------------------------------------------------
 
-    def train(self, batches: Sequence[BatchParts | TrainBatch]) -> list[StepStats]:
+    def train(self, batches: Sequence[BatchParts]) -> list[StepStats]:
         """One optimiser step per mini-batch of a driver step, after the proximal pass when the
         spec asks for it (rank 0; the followers join)."""
         checked = [self._validate(b) for b in batches]
@@ -294,16 +255,13 @@ class Trainer:
             touch_vision=mb.touch_vision,
         )
 
-    def step(self, batch: BatchParts | TrainBatch) -> StepStats:
+    def step(self, batch: BatchParts) -> StepStats:
         """One optimiser step on `batch` (rank 0; the followers join). Returns global stats."""
         return self._lead_step(self._validate(batch))
 
-    def _validate(self, batch: BatchParts | TrainBatch) -> BatchParts:
+    def _validate(self, batch: BatchParts) -> BatchParts:
         """Refuse an inconsistent batch, or one lacking what the loss contract reads, before the
-        followers get it: the one check of a batch on the trainer. Returns its arrays."""
-        if isinstance(batch, TrainBatch):
-            batch.check_lists()
-            batch = batch.to_parts()
+        followers get it: the one check of a batch on the trainer."""
         batch.validate(self.contract, rewards=self.spec.algorithm.distillation.use_task_rewards)
         if self.model.vision is None and any(p.images is not None for p in batch.parts):
             raise ValueError(
@@ -322,11 +280,9 @@ class Trainer:
         start = time.perf_counter()
         spec = self.spec
         algo = spec.algorithm
-        n = len(batch)
-        resp_lens = batch.response_lens
-        weights = L.token_weights(resp_lens, algo.loss_aggregation) * self.world
-        advantages = _task_advantages(batch, algo.advantage) if algo.distillation.use_task_rewards else None
-        baseline = _distillation_baseline(batch, algo, self.contract)
+        weights = L.token_weights(batch.response_lens, algo.loss_aggregation) * self.world
+        advantages = task_advantages(batch, algo.advantage) if algo.distillation.use_task_rewards else None
+        baseline = distillation_baseline(batch, algo, self.contract)
 
         proximal = self._proximal.pop(0) if self._proximal else None
         sums = StepSums()
@@ -365,33 +321,22 @@ class Trainer:
         compute += self._settled() - tc
         self.step_count += 1
         total = sums.all_reduce(self.ranks.all_reduce_sum, self.ranks.all_reduce_max)
-        seconds = time.perf_counter() - start
-        tokens = int(total.tokens)
         proximal_seconds, self._proximal_seconds = self._proximal_seconds, 0.0
-        stats = StepStats(
-            step=self.step_count,
-            loss_total=total.loss_total,
-            loss_distill=total.loss_distill,
-            loss_pg=total.loss_pg,
+        stats = total.stats(
+            self.step_count,
             grad_norm=float(grad_norm),
             lr=lr,
-            samples=n,
-            tokens=tokens,
-            response_tokens=int(total.response_tokens),
-            kl=total.kl,
-            seconds=seconds,
+            samples=len(batch),
+            seconds=time.perf_counter() - start,
             compute_seconds=compute + proximal_seconds,
-            tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
-            off_policy=total.off_policy(),
         )
         if self.metrics is not None:
             record_step(self.metrics, stats)
         return stats
 
     def _settled(self) -> float:
-        """The clock once the device has run what was queued: on a GPU the compute ends there, not
-        when its kernels are queued. (The step's statistics read the loss back right after anyway,
-        so the wait costs nothing.)"""
+        """The clock once the device has run what was queued (on a GPU the compute ends there; the
+        step's statistics read the loss back right after anyway)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -413,12 +358,8 @@ class Trainer:
         return lora_adapter(self.model)
 
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF parameter name, full fp32 tensor) in a fixed order; a tied lm_head is omitted.
-        With LoRA, only the adapters' tensors, under PEFT's saved names.
-
-        Collective: rank 0 calls it and must exhaust the iterator; the followers join through
-        follow(). Tensors are on the trainer's device, materialised one at a time.
-        """
+        """(HF name, full fp32 tensor on the device) in a fixed order, a tied lm_head omitted; with
+        LoRA only the adapters, under PEFT's names. Collective: rank 0 must exhaust it."""
         self.commands.broadcast(Command.named_full_weights)
         return full_weights(self.model)
 
@@ -449,56 +390,6 @@ class Trainer:
         transformers and vLLM; returns it. Rank 0; collective. Written to a temp dir and renamed."""
         self.commands.broadcast(Command.export_hf)
         return self.state.export(Path(out_dir))
-
-
-def micro_batch_rows(mine: list[list[list[int]]], j: int) -> list[list[int]]:
-    """A rank's rows of micro-batch j: its own, or past its last, a filler repeating that last
-    micro-batch's rows (zero weights)."""
-    if j < len(mine):
-        return mine[j]
-    return mine[-1] if mine else [[0]]
-
-
-def vision_lockstep(plans: Plan, image_counts: list[int] | None, world: int) -> list[bool] | None:
-    """Per micro-batch index, whether any rank's micro-batch there (fillers included) has images;
-    then every rank runs the vision tower at that index, so the sharded tower's all-gathers and
-    reduce-scatters match (MicroBatch.touch_vision). None when nothing needs it: one rank, or no
-    images in the batch."""
-    if world == 1 or image_counts is None:
-        return None
-    n_micro = max(len(p) for p in plans)
-    return [any(image_counts[i] for p in plans for row in micro_batch_rows(p, j) for i in row) for j in range(n_micro)]
-
-
-def _task_advantages(batch: TensorBatch, estimator: Advantage) -> torch.Tensor:
-    """The algorithm.advantage of each sample within its prompt group (useTaskRewards)."""
-    if batch.rewards is None or batch.group_ids is None:
-        raise ValueError("TensorBatch.rewards/group_ids: required when algorithm.distillation.useTaskRewards is true")
-    return L.group_advantages(torch.tensor(batch.rewards, dtype=torch.float32), batch.group_ids, estimator)
-
-
-def needs_proximal_pass(algo: AlgorithmSpec, mini_batches: int) -> bool:
-    """Whether a step must compute its proximal log-probs before training: a term reads them (a
-    policy-gradient term's clip, or the importance weight of a direct loss), the spec asks for
-    recompute, and more than one optimiser step follows (with one, the proximal weights are the
-    weights of the only update)."""
-    d = algo.distillation
-    pg = d.use_task_rewards or (d.enabled and d.use_policy_gradient)
-    weighted = d.enabled and algo.off_policy.importance.mode is not ImportanceMode.none
-    return (pg or weighted) and algo.off_policy.proximal is ProximalPolicy.recompute and mini_batches > 1
-
-
-def _distillation_baseline(batch: TensorBatch, algo: AlgorithmSpec, contract: LossContract | None) -> float:
-    """The constant subtracted from every per-token distillation advantage of this batch (0 unless
-    a policy-gradient loss whose contract has a batch-mean baseline asks for it)."""
-    d = algo.distillation
-    if contract is None or not (d.use_policy_gradient and contract.batch_mean_baseline):
-        return 0.0
-    teacher_logprobs = batch.signal(Signal.teacher_logprobs)
-    if d.advantage_baseline is not AdvantageBaseline.batch_mean or teacher_logprobs is None:
-        return 0.0
-    mu, teacher = batch.rollout_logprobs.double(), teacher_logprobs.double()
-    return L.batch_baseline(d, mu, teacher)
 
 
 def _exhaust(weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -1,7 +1,6 @@
-"""TrainBatch: what the driver hands the trainer for one step.
+"""A train step's batch: its fields, and the forms it travels in.
 
-The driver (trainer rank 0) fills one ``TrainBatch`` per train step from finished, scored samples
-and calls ``Trainer.step(batch)``. Per sample i:
+Per sample i:
 
 * ``token_ids[i]``: prompt + response token ids; ``prompt_lens[i]``: how many are prompt.
   The response is ``token_ids[i][prompt_lens[i]:]`` (R_i = len - prompt_len >= 1 tokens).
@@ -25,8 +24,9 @@ and calls ``Trainer.step(batch)``. Per sample i:
   sample; the whole list None (the default) when no sample has images. The prompt ids of an image
   sample are the processor-expanded ids (one image pad token per merged patch).
 
-``TrainBatch`` is the list form: easy to write by hand (tests, small callers), checked field by
-field (``validate``). What the driver hands the trainer is :class:`BatchParts`: each sample's
+``TrainBatch`` is the list form: easy to write by hand (tests, the trainer's start-up probes),
+checked field by field (``validate``), turned into parts by ``to_parts``. What the driver hands
+``Trainer.step``/``train`` (the only form they take) is :class:`BatchParts`: each sample's
 arrays (:class:`SampleArrays`, made once by :func:`pack_sample` as the sample entered the buffer)
 with the per-sample lists. Rank 0 lays them out in the order of the step's plan (each micro-batch
 one contiguous range) as :class:`TensorBatch`: a few flat tensors (ids int64, log-probs float32,
@@ -82,7 +82,9 @@ class TrainBatch:
         return len(self.token_ids[i]) - self.prompt_lens[i]
 
     def to_parts(self) -> BatchParts:
-        """This batch as the driver hands it to the trainer (the values as float32 / int64)."""
+        """This batch as the driver hands it to the trainer (the values as float32 / int64);
+        ValueError when a per-sample list is not one entry per sample (`check_lists`)."""
+        self.check_lists()
         parts = [
             pack_sample(
                 self.token_ids[i],
@@ -104,7 +106,6 @@ class TrainBatch:
         or the first signal `contract` needs that the batch lacks (and rewards, when `rewards`).
         The lists are checked as far as packing them needs (`check_lists`), the rest as arrays
         (BatchParts.validate), so both forms answer alike."""
-        self.check_lists()
         self.to_parts().validate(contract, rewards=rewards)
 
     def check_lists(self) -> None:
