@@ -133,7 +133,7 @@ def test_status_json_and_history(tmp_path) -> None:
     assert json.dumps(st.to_json()) == (
         '{"step": 0, "totalSteps": 10, "weightVersion": 0, "lastCheckpoint": null, "phase": "starting", '
         '"samplesPerSecond": null, "rewardMean": null, "klStudentTeacher": null, "stalenessMean": null, '
-        '"trainerIdleRatio": null, "rolloutServers": null}'
+        '"trainerIdleRatio": null, "rolloutServers": null, "evaluation": null}'
     )
     with pytest.raises(ValueError, match="phase"):
         st.set_phase("exploded")
