@@ -117,6 +117,7 @@ async def test_each_evaluation_uses_the_weights_of_its_step_and_shows_everywhere
     in_history = [ev["step"] for line in lines for ev in line.get("evaluations", [])]
     assert in_history == [0, 2, 4, 5]
     assert lines[-1]["evaluations"][-1]["step"] == 5  # the last line carries the final one
+    assert lines[-1]["evaluation"]["step"] == 5  # and its status part says so
     assert all(line["phases"]["eval"] >= 0.0 for line in lines)
     status = r.driver.status.to_json()["evaluation"]
     assert status["step"] == 5 and status["score"] == 0.5

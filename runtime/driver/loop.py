@@ -358,6 +358,7 @@ class Driver:
                     self.step_clock.lap("driver")
                     if self._evaluations:
                         line["evaluations"], self._evaluations = self._evaluations, []
+                        line["evaluation"] = self.status.to_json()["evaluation"]  # the status part, made earlier
                     reporter.end_step(line, self.step_clock.close(), self.step_clock.mark)
             finally:
                 if self.evaluator is not None:
