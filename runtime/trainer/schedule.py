@@ -9,7 +9,7 @@ from kubedistill.api.spec import DistillationJobSpec, LrSchedule, OptimSpec
 
 def updates_per_step(spec: DistillationJobSpec) -> int:
     """Optimiser updates per train step: one per mini-batch, async.requireBatches of them."""
-    return spec.async_.require_batches if spec.async_ is not None else 1
+    return spec.async_settings.require_batches
 
 
 def lr_factor(step: int, optim: OptimSpec, total_steps: int) -> float:
