@@ -155,9 +155,14 @@ def _plan(name: str, code: str, gpus: float = 0) -> ProcessPlan:
     )
 
 
-def test_process_launcher_starts_polls_and_stops(tmp_path: Path) -> None:
+def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     launcher = ProcessLauncher(tmp_path, gpu_ids=["0"])
+
+    def _said(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text() if (tmp_path / f"{name}.log").exists() else ""
+
     show = "import os; print(os.environ['WHO'], os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     launcher.start(
         [
             _plan("a", show + "; raise SystemExit(3)", gpus=0.5),
@@ -166,7 +171,7 @@ def test_process_launcher_starts_polls_and_stops(tmp_path: Path) -> None:
         ]
     )
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and None in (launcher.poll()["a"], launcher.poll()["c"]):
+    while time.monotonic() < deadline and (None in (launcher.poll()["a"], launcher.poll()["c"]) or not _said("b")):
         time.sleep(0.05)
     assert launcher.poll() == {"a": 3, "b": None, "c": -signal.SIGKILL}
     assert (tmp_path / "a.log").read_text() == "a 0\n"
@@ -174,6 +179,11 @@ def test_process_launcher_starts_polls_and_stops(tmp_path: Path) -> None:
         launcher.start([_plan("d", "pass", gpus=1)])
     launcher.stop(["a", "b"])  # b ends on SIGTERM; both are forgotten, their GPU share freed
     assert launcher.poll() == {"c": -signal.SIGKILL} and (tmp_path / "b.log").read_text() == "b 0\n"
-    launcher.start([_plan("d", show, gpus=1)])
+    # a whole GPU, and its CPUs as OMP_NUM_THREADS (as Ray sets them for an actor)
+    launcher.start([_plan("d", show + "; print(os.environ['OMP_NUM_THREADS'], flush=True)", gpus=1)])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and launcher.poll()["d"] is None:
+        time.sleep(0.05)
+    assert (tmp_path / "d.log").read_text() == "d 0\n1\n"
     launcher.close()
     assert launcher.poll() == {}

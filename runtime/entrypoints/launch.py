@@ -164,6 +164,8 @@ class ProcessLauncher:
             if ids is None:
                 raise PlacementError(f"no GPU free for {p.name} (it takes {p.gpus}; {len(self.gpu_ids)} here)")
             env = dict(p.env)
+            if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for an actor: its CPUs, not the machine's
+                env.setdefault("OMP_NUM_THREADS", str(max(1, int(p.cpus))))
             if ids:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
             log = open(self.log_dir / f"{p.name}.log", "ab", buffering=0)
