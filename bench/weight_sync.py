@@ -19,7 +19,7 @@ With --delta-lrs (e.g. 1e-6,1e-5,1e-4) it measures delta syncs (spec.weightSync.
 receivers keep SmolLM2-135M in bf16, this process trains an fp32 copy with AdamW at each learning
 rate (real optimizer steps on random tokens; the full model, tied embedding included), and after
 every step syncs with delta on; rows give per step the bytes and seconds over a full sync's
-(the median of --repeats full syncs of the same weights) and the changed fraction. --links runs
+(the median of --repeats full syncs of the same weights, right after) and the changed fraction. --links runs
 it over loopback and over a pod-like link: a network namespace joined by a veth pair shaped with
 tc to --link-gbit (needs root and `ip`/`tc`). auto rows: delta auto at the last rate. Last line:
 the seconds ratio at the first rate over the last link.
@@ -261,8 +261,10 @@ def pod_link(kind: str, gbit: float) -> Iterator[Link | None]:
 
 
 def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> int:
-    """Full syncs, then per learning rate a full sync that starts the chain and --steps optimizer
-    steps each followed by a delta sync (mode on; auto too at the last rate); per link."""
+    """Per link and learning rate: a full sync that starts the chain, --steps optimizer steps each
+    followed by a delta sync (mode on; auto too at the last rate), then --repeats full syncs of
+    the same weights, the baseline of that block's ratios (measured beside it: a shared machine's
+    load drifts). `rest` is the seconds ratio without the sender's compare pass."""
     import torch
 
     from kubedistill.api.spec import DeltaMode
@@ -272,11 +274,11 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
     last: tuple[str, float, float, float] | None = None
     print(
         f"{'link':>8} {'lr':>7} {'mode':>5} {'step':>4} {'plan':>5} {'MiB':>8} {'bytes':>6} "
-        f"{'sync_s':>7} {'time':>6} {'density':>8} {'encode_s':>8}"
+        f"{'sync_s':>7} {'time':>6} {'rest':>6} {'density':>8} {'encode_s':>8}"
     )
+    start = {k: v.clone() for k, v in model.state_dict().items()}  # every block starts from the checkpoint
     for kind in args.links.split(","):
         with pod_link(kind, args.link_gbit) as link, rollout_servers(mdir, work, args, link, "bfloat16") as (sender, _):
-            start = {k: v.clone() for k, v in model.state_dict().items()}
             named = [(n, p) for n, p in model.named_parameters()]  # live: each sync reads the weights as they are
             version = 0
 
@@ -288,9 +290,6 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                 stats = sender.sync(version, [(n, p.detach()) for n, p in named])
                 return time.perf_counter() - t, stats
 
-            full = [sync(DeltaMode.off) for _ in range(args.repeats)]
-            full_s, full_b = med(s for s, _ in full), full[-1][1].bytes
-            print(f"{kind:>8} {'-':>7} {'off':>5} {'-':>4} {'full':>5} {full_b / 2**20:>8.1f} {1:>6.3f} {full_s:>7.3f}")
             g = torch.Generator().manual_seed(0)
             vocab = model.config.vocab_size
             for i, lr in enumerate(lrs):
@@ -298,26 +297,36 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                     model.load_state_dict(start)
                     opt = torch.optim.AdamW(model.parameters(), lr=lr)
                     sync(mode)  # a full sync that starts the chain
-                    rows = []
-                    for step in range(args.steps):
+                    steps = []
+                    for _ in range(args.steps):
                         ids = torch.randint(0, vocab, (1, 32), generator=g)
                         model(input_ids=ids, labels=ids).loss.backward()
                         opt.step()
                         opt.zero_grad()
                         seconds, stats = sync(mode)
-                        d = sender.last_delta
-                        rows.append((stats.bytes / full_b, seconds / full_s, d.density))
+                        steps.append((seconds, stats.bytes, sender.last_delta))
+                    full = [sync(DeltaMode.off) for _ in range(args.repeats)]
+                    full_s, full_b = med(s for s, _ in full), full[-1][1].bytes
+                    print(
+                        f"{kind:>8} {lr:>7.0e} {'off':>5} {'-':>4} {'full':>5} {full_b / 2**20:>8.1f} {1:>6.3f} "
+                        f"{full_s:>7.3f} {1:>6.3f}"
+                    )
+                    rows = []
+                    for n, (seconds, nbytes, d) in enumerate(steps):
+                        rest = (seconds - d.encode_seconds) / full_s
+                        rows.append((nbytes / full_b, seconds / full_s, rest, d.density))
                         print(
-                            f"{kind:>8} {lr:>7.0e} {mode.value:>5} {step + 1:>4} {d.plan:>5} "
-                            f"{stats.bytes / 2**20:>8.2f} {rows[-1][0]:>6.3f} {seconds:>7.3f} {rows[-1][1]:>6.3f} "
+                            f"{kind:>8} {lr:>7.0e} {mode.value:>5} {n + 1:>4} {d.plan:>5} {nbytes / 2**20:>8.2f} "
+                            f"{rows[-1][0]:>6.3f} {seconds:>7.3f} {rows[-1][1]:>6.3f} {rest:>6.3f} "
                             f"{d.density if d.plan == 'delta' else float('nan'):>8.5f} {d.encode_seconds:>8.3f}",
                             flush=True,
                         )
-                    b, t, dens = (med(r[j] for r in rows) for j in range(3))
+                    b, t, rest, dens = (med(r[j] for r in rows) for j in range(4))
                     blank = ""
                     print(
                         f"{kind:>8} {lr:>7.0e} {mode.value:>5} {'med':>4} {blank:>5} {blank:>8} {b:>6.3f} "
-                        f"{blank:>7} {t:>6.3f} {dens:>8.5f}"
+                        f"{blank:>7} {t:>6.3f} {rest:>6.3f} {dens:>8.5f}",
+                        flush=True,
                     )
                     if i == 0 and mode is DeltaMode.on:
                         last = (kind, lr, b, t)
