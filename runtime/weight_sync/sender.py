@@ -10,6 +10,11 @@ a restarted trainer reaches the same long-lived rollout servers. A sync POSTs /w
 (version + manifest + epoch) to every rollout server, broadcasts the buckets, then all-reduces a
 failure count so it returns only once every engine has loaded the weights (or raises naming how many failed).
 
+With spec.weightSync.delta on or auto, a sync that every server can take as a delta sends only the
+changed elements (runtime/weight_sync/delta.py: the plan, the copy kept of what was sent, the
+encodings); the weights are then drawn and compared before /weights/begin, as the manifest's
+pieces depend on them. Any other sync is full, and restarts the chain when it keeps a copy.
+
 The weights are a list of (name, tensor), or a WeightSource (the trainer): its manifest comes
 from metadata, and its full tensors are drawn one bucket at a time while the buckets go out, so
 rank 0 never holds a gathered copy of the whole model; it starts gathering only once the group
