@@ -211,25 +211,12 @@ def collate(
     tok_at = _offsets(lengths)
     resp_at = _offsets(batch.response_lens)
     width = max(sum(lengths[i] for i in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     packed = any(len(row) > 1 for row in rows)
     images = _image_slices(batch, [i for row in rows for i in row])
     if images is not None and vision is None:
         raise ValueError("a micro-batch has image samples but the student is not a vision-language model")
     positions = _positions(batch, rows, width, images, vision) if images is not None or packed else None
-    order: list[int] = []
-    gather, resp_index = [], []
-    for r, row in enumerate(rows):
-        offset = 0
-        for i in row:
-            n, p = lengths[i], prompts[i]
-            ids[r, offset : offset + n] = batch.token_ids[tok_at[i] : tok_at[i] + n]
-            # Logits at position t predict token t + 1.
-            gather.append(torch.arange(p - 1, n - 1) + r * width + offset)
-            resp_index.append(torch.arange(resp_at[i], resp_at[i + 1]))
-            order.append(i)
-            offset += n
-    index = torch.cat(resp_index)
+    ids, gather, index, order = _lay_out_rows(batch, rows, width, pad_id, tok_at, resp_at)
     # Samples laid out in plan order (TensorBatch.plan) make the micro-batch one contiguous range
     # of the flat tensors: slice views, no copies. Otherwise gather its rows.
     contiguous = order == list(range(order[0], order[0] + len(order)))
@@ -243,7 +230,7 @@ def collate(
     mb = MicroBatch(
         input_ids=ids,
         position_ids=positions,
-        gather_index=torch.cat(gather),
+        gather_index=gather,
         targets=batch.token_ids[index + shift],
         behaviour_logprobs=batch.rollout_logprobs[sel],
         weights=torch.zeros(len(index)) if filler else token_weights[sel].to(torch.float32),
@@ -260,18 +247,46 @@ def collate(
     if images is not None:
         mb.pixel_values, mb.image_grid_thw = images
     if top_k is not None and top_k.ids.value in batch.signals and top_k.logprobs.value in batch.signals:
-        tid = batch.signals[top_k.ids.value][sel]
-        tlp = batch.signals[top_k.logprobs.value][sel].to(torch.float32)
-        widths = batch.widths.get(top_k.ids.value)
-        valid = None
-        if widths is not None:
-            w = widths[sel]
-            k = int(w.max())  # as wide as this micro-batch's widest row, not the batch's
-            tid, tlp = tid[:, :k], tlp[:, :k]
-            if int(w.min()) < k:
-                valid = torch.arange(k) < w.unsqueeze(1)
-        mb.topk_ids, mb.topk_logprobs, mb.topk_valid = tid, tlp, valid
+        mb.topk_ids, mb.topk_logprobs, mb.topk_valid = _top_k_rows(batch, top_k, sel)
     return mb
+
+
+def _lay_out_rows(
+    batch: TensorBatch, rows: list[Row], width: int, pad_id: int, tok_at: list[int], resp_at: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(input ids [rows, width], the logits' flat index of every response token, the response
+    tokens' rows in the per-token tensors, the samples in row order)."""
+    lengths, prompts = batch.lengths, batch.prompt_lens
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    order: list[int] = []
+    gather, resp_index = [], []
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            n, p = lengths[i], prompts[i]
+            ids[r, offset : offset + n] = batch.token_ids[tok_at[i] : tok_at[i] + n]
+            # Logits at position t predict token t + 1.
+            gather.append(torch.arange(p - 1, n - 1) + r * width + offset)
+            resp_index.append(torch.arange(resp_at[i], resp_at[i + 1]))
+            order.append(i)
+            offset += n
+    return ids, torch.cat(gather), torch.cat(resp_index), order
+
+
+def _top_k_rows(
+    batch: TensorBatch, top_k: TopKSignals, sel: slice | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The micro-batch's top-k ids and log-probs, as wide as its widest row (not the batch's),
+    and which entries are real when some rows are shorter (None when none is)."""
+    tid = batch.signals[top_k.ids.value][sel]
+    tlp = batch.signals[top_k.logprobs.value][sel].to(torch.float32)
+    widths = batch.widths.get(top_k.ids.value)
+    if widths is None:
+        return tid, tlp, None
+    w = widths[sel]
+    k = int(w.max())
+    valid = torch.arange(k) < w.unsqueeze(1) if int(w.min()) < k else None
+    return tid[:, :k], tlp[:, :k], valid
 
 
 def _image_slices(batch: TensorBatch, order: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
