@@ -103,8 +103,8 @@ async def main() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from kubedistill.runtime.engines.hf import HFEngine
     from kubedistill.demo.tiny import build_tiny_model, char_tokenizer
+    from kubedistill.runtime.engines.hf import HFEngine
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="bench-hf-engine-"))

@@ -67,8 +67,8 @@ def prepare_models(base: Path, hidden: int, layers: int, teacher_layers: int, vo
     """Random-weight student and teacher over the arithmetic task's characters (padded with unused
     ones up to `vocab` tokens: a random model emits <eos> with probability about 1/vocab per token,
     so the vocabulary sets the mean response length), and the task's prompts."""
-    from kubedistill.demo.tiny import SPECIALS, build_tiny_model, char_tokenizer
     from kubedistill.demo import arith
+    from kubedistill.demo.tiny import SPECIALS, build_tiny_model, char_tokenizer
 
     extra = vocab - len(SPECIALS) - len(arith.ALPHABET)
     if not 0 <= extra <= len(FILLER):

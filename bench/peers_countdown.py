@@ -171,9 +171,9 @@ def train(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kubedistill.demo.tiny import tiny_config
     from kubedistill.demo.arith import encode
     from kubedistill.demo.sft import train_loop
+    from kubedistill.demo.tiny import tiny_config
 
     train_set = split()[0]
     rng = random.Random(cfg.seed)

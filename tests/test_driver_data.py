@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kubedistill.runtime.driver.data import PromptSource
-from kubedistill.demo.tiny import char_tokenizer
 from kubedistill.demo.arith import Problem, verl_row, write_jsonl
+from kubedistill.demo.tiny import char_tokenizer
+from kubedistill.runtime.driver.data import PromptSource
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,12 @@ import pytest
 
 from driver_fakes import FakeRolloutServer, FakeTeacherServer, rig
 from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.demo import arith, dots
 from kubedistill.runtime.driver.clients import ServerError
 from kubedistill.runtime.driver.data import PromptItem, PromptSource
 from kubedistill.runtime.driver.multimodal import collapse_runs, load_student_processor, reads_images
 from kubedistill.runtime.driver.routing import ImagesToTextTeacher
 from kubedistill.runtime.driver.samples import SampleGroup
-from kubedistill.demo import arith, dots
 from kubedistill.runtime.wire.protocol import GenerateResponse, ScoreRequest, ScoreResponse
 
 PADS_PER_IMAGE = 4

@@ -22,11 +22,11 @@ import pytest
 import pytest_asyncio
 import torch
 
+from kubedistill.demo import dots
+from kubedistill.demo.tiny_vl import build_tiny_vl_model
 from kubedistill.runtime.driver.multimodal import RenderedImages, image_bytes, open_images, render_images
 from kubedistill.runtime.engines.base import BadRequest, Engine, PauseMode
 from kubedistill.runtime.engines.hf import HFEngine
-from kubedistill.demo.tiny_vl import build_tiny_vl_model
-from kubedistill.demo import dots
 from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 from kubedistill.runtime.weight_sync.sender import build_manifest

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kubedistill.demo import quickstart
-from kubedistill.demo import arith
+from kubedistill.demo import arith, quickstart
 
 
 def test_arith_split_is_disjoint_and_complete() -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from kubedistill.demo import arith, dots
+from kubedistill.demo.tiny_vl import IMAGE_PAD, VISION_END, VISION_START, vl_processor, vl_tokenizer
 from kubedistill.runtime.driver.data import PromptSource
 from kubedistill.runtime.driver.multimodal import (
     MAX_IMAGE_BYTES,
@@ -23,8 +25,6 @@ from kubedistill.runtime.driver.multimodal import (
     split_markers,
 )
 from kubedistill.runtime.driver.rewards import RewardRegistry
-from kubedistill.demo.tiny_vl import IMAGE_PAD, VISION_END, VISION_START, vl_processor, vl_tokenizer
-from kubedistill.demo import arith, dots
 
 
 @pytest.fixture(scope="module")

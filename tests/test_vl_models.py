@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kubedistill.demo import dots
+from kubedistill.demo.tiny_vl import IMAGE_PAD, build_tiny_vl_model
 from kubedistill.runtime import torchvision_cpu
 from kubedistill.runtime.driver.multimodal import image_bytes, open_images, render_images
-from kubedistill.demo.tiny_vl import IMAGE_PAD, build_tiny_vl_model
-from kubedistill.demo import dots
 
 torch.set_num_threads(1)
 

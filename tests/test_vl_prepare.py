@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubedistill.demo import vl_prepare
-from kubedistill.demo import arith, dots
+from kubedistill.demo import arith, dots, vl_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubedistill.demo import arith, dots
-from kubedistill.demo import quickstart
+from kubedistill.demo import arith, dots, quickstart
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
