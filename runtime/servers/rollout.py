@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -72,11 +72,99 @@ def group_address(
 
 @dataclass
 class _Syncs:
-    """The weight load in progress and the outcome of the last one."""
+    """One rollout server's weight loads: the one in progress, the outcome of the last, and the
+    checks a sync's requests pass."""
 
+    engine: Engine
+    spec: DistillationJobSpec
+    metrics: RoleMetrics
+    membership: WeightGroupMembership = field(init=False)
     task: asyncio.Task[None] | None = None
     last: dict[str, Any] | None = None
     """GET /weights/last: the load's stats, or its error."""
+
+    async def group_refusal(self, epoch: str | None) -> JSONResponse | None:
+        """503 unless this server is in the sender's group (and it is formed)."""
+        membership, engine = self.membership, self.engine
+        if epoch is not None and epoch == membership.epoch:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await membership.wait_switched(timeout=30)
+        if epoch is not None and epoch != membership.epoch:
+            return JSONResponse(
+                {
+                    "error": f"this server is in weight-sync group epoch {membership.epoch}, "
+                    f"not the sender's {epoch}; POST /weights/group first"
+                },
+                status_code=503,
+            )
+        if engine.weight_group_state != "ready":
+            return JSONResponse(
+                {"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"}, status_code=503
+            )
+        return None
+
+    async def previous_done(self) -> bool:
+        """The trainer's side of a sync returns at the closing all-reduce, a moment before this
+        server's task finishes: give a finishing task a little time rather than refusing."""
+        task = self.task
+        if task is None or task.done():
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=30)
+        except TimeoutError:
+            return False
+        except Exception:
+            pass
+        return True
+
+    async def settle(self, at_least: int | None) -> None:
+        """With `at_least` above the served version while a load is in progress, wait for that
+        load to end (generation resumed): the trainer's end of a sync, answered as it happens
+        rather than at its next poll."""
+        task = self.task
+        if at_least is not None and self.engine.version < at_least and task is not None and not task.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), VERSION_WAIT_SECONDS)
+
+    async def begin(self, req: WeightsBeginRequest) -> WeightsBeginResponse | JSONResponse:
+        refusal = await self.group_refusal(req.group_epoch)
+        if refusal is not None:
+            return refusal
+        if not await self.previous_done():
+            return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
+        try:
+            check_layout(req.manifest)
+        except ValueError as e:
+            return JSONResponse({"error": str(e)}, status_code=422)
+        load = True
+        mismatch = None
+        try:
+            self.engine.check_manifest(req.manifest)
+        except ValueError as e:
+            # Still take part in the broadcast (discarding it) so the group stays in step.
+            load, mismatch = False, str(e)
+        self.task = asyncio.create_task(self._receive(req, load))
+        if mismatch is not None:
+            return JSONResponse({"error": mismatch}, status_code=409)
+        return WeightsBeginResponse(version=req.version)
+
+    async def _receive(self, req: WeightsBeginRequest, load: bool) -> None:
+        engine, metrics = self.engine, self.metrics
+        if load:
+            # A load that does not complete leaves weights no sender holds a copy of: the next
+            # sync must be a full one (the sender reads this base before each sync).
+            engine.delta_base = None
+        try:
+            stats = await engine.receive_weights(req.manifest, req.version, pause_mode(self.spec), load)
+        except Exception as e:
+            log.error("weight sync to version %s failed: %s", req.version, e)
+            self.last = {"version": req.version, "error": str(e)}
+            return
+        self.last = {"version": req.version, "loaded": load, **stats}
+        if load:
+            metrics["weight_version"].set(engine.version)
+            metrics["weight_sync_seconds"].observe(stats["seconds"])
+            metrics["weight_sync_bytes"].inc(stats["bytes"])
 
 
 def build_rollout_app(
@@ -88,15 +176,14 @@ def build_rollout_app(
 ) -> FastAPI:
     """`debug_endpoints`: also serve the checksum and transport-probe endpoints (_add_debug_routes)."""
     metrics = metrics or RoleMetrics(config.job, "rollout", identity.replica)
-    spec = config.spec
-    syncs = _Syncs()
-    placements: dict[str, WeightsGroupRequest] = {}
-    """The trainer's request per group epoch (the rank and world size it gave)."""
+    syncs = _Syncs(engine, config.spec, metrics)
+    placements: dict[str, WeightsGroupRequest] = {}  # per group epoch: the rank and world size the trainer gave
     membership = WeightGroupMembership(
         engine,
         lambda epoch: group_address(config, identity.replica, epoch, placements.get(epoch)),
         lambda: syncs.task,
     )
+    syncs.membership = membership
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -126,25 +213,6 @@ def build_rollout_app(
     async def weights_group_status() -> WeightsGroupResponse:
         return membership.status()
 
-    async def _group_refusal(epoch: str | None) -> JSONResponse | None:
-        """503 unless this server is in the sender's group (and it is formed)."""
-        if epoch is not None and epoch == membership.epoch:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await membership.wait_switched(timeout=30)
-        if epoch is not None and epoch != membership.epoch:
-            return JSONResponse(
-                {
-                    "error": f"this server is in weight-sync group epoch {membership.epoch}, "
-                    f"not the sender's {epoch}; POST /weights/group first"
-                },
-                status_code=503,
-            )
-        if engine.weight_group_state != "ready":
-            return JSONResponse(
-                {"error": f"the weight-sync group is not formed (state {engine.weight_group_state})"}, status_code=503
-            )
-        return None
-
     @app.post("/generate", response_model=GenerateResponse)
     async def generate(req: GenerateRequest) -> GenerateResponse:
         out = await engine.generate(req)
@@ -163,13 +231,8 @@ def build_rollout_app(
 
     @app.get("/version", response_model=VersionResponse)
     async def version(at_least: int | None = None) -> VersionResponse:
-        """The weight version served. With `at_least` above it while a weight load is in
-        progress, first waits for that load to end (generation resumed): the trainer's end of a
-        sync, answered as it happens rather than at its next poll."""
-        task = syncs.task
-        if at_least is not None and engine.version < at_least and task is not None and not task.done():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(task), VERSION_WAIT_SECONDS)
+        """The weight version served, once a load toward `at_least` has ended (_Syncs.settle)."""
+        await syncs.settle(at_least)
         return VersionResponse(version=engine.version)
 
     @app.get("/weights/last")
@@ -179,77 +242,21 @@ def build_rollout_app(
 
     @app.post("/weights/begin", response_model=WeightsBeginResponse)
     async def weights_begin(req: WeightsBeginRequest) -> WeightsBeginResponse | JSONResponse:
-        refusal = await _group_refusal(req.group_epoch)
-        if refusal is not None:
-            return refusal
-        if not await _previous_sync_done():
-            return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
-        try:
-            check_layout(req.manifest)
-        except ValueError as e:
-            return JSONResponse({"error": str(e)}, status_code=422)
-        load = True
-        mismatch = None
-        try:
-            engine.check_manifest(req.manifest)
-        except ValueError as e:
-            # Still take part in the broadcast (discarding it) so the group stays in step.
-            load, mismatch = False, str(e)
-        syncs.task = asyncio.create_task(_receive(req, load))
-        if mismatch is not None:
-            return JSONResponse({"error": mismatch}, status_code=409)
-        return WeightsBeginResponse(version=req.version)
-
-    async def _previous_sync_done() -> bool:
-        """The trainer's side of a sync returns at the closing all-reduce, a moment before this
-        server's task finishes: give a finishing task a little time rather than refusing."""
-        task = syncs.task
-        if task is None or task.done():
-            return True
-        try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=30)
-        except TimeoutError:
-            return False
-        except Exception:
-            pass
-        return True
-
-    async def _receive(req: WeightsBeginRequest, load: bool) -> None:
-        if load:
-            # A load that does not complete leaves weights no sender holds a copy of: the next
-            # sync must be a full one (the sender reads this base before each sync).
-            engine.delta_base = None
-        try:
-            stats = await engine.receive_weights(req.manifest, req.version, pause_mode(spec), load)
-        except Exception as e:
-            log.error("weight sync to version %s failed: %s", req.version, e)
-            syncs.last = {"version": req.version, "error": str(e)}
-            return
-        syncs.last = {"version": req.version, "loaded": load, **stats}
-        if load:
-            metrics["weight_version"].set(engine.version)
-            metrics["weight_sync_seconds"].observe(stats["seconds"])
-            metrics["weight_sync_bytes"].inc(stats["bytes"])
+        return await syncs.begin(req)
 
     if debug_endpoints:
-        _add_debug_routes(app, engine, syncs, _group_refusal, _previous_sync_done)
+        _add_debug_routes(app, syncs)
     return app
 
 
-def _add_debug_routes(
-    app: FastAPI,
-    engine: Engine,
-    syncs: _Syncs,
-    group_refusal: Callable[[str | None], Awaitable[JSONResponse | None]],
-    previous_sync_done: Callable[[], Awaitable[bool]],
-) -> None:
+def _add_debug_routes(app: FastAPI, syncs: _Syncs) -> None:
     """Endpoints for checking a sync and measuring the transport (tests, benches, a sync checked by
     hand), off in a job's pods: `kubedistill role rollout --debug-endpoints`."""
 
     @app.get("/weights/checksums")
     async def checksums() -> dict[str, str]:
         """sha256 of every weight as the engine uses it (HF names): compare with the trainer's."""
-        return await engine.weight_checksums()
+        return await syncs.engine.weight_checksums()
 
     @app.post("/weights/probe", response_model=None)
     async def weights_probe(body: dict[str, Any]) -> JSONResponse | dict[str, Any]:
@@ -258,10 +265,10 @@ def _add_debug_routes(
         if not isinstance(nbytes, int) or nbytes < 1:
             return JSONResponse({"error": "bytes: a positive integer is required"}, status_code=422)
         epoch = body.get("group_epoch")
-        refusal = await group_refusal(epoch if isinstance(epoch, str) else None)
+        refusal = await syncs.group_refusal(epoch if isinstance(epoch, str) else None)
         if refusal is not None:
             return refusal
-        if not await previous_sync_done():
+        if not await syncs.previous_done():
             return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
-        syncs.task = asyncio.create_task(engine.probe_transport(nbytes))
+        syncs.task = asyncio.create_task(syncs.engine.probe_transport(nbytes))
         return {"accepted": True, "bytes": nbytes}
