@@ -293,7 +293,7 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
             g = torch.Generator().manual_seed(0)
             vocab = model.config.vocab_size
             for i, lr in enumerate(lrs):
-                for mode in [DeltaMode.on] + ([DeltaMode.auto] if i == len(lrs) - 1 else []):
+                for mode in [DeltaMode.always] + ([DeltaMode.auto] if i == len(lrs) - 1 else []):
                     model.load_state_dict(start)
                     opt = torch.optim.AdamW(model.parameters(), lr=lr)
                     sync(mode)  # a full sync that starts the chain
@@ -305,7 +305,7 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                         opt.zero_grad()
                         seconds, stats = sync(mode)
                         steps.append((seconds, stats.bytes, sender.last_delta))
-                    full = [sync(DeltaMode.off) for _ in range(args.repeats)]
+                    full = [sync(DeltaMode.never) for _ in range(args.repeats)]
                     full_s, full_b = med(s for s, _ in full), full[-1][1].bytes
                     print(
                         f"{kind:>8} {lr:>7.0e} {'off':>5} {'-':>4} {'full':>5} {full_b / 2**20:>8.1f} {1:>6.3f} "
@@ -328,7 +328,7 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                         f"{blank:>7} {t:>6.3f} {rest:>6.3f} {dens:>8.5f}",
                         flush=True,
                     )
-                    if i == 0 and mode is DeltaMode.on:
+                    if i == 0 and mode is DeltaMode.always:
                         last = (kind, lr, b, t)
     assert last is not None
     kind, lr, b, t = last

@@ -118,19 +118,19 @@ async def test_pod_group_is_owned_by_the_job_and_made_before_the_pods(
             True,
         )
         assert group["metadata"]["labels"]["kubedistill.io/job"] == job
-        # BASE_SPEC runs on cpu: every pod requests 2 CPUs and 4Gi (operator/requests.py), and the
+        # BASE_SPEC runs on cpu: every pod requests 250m CPU and 2Gi (operator/requests.py), and the
         # group's minResources are what its minMember pods request.
         if gang == "volcano":
             assert group["spec"] == {
                 "minMember": ALL_PODS,
-                "minResources": {"cpu": str(2 * ALL_PODS), "memory": f"{4 * ALL_PODS}Gi"},
+                "minResources": {"cpu": f"{250 * ALL_PODS}m", "memory": f"{2 * ALL_PODS}Gi"},
                 "queue": "research",
                 "priorityClassName": "training",
             }
         else:
             assert group["spec"] == {
                 "minMember": 3,
-                "minResources": {"cpu": "6", "memory": "12Gi"},
+                "minResources": {"cpu": "750m", "memory": "6Gi"},
                 "scheduleTimeoutSeconds": 120,
             }
         for pod in (await cluster.pods(job)).values():

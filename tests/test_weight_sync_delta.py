@@ -105,7 +105,7 @@ def test_the_senders_copy_follows_what_it_sent() -> None:
         assert tensor_checksum(copy.tensors[n]) == tensor_checksum(t.to(torch.bfloat16))
 
 
-ON, AUTO, OFF = (DeltaSyncSpec(mode=m) for m in (DeltaMode.on, DeltaMode.auto, DeltaMode.off))
+ON, AUTO, OFF = (DeltaSyncSpec(mode=m) for m in (DeltaMode.always, DeltaMode.auto, DeltaMode.never))
 HELD = DeltaBase(chain="c1", version=7)
 
 

@@ -32,9 +32,11 @@ def drift(named: list[tuple[str, torch.Tensor]], seed: int) -> list[tuple[str, t
 
 
 def delta_on(spec: DistillationJobSpec) -> DistillationJobSpec:
-    """The spec with weightSync.delta on (auto would back off when a delta is not faster, which
+    """The spec with weightSync.delta always (auto would back off when a delta is not faster, which
     timing noise on a tiny model decides)."""
-    ws = spec.weight_sync.model_copy(update={"delta": spec.weight_sync.delta.model_copy(update={"mode": DeltaMode.on})})
+    ws = spec.weight_sync.model_copy(
+        update={"delta": spec.weight_sync.delta.model_copy(update={"mode": DeltaMode.always})}
+    )
     return spec.model_copy(update={"weight_sync": ws})
 
 
@@ -112,7 +114,7 @@ def test_every_break_in_the_chain_falls_back_to_a_full_sync(hf_servers, tiny_mod
 
     # Off: full syncs that keep nothing, and the servers drop their base.
     sender.spec = hf_servers.config.spec.model_copy(deep=True)
-    sender.spec.weight_sync.delta.mode = DeltaMode.off
+    sender.spec.weight_sync.delta.mode = DeltaMode.never
     named, v = drift(named, 800), v + 1
     sender.sync(v, named)
     assert sender.last_delta.plan == "full"

@@ -110,8 +110,8 @@ class SyncBackend(str, Enum):
 
 class DeltaMode(str, Enum):
     auto = "auto"
-    on = "on"
-    off = "off"
+    always = "always"
+    never = "never"
 
 
 class PullPolicy(str, Enum):

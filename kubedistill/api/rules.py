@@ -281,11 +281,11 @@ SPEC_RULES: list[Rule] = [
         "spec",
         _lora_cel(
             "!has(self.weightSync) || !has(self.weightSync.delta) || !has(self.weightSync.delta.mode)"
-            " || self.weightSync.delta.mode != 'on'"
+            " || self.weightSync.delta.mode != 'always'"
         ),
-        "on needs full-weight syncs: a LoRA student (trainer.lora) syncs its adapter only; use auto or off",
+        "always needs full-weight syncs: a LoRA student (trainer.lora) syncs its adapter only; use auto or never",
         ".weightSync.delta.mode",
-        lambda s: s.trainer.lora is None or s.weight_sync.delta.mode is not DeltaMode.on,
+        lambda s: s.trainer.lora is None or s.weight_sync.delta.mode is not DeltaMode.always,
     ),
     Rule(
         "spec",

@@ -570,8 +570,8 @@ class DeltaSyncSpec(ApiModel):
 
     mode: DeltaMode = DeltaMode.auto
     """auto: deltas while they are faster than full syncs (measured by the trainer; after a slower
-    one, full syncs for 2, 4, ... 64 syncs before trying again); on: a delta whenever every server
-    holds the trainer's last version; off: full syncs only. Anything that breaks the chain (a
+    one, full syncs for 2, 4, ... 64 syncs before trying again); always: a delta whenever every server
+    holds the trainer's last version; never: full syncs only. Anything that breaks the chain (a
     server joining or failing a load, a trainer restart or resume, an aborted sync) makes the
     next sync a full one by itself. Costs one copy of the student in the engines' dtype in the
     trainer's host memory, and one in each vLLM worker's (none on the hf engine). A LoRA
@@ -591,7 +591,7 @@ class WeightSyncSpec(ApiModel):
     timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
     """Timeout of one sync."""
     delta: DeltaSyncSpec = Field(default_factory=DeltaSyncSpec)
-    """Send only what changed between versions (auto, on or off)."""
+    """Send only what changed between versions (auto, always or never)."""
 
 
 QueueName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]

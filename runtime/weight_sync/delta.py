@@ -252,7 +252,7 @@ def plan(
     `bases`: what each receiver holds. A delta needs every receiver on the sender's base; a
     delta is pointless for LoRA adapters (their own path) and unsafe when the servers keep
     different dtypes (no single copy matches them all)."""
-    if spec.mode is DeltaMode.off or lora or wire_dtype is None:
+    if spec.mode is DeltaMode.never or lora or wire_dtype is None:
         return "full"
     if spec.mode is DeltaMode.auto and backoff.skip > 1:
         return "full"  # deltas did not pay lately; the last full sync before a retry keeps a copy
