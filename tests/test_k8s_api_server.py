@@ -858,18 +858,11 @@ def test_status_keeps_the_last_evaluation_and_kubectl_shows_its_score(
     """What the operator writes after a held-out evaluation survives the status schema (nothing
     pruned), and `kubectl get dj` shows the headline score."""
     from kubedistill.api.status import DistillationJobStatus, HeldOutEvaluation
+    from test_evaluation_status import EVALUATION  # the same evaluation the unit tests render
 
     ns, name = namespaces["scale"], "evaluated"
     _create(api, ns, name, _base())
-    evaluation = {
-        "step": 20,
-        "weightVersion": 20,
-        "score": 0.625,
-        "sources": {
-            "arith": {"score": 0.75, "responseLength": 3.0, "reverseKL": 0.125, "teacher": "arith"},
-            "gsm8k": {"score": 0.5, "responseLength": 90.5},
-        },
-    }
+    evaluation = EVALUATION
     status = DistillationJobStatus(evaluation=HeldOutEvaluation.model_validate(evaluation)).to_api()
     api.kubectl(
         "patch", "-n", ns, f"dj/{name}", "--subresource=status", "--type=merge", "-p", json.dumps({"status": status})
