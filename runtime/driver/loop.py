@@ -348,9 +348,6 @@ class Driver:
             try:
                 while self.step < total:
                     line = reporter.report(await self._train_one(), self.clock(), *self._counts())
-                    if checkpoint_due(self.step, self.spec.checkpoint.every_steps, total):
-                        await self._checkpoint()
-                        self.step_clock.lap("checkpoint")
                     if self.step >= total and self.evaluator is not None:
                         self.step_clock.lap("driver")
                         await self.evaluator.settle()  # the last line carries the final evaluation
@@ -360,6 +357,12 @@ class Driver:
                         line["evaluations"], self._evaluations = self._evaluations, []
                         line["evaluation"] = self.status.to_json()["evaluation"]  # the status part, made earlier
                     reporter.end_step(line, self.step_clock.close(), self.step_clock.mark)
+                    # After the line: a trainer stopped during the checkpoint has logged the step
+                    # (a resume from the previous checkpoint replays it under a new runId). Its
+                    # time is the next step's `checkpoint` phase.
+                    if checkpoint_due(self.step, self.spec.checkpoint.every_steps, total):
+                        await self._checkpoint()
+                        self.step_clock.lap("checkpoint")
             finally:
                 if self.evaluator is not None:
                     await self.evaluator.cancel()
