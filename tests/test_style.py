@@ -32,3 +32,21 @@ def test_mypy() -> None:
         timeout=600,
     )
     assert r.returncode == 0, f"mypy (bash scripts/typecheck.sh):\n{r.stdout}{r.stderr}"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_product_function_is_over_80_lines() -> None:
+    """Long functions in the operator and the runtime get split into named steps (issue 37)."""
+    import ast
+
+    long = []
+    for folder in ("operator", "runtime", "kubedistill"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)

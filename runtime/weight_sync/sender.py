@@ -27,14 +27,14 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_rank, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime.weight_sync.delta import Backoff, DeltaStats, SentCopy, keeping, new_chain, plan
+from kubedistill.runtime.weight_sync.delta import Backoff, DeltaStats, Plan, SentCopy, keeping, new_chain, plan
 from kubedistill.runtime.weight_sync.group import (
     GroupAddress,
     WeightSyncGroup,
@@ -121,6 +121,21 @@ def new_epoch() -> str:
     """A group id no earlier trainer used: start time (ns) and pid, so also unique across the
     restarts of one pod and across pods."""
     return f"{time.time_ns():x}-{os.getpid()}"
+
+
+@dataclass
+class _Outgoing:
+    """One sync's manifest and tensors, and what it keeps for the next delta once it succeeds."""
+
+    manifest: Manifest
+    tensors: Iterable[torch.Tensor]
+    how: Plan
+    keep: DeltaBase
+    copy: SentCopy | None
+    """The copy the delta was taken against (updated in place by the delta)."""
+    kept: dict[str, torch.Tensor]
+    """Filled while a `keep` sync's tensors go out: the copy of what was sent."""
+    delta: DeltaStats
 
 
 class WeightSender:
@@ -259,7 +274,38 @@ class WeightSender:
     ) -> TransferStats:
         t0 = time.perf_counter()
         self.ensure_group()
-        budget = bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024
+        out = self._outgoing(version, weights, bucket_bytes or self.spec.weight_sync.bucket_mb * 1024 * 1024)
+        refusals = self._begin(WeightsBeginRequest(version=version, manifest=out.manifest, group_epoch=self.epoch))
+        t_begun = time.perf_counter()
+        stats = send(self.group, out.manifest, out.tensors)
+        t_sent = time.perf_counter()
+        failed = self.group.all_reduce_sum(0)
+        t_loaded = time.perf_counter()
+        stats.seconds = t_loaded - t0
+        self.last_stats, self.last_delta = stats, out.delta
+        self._observe(version, stats, out.delta)
+        if refusals:
+            raise WeightSyncError("; ".join(refusals))
+        if failed:
+            raise WeightSyncError(f"{failed} rollout worker(s) failed to load weight version {version}")
+        self._await_served(version)
+        stats.times = SyncTimes(
+            pause=t_begun - t0, transfer=t_sent - t_begun, load=t_loaded - t_sent, resume=time.perf_counter() - t_loaded
+        )
+        if out.how == "delta":
+            assert out.copy is not None
+            out.copy.base = out.keep
+            self._copy = out.copy
+        elif out.how == "keep":
+            self._copy = SentCopy(out.keep.chain, version, out.kept)
+        self._backoff.observe(out.how, stats.seconds)
+        return stats
+
+    def _outgoing(
+        self, version: int, weights: WeightSource | Iterable[tuple[str, torch.Tensor]], budget: int
+    ) -> _Outgoing:
+        """The sync's manifest and its tensors in manifest order: a delta against the kept copy,
+        or the full weights (drawn lazily, only once every server began the sync)."""
         draw: Callable[[], Iterable[tuple[str, torch.Tensor]]]
         adapter: LoraAdapter | None = None
         frozen: list[str] = []
@@ -267,7 +313,7 @@ class WeightSender:
             metas = weights.weight_metas()
             adapter = weights.lora_adapter()
             frozen = weights.frozen_prefixes()
-            draw = weights.named_full_weights  # called only after every server began the sync
+            draw = weights.named_full_weights
         else:
             named = list(weights)
             metas = [tensor_meta(n, t) for n, t in named]
@@ -293,7 +339,6 @@ class WeightSender:
             delta.changed = delta.elements
             if how == "keep":
                 manifest.delta = ManifestDelta(keep=keep)
-            # Drawn only after every server began the sync (below).
             tensors = (
                 t
                 for _, t in keeping(
@@ -302,11 +347,14 @@ class WeightSender:
             )
         manifest.lora = adapter
         manifest.frozen = frozen
-        body = WeightsBeginRequest(version=version, manifest=manifest, group_epoch=self.epoch)
+        return _Outgoing(manifest, tensors, how, keep, copy, kept, delta)
+
+    def _begin(self, body: WeightsBeginRequest) -> list[str]:
+        """POST /weights/begin to every member; returns the refusals (409: the server discards
+        the broadcast but still takes part, so the group stays in step). Any other failure
+        leaves the group unable to continue."""
 
         async def begin(url: str) -> str | None:
-            """None: the server will load; a message: it refused the manifest (409) but still
-            takes part in the broadcast, discarding it, so the group stays in step."""
             try:
                 await fetch(self._http.session, "POST", _at(url, "/weights/begin"), body)
             except ServerError as e:
@@ -323,36 +371,15 @@ class WeightSender:
             return None
 
         answers = self._http.run(_each(begin(url) for url in self.members))
-        refusals = [r for r in answers if r is not None]
-        t_begun = time.perf_counter()
-        stats = send(self.group, manifest, tensors)
-        t_sent = time.perf_counter()
-        failed = self.group.all_reduce_sum(0)
-        t_loaded = time.perf_counter()
-        stats.seconds = t_loaded - t0
-        self.last_stats, self.last_delta = stats, delta
+        return [r for r in answers if r is not None]
+
+    def _observe(self, version: int, stats: TransferStats, delta: DeltaStats) -> None:
         if self.metrics is not None:
             self.metrics["weight_sync_seconds"].observe(stats.seconds)
             self.metrics["weight_sync_bytes"].inc(stats.bytes)
             self.metrics["weight_sync_full_bytes"].inc(delta.full_bytes)
             self.metrics["weight_sync_density"].set(delta.density)
             self.metrics["weight_version"].set(version)
-        if refusals:
-            raise WeightSyncError("; ".join(refusals))
-        if failed:
-            raise WeightSyncError(f"{failed} rollout worker(s) failed to load weight version {version}")
-        self._await_served(version)
-        stats.times = SyncTimes(
-            pause=t_begun - t0, transfer=t_sent - t_begun, load=t_loaded - t_sent, resume=time.perf_counter() - t_loaded
-        )
-        if how == "delta":
-            assert copy is not None
-            copy.base = keep
-            self._copy = copy
-        elif how == "keep":
-            self._copy = SentCopy(keep.chain, version, kept)
-        self._backoff.observe(how, stats.seconds)
-        return stats
 
     def _await_served(self, version: int) -> None:
         """Every engine has loaded the weights once the failure all-reduce completes, but a
