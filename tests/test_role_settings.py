@@ -1,0 +1,141 @@
+"""Each role's replicas, GPUs and overrides (spec.trainer, spec.rollout, spec.teachers[]) shape
+that role's pods and local processes, and no other role's; the job-wide pod settings reach every
+pod. The same code serves every role (kubedistill.api.roleconfig.role_overrides), so each field
+is shown for the trainer, the rollout servers and a teacher alike."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubedistill.api.job import DistillationJob
+from kubedistill.api.roleconfig import Role
+from kubedistill.operator.render import render_children
+from kubedistill.runtime.entrypoints.local import local_processes
+from operator_fixtures import BASE_SPEC, job_manifest
+
+CACHE = {"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}
+OVERRIDES: dict[str, Any] = {
+    "resources": {"requests": {"memory": "3Gi"}, "limits": {"memory": "5Gi"}},
+    "env": [
+        {"name": "ROLE_ONLY", "value": "yes"},
+        {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+    ],
+    "nodeSelector": {"pool": "mine"},
+    "cpuThreads": 3,
+    "volumes": [CACHE],
+    "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+}
+# The pod and the local process of each role in BASE_SPEC (teacher "math").
+POD = {Role.trainer: "j-trainer-0", Role.rollout: "j-rollout-0", Role.teacher: "j-teacher-math-0"}
+PROCESS = {Role.trainer: "trainer-0", Role.rollout: "rollout-0", Role.teacher: "teacher-math-0"}
+
+
+def _job(role: Role, overrides: dict[str, Any]) -> DistillationJob:
+    spec = copy.deepcopy(BASE_SPEC)
+    target = spec["teachers"][0] if role is Role.teacher else spec[role.value]
+    target["overrides"] = overrides
+    return DistillationJob.model_validate(job_manifest("j", spec))
+
+
+def _env(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+def test_a_roles_overrides_reach_its_pods_only(role: Role) -> None:
+    job = _job(role, OVERRIDES)
+    pods = {o["metadata"]["name"]: o for o in render_children("j", "ml", job.spec) if o["kind"] == "Pod"}
+    for other, name in POD.items():
+        pod = pods[name]
+        c = pod["spec"]["containers"][0]
+        env = _env(pod)
+        mine = other is role
+        assert (c["resources"]["requests"]["memory"] == "3Gi") is mine, name
+        assert (c["resources"].get("limits") == {"memory": "5Gi"}) is mine, name
+        assert ("ROLE_ONLY" in env and env["ROLE_ONLY"]["value"] == "yes") is mine, name
+        assert (env.get("FROM_SECRET", {}).get("valueFrom") == {"secretKeyRef": {"name": "s", "key": "k"}}) is mine
+        assert (env.get("OMP_NUM_THREADS", {}).get("value") == "3") is mine, name
+        assert (pod["spec"].get("nodeSelector") == {"pool": "mine"}) is mine, name
+        assert (CACHE in pod["spec"]["volumes"]) is mine, name
+        assert ({"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]) is mine, name
+
+
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+def test_a_roles_overrides_reach_its_local_process_only(role: Role, tmp_path: Path) -> None:
+    local = {k: v for k, v in OVERRIDES.items() if k in ("env", "cpuThreads")}
+    local["env"] = [{"name": "ROLE_ONLY", "value": "yes"}]
+    _, procs = local_processes(_job(role, local), tmp_path / "config.json")
+    by_name = {p.name: p for p in procs}
+    for other, name in PROCESS.items():
+        p = by_name[name]
+        mine = other is role
+        assert (p.env.get("ROLE_ONLY") == "yes") is mine, name
+        assert (p.env.get("OMP_NUM_THREADS") == "3") is mine, name
+        assert (p.cpus == 3.0) is mine, name
+
+
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+def test_a_roles_value_from_is_refused_by_a_local_run(role: Role, tmp_path: Path) -> None:
+    secret = {"env": [{"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
+    with pytest.raises(ValueError, match="FROM_SECRET: valueFrom .* cannot be resolved by `kubedistill run`"):
+        local_processes(_job(role, secret), tmp_path / "config.json")
+
+
+def test_the_job_wide_pod_settings_reach_every_pod() -> None:
+    spec = copy.deepcopy(BASE_SPEC)
+    spec.update(
+        image="registry.example/kd:1",
+        imagePullPolicy="Always",
+        imagePullSecrets=["pull"],
+        tolerations=[{"key": "gpu", "operator": "Exists"}],
+        affinity={"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        serviceAccountName="kd",
+        nodeSelector={"pool": "job"},
+        env=[
+            {"name": "JOB", "value": "1"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+        volumes=[CACHE],
+        volumeMounts=[{"name": "cache", "mountPath": "/cache"}],
+    )
+    job = DistillationJob.model_validate(job_manifest("j", spec))
+    pods = [o for o in render_children("j", "ml", job.spec) if o["kind"] == "Pod"]
+    assert {p["metadata"]["name"] for p in pods} >= set(POD.values())
+    for pod in pods:
+        s, c = pod["spec"], pod["spec"]["containers"][0]
+        assert (c["image"], c["imagePullPolicy"]) == ("registry.example/kd:1", "Always")
+        assert s["imagePullSecrets"] == [{"name": "pull"}] and s["serviceAccountName"] == "kd"
+        assert s["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+        assert s["affinity"] == {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+        assert s["nodeSelector"] == {"pool": "job"}
+        env = _env(pod)
+        assert env["JOB"]["value"] == "1" and env["TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "s", "key": "k"}}
+        assert CACHE in s["volumes"] and {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+
+
+def test_each_roles_replicas_and_gpus_make_its_pods_and_processes(tmp_path: Path) -> None:
+    spec = copy.deepcopy(BASE_SPEC)
+    spec.update(device="cuda")
+    spec["trainer"] = {"replicas": 2, "gpusPerReplica": 2, "miniBatchSize": 4}
+    spec["rollout"] = {"replicas": 3, "gpus": 1}
+    spec["teachers"] = [{"name": "math", "model": "/m", "replicas": 2, "gpus": 4}]
+    job = DistillationJob.model_validate(job_manifest("j", spec))
+    pods = {o["metadata"]["name"]: o for o in render_children("j", "ml", job.spec) if o["kind"] == "Pod"}
+    gpus = {n: p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] for n, p in pods.items()}
+    assert gpus == {
+        "j-trainer-0": "2", "j-trainer-1": "2",
+        "j-rollout-0": "1", "j-rollout-1": "1", "j-rollout-2": "1",
+        "j-teacher-math-0": "4", "j-teacher-math-1": "4",
+    }  # fmt: skip
+    config, procs = local_processes(job, tmp_path / "config.json")
+    # Locally every trainer rank is its own process on one GPU: 2 pods x 2 GPUs = 4 ranks.
+    assert sorted((p.name, p.gpus) for p in procs) == [
+        ("rollout-0", 1), ("rollout-1", 1), ("rollout-2", 1),
+        ("teacher-math-0", 4), ("teacher-math-1", 4),
+        ("trainer-0", 1), ("trainer-1", 1), ("trainer-2", 1), ("trainer-3", 1),
+    ]  # fmt: skip
+    assert len(config.endpoints.rollout) == 3 and len(config.endpoints.teachers["math"]) == 2
