@@ -23,6 +23,8 @@ from kubedistill.api.enums import (
     GangScheduler,
     LossMode,
     Mode,
+    PartialRolloutStrategy,
+    SyncBackend,
 )
 from kubedistill.api.losses import CONTRACTS, PolicyGradient
 
@@ -210,6 +212,19 @@ SPEC_RULES: list[Rule] = [
     ),
     Rule(
         "spec",
+        "!has(self.async) || self.async.partialRollout || !has(self.async.partialRolloutStrategy)"
+        " || self.async.partialRolloutStrategy == 'resume'",
+        "inflight applies only with spec.async.partialRollout true (without it a sync waits for the"
+        " generations in flight)",
+        ".async.partialRolloutStrategy",
+        lambda s: (
+            s.async_ is None
+            or s.async_.partial_rollout
+            or s.async_.partial_rollout_strategy is PartialRolloutStrategy.resume
+        ),
+    ),
+    Rule(
+        "spec",
         "self.teachers.all(a, self.teachers.all(b, a.name == b.name || !has(a.match) || !has(b.match)"
         " || !a.match.dataSource.exists(v, v in b.match.dataSource)))",
         "teachers' match.dataSource values must be disjoint (each value routes to one teacher)",
@@ -286,6 +301,14 @@ SPEC_RULES: list[Rule] = [
         "always needs full-weight syncs: a LoRA student (trainer.lora) syncs its adapter only; use auto or never",
         ".weightSync.delta.mode",
         lambda s: s.trainer.lora is None or s.weight_sync.delta.mode is not DeltaMode.always,
+    ),
+    Rule(
+        "spec",
+        "self.device == 'cuda' || !has(self.weightSync) || !has(self.weightSync.backend)"
+        " || self.weightSync.backend != 'nccl'",
+        "nccl needs spec.device cuda (use auto or gloo on cpu)",
+        ".weightSync.backend",
+        lambda s: s.device is Device.cuda or s.weight_sync.backend is not SyncBackend.nccl,
     ),
     Rule(
         "spec",
