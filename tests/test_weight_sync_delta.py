@@ -21,6 +21,7 @@ from kubedistill.runtime.weight_sync.delta import (
     encode,
     pack_bits,
     plan,
+    sparse_encodings,
     unpack_bits,
 )
 from kubedistill.runtime.weight_sync.manifest import bucket_layout, tensor_checksum
@@ -41,13 +42,24 @@ def test_encoding_is_the_fewest_bytes_and_whole_past_the_threshold() -> None:
     assert choose(1000, 1, 4, 1.0) == "index" and choose(8, 1, 4, 1.0) == "mask"  # 4 + 6 > 1 + 4 bytes
 
 
+def test_auto_sends_a_tensor_whole_where_a_mask_would_be_cheapest() -> None:
+    # auto: index only; past 1/16 changed (bf16) the mask wins on bytes, so the tensor goes whole.
+    n, auto, always = 1 << 20, sparse_encodings(DeltaMode.auto), sparse_encodings(DeltaMode.always)
+    assert auto == ("index",) and always == ("index", "mask")
+    assert choose(n, n // 32, 2, 0.5, auto) == "index"
+    assert choose(n, n // 8, 2, 0.5, auto) == "whole"
+    assert choose(n, n // 8, 2, 0.5, always) == "mask"
+    assert choose(n, 0, 2, 0.5, auto) == "none"
+
+
 def test_bits_pack_and_unpack() -> None:
     g = torch.Generator().manual_seed(0)
     for n in (1, 7, 8, 9, 1000):
-        mask = torch.rand(n, generator=g) < 0.3
-        packed = pack_bits(mask)
-        assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
-        assert torch.equal(unpack_bits(packed, n), mask)
+        for mask in (torch.rand(n, generator=g) < 0.3, (torch.rand(n + 3, generator=g) < 0.7)[3:]):
+            packed = pack_bits(mask)  # the second: a view at an unaligned offset
+            assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
+            assert [(int(packed[i // 8]) >> (i % 8)) & 1 for i in range(n)] == mask.int().tolist()
+            assert torch.equal(unpack_bits(packed, n), mask)
 
 
 @pytest.mark.parametrize(
@@ -103,6 +115,29 @@ def test_the_senders_copy_follows_what_it_sent() -> None:
     assert stats.encodings == {"none": 1, "index": 1}
     for n, t in nxt.items():
         assert tensor_checksum(copy.tensors[n]) == tensor_checksum(t.to(torch.bfloat16))
+
+
+def test_a_copy_kept_across_syncs_stays_exact_and_sends_whole_tensors_as_itself() -> None:
+    # Three deltas in a row through the same copy (its work buffers reused), auto's encodings:
+    # the dense tensor goes whole, as the updated copy itself; the sparse ones as indices.
+    g = torch.Generator().manual_seed(3)
+    w = {"dense": torch.randn(64, 64, generator=g), "sparse": torch.randn(300, 500, generator=g)}
+    metas = [TensorMeta(name=n, dtype="bfloat16", shape=list(t.shape)) for n, t in w.items()]
+    copy = SentCopy("c1", 0, {n: t.to(torch.bfloat16) for n, t in w.items()})
+    receiver = {n: t.to(torch.bfloat16) for n, t in w.items()}
+    for _ in range(3):
+        w["dense"][torch.rand(64, 64, generator=g) < 0.25] *= 1.05  # a mask's range: whole under auto
+        w["sparse"].view(-1)[torch.randint(0, 150_000, (1000,), generator=g)] += 0.5
+        pieces, tensors, stats = copy.delta(metas, w.items(), 0.5, sparse_encodings(DeltaMode.auto))
+        assert stats.encodings == {"whole": 1, "index": 1}
+        assert any(t is copy.tensors["dense"] for t in tensors)
+        patches = Assembler(metas)
+        for meta, piece in zip(pieces, tensors, strict=True):
+            for target, positions, values in patches.add(meta.name, piece.clone()):
+                apply(receiver[target], positions, values)
+        for n, t in w.items():
+            exact = tensor_checksum(t.to(torch.bfloat16))
+            assert tensor_checksum(copy.tensors[n]) == exact == tensor_checksum(receiver[n])
 
 
 ON, AUTO, OFF = (DeltaSyncSpec(mode=m) for m in (DeltaMode.always, DeltaMode.auto, DeltaMode.never))

@@ -9,10 +9,14 @@ same version would have given it: the hf engine patches its parameters in place;
 patches its copy of the last tensors it loaded (unfused, HF names) and feeds them to the loader,
 which fuses qkv/gate_up as for a full sync.
 
-Per tensor the sender picks the cheapest encoding (bytes on the wire, pure: `choose`): nothing
-(unchanged), `index` (16-bit offsets within blocks of 65536 elements plus each block's count, and
-the values: 2 bytes a change more), `mask` (one bit per element, and the values) or the whole
-tensor; a tensor whose changed fraction exceeds densityThreshold goes whole. The comparison runs
+Per tensor the sender counts the changes first (one XOR of the bits and a count), then picks the
+cheapest encoding (bytes on the wire, pure: `choose`): nothing (unchanged), `index` (16-bit offsets
+within blocks of 65536 elements plus each block's count, and the values: 2 bytes a change more),
+`mask` (one bit per element, and the values) or the whole tensor; a tensor whose changed fraction
+exceeds densityThreshold goes whole. Positions are computed only for index and mask. auto allows
+`index` only (`sparse_encodings`): past 1/16 changed, where a mask would win on bytes, the receiver's
+per-element unpack and scatter and the sender's positions cost more than the bytes saved (measured
+on CPU), so such a tensor goes whole, for no more than a full sync costs. The comparison runs
 where the trainer's weights are (a GPU's memory on GPU); the copy stays in host memory.
 The pieces are ordinary tensors of the manifest, so bucketing, double buffering and
 in-place receives work as for a full sync.
@@ -38,7 +42,8 @@ from kubedistill.runtime.wire.dtypes import numel
 from kubedistill.runtime.wire.protocol import DeltaBase, Manifest, TensorMeta
 
 INDEX, BLOCKS, MASK, VALUES = "#index", "#blocks", "#mask", "#values"
-BLOCK = 1 << 16
+BLOCK_BITS = 16
+BLOCK = 1 << BLOCK_BITS
 """Positions travel as 16-bit offsets within blocks of this many elements, with each block's
 count of changes (int32): 2 bytes a change instead of 4 or 8."""
 Encoding = Literal["none", "index", "mask", "whole"]
@@ -59,14 +64,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Flat bool: where the bits differ."""
-    return (_bits(new.reshape(-1)) != _bits(old.reshape(-1))).view(-1)
+SPARSE: tuple[Encoding, ...] = ("index", "mask")
 
 
-def choose(n: int, k: int, value_bytes: int, threshold: float) -> Encoding:
+def sparse_encodings(mode: DeltaMode) -> tuple[Encoding, ...]:
+    """The partial encodings a mode may use: auto only `index`, whose work is per change (a
+    tensor a mask would suit, past 1/16 changed in bf16, goes whole: no slower than a full
+    sync); always both."""
+    return ("index",) if mode is DeltaMode.auto else SPARSE
+
+
+def choose(n: int, k: int, value_bytes: int, threshold: float, sparse: Sequence[Encoding] = SPARSE) -> Encoding:
     """The cheapest way to send k changed elements of n: fewest bytes, the whole tensor past
-    `threshold` (a changed fraction)."""
+    `threshold` (a changed fraction) or when the fewest bytes take an encoding not in `sparse`."""
     if k == 0:
         return "none"
     if k > threshold * n:
@@ -76,22 +86,49 @@ def choose(n: int, k: int, value_bytes: int, threshold: float) -> Encoding:
         "mask": math.ceil(n / 8) + k * value_bytes,
         "whole": n * value_bytes,
     }
-    return min(costs, key=lambda e: costs[e])
+    best = min(costs, key=lambda e: costs[e])
+    return best if best in sparse else "whole"
 
 
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+class Scratch:
+    """Flat work buffers reused from tensor to tensor and sync to sync: on CPU a fresh buffer of
+    many MB costs its page faults, more than the pass itself (measured on SmolLM2-135M: a cast
+    into new tensors 0.25 s, into a reused buffer 0.08 s)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, role: str, dtype: torch.dtype, device: torch.device, n: int) -> torch.Tensor:
+        """A flat buffer of n elements, valid until the next `get` of the same role."""
+        key = (role, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Flat bool -> uint8, 8 elements a byte, least significant bit first."""
     n = mask.numel()
-    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=mask.device)
-    padded[:n] = mask
-    return (padded.view(-1, 8) << _SHIFTS.to(mask.device)).sum(1, dtype=torch.uint8)
+    flags = mask.view(torch.uint8)
+    if n % 8 or flags.storage_offset() % 8:
+        flags = torch.cat([flags, flags.new_zeros(-n % 8)])
+    # Each int64 holds 8 flags (0/1 bytes, little-endian: flag i at bit 8i); three shift-ors
+    # gather them into the low byte (flag i at bit i), with no carries or overflow.
+    w = flags.view(torch.int64)
+    w = w | (w >> 7)
+    w = w | (w >> 14)
+    w = w | (w >> 28)
+    return (w & 0xFF).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return ((packed.view(-1, 1) >> _SHIFTS.to(packed.device)) & 1).view(-1)[:n].bool()
+    """pack_bits undone: each byte's bits spread back to one 0/1 byte each, the shifts reversed."""
+    w = packed.to(torch.int64)
+    w = (w | (w << 28)) & 0x0000000F0000000F
+    w = (w | (w << 14)) & 0x0003000300030003
+    w = (w | (w << 7)) & 0x0101010101010101
+    return w.view(torch.uint8)[:n].view(torch.bool)
 
 
 @dataclass
@@ -106,24 +143,37 @@ class Encoded:
     values: torch.Tensor | None = None
 
 
-def encode(name: str, new: torch.Tensor, old: torch.Tensor, threshold: float) -> Encoded:
-    """The delta from `old` to `new` (same dtype and device)."""
-    mask = changed(new, old)
-    n = mask.numel()
-    k = int(torch.count_nonzero(mask))  # a bool sum() would widen every element to int64 first
-    kind = choose(n, k, new.element_size(), threshold)
+def encode(
+    name: str,
+    new: torch.Tensor,
+    old: torch.Tensor,
+    threshold: float,
+    sparse: Sequence[Encoding] = SPARSE,
+    scratch: Scratch | None = None,
+) -> Encoded:
+    """The delta from `old` to `new` (same dtype, device and size). Counts the changed elements
+    first (the bits' XOR: cheaper than a bool compare on CPU), and finds their positions only
+    for an index or mask encoding."""
+    scratch = scratch or Scratch()
+    a, b = _bits(new.reshape(-1)), _bits(old.reshape(-1))
+    n = a.numel()
+    diff = torch.bitwise_xor(a, b, out=scratch.get("xor", a.dtype, a.device, n))
+    k = int(torch.count_nonzero(diff))
+    kind = choose(n, k, new.element_size(), threshold, sparse)
     if kind == "none":
         return Encoded(kind, k, [])
     if kind == "whole":
         return Encoded(kind, k, [(name, new)])
-    idx = mask.nonzero().view(-1)
-    values = new.reshape(-1)[idx]
+    idx = diff.nonzero().view(-1)
+    values = new.reshape(-1).index_select(0, idx)
     if kind == "mask":
+        mask = torch.ne(diff, 0, out=scratch.get("mask", torch.bool, a.device, n))
         return Encoded(kind, k, [(name + MASK, pack_bits(mask)), (name + VALUES, values)], idx, values)
-    counts = torch.bincount(idx // BLOCK, minlength=math.ceil(n / BLOCK)).to(torch.int32)
+    # Shifts and masks: an int64 division or remainder costs several times more on CPU.
+    counts = torch.bincount(idx >> BLOCK_BITS, minlength=math.ceil(n / BLOCK)).to(torch.int32)
     # As the bytes of int16s (32768.. wrap to negative, undone on arrival): neither gloo nor NCCL
     # broadcasts int16.
-    offsets = (idx % BLOCK).to(torch.int32).to(torch.int16).view(torch.uint8)
+    offsets = (idx & (BLOCK - 1)).to(torch.int16).view(torch.uint8)
     pieces = [(name + BLOCKS, counts), (name + INDEX, offsets), (name + VALUES, values)]
     return Encoded(kind, k, pieces, idx, values)
 
@@ -157,6 +207,9 @@ class SentCopy:
     def __init__(self, chain: str, version: int, tensors: dict[str, torch.Tensor]):
         self.base = DeltaBase(chain=chain, version=version)
         self.tensors = tensors
+        self.scratch = Scratch()
+        """Work buffers of the compare pass: up to the largest tensor's size in the wire dtype,
+        its bits' integers and a bool each."""
 
     def fits(self, metas: Sequence[TensorMeta]) -> bool:
         """Whether the copy holds exactly these tensors (names, dtypes, shapes), so a delta can
@@ -167,10 +220,15 @@ class SentCopy:
         )
 
     def delta(
-        self, metas: Sequence[TensorMeta], pairs: Iterable[tuple[str, torch.Tensor]], threshold: float
+        self,
+        metas: Sequence[TensorMeta],
+        pairs: Iterable[tuple[str, torch.Tensor]],
+        threshold: float,
+        sparse: Sequence[Encoding] = SPARSE,
     ) -> tuple[list[TensorMeta], list[torch.Tensor], DeltaStats]:
         """The pieces of a delta from this copy to `pairs` (cast to the metas' dtypes), updating
-        the copy in place to the new weights (drop it if the sync then fails)."""
+        the copy in place to the new weights (drop it if the sync then fails). A whole tensor
+        travels as the updated copy itself (on CPU), which the next delta alone rewrites."""
         from kubedistill.runtime.weight_sync.transfer import torch_dtype
 
         stats = DeltaStats(plan="delta")
@@ -183,12 +241,13 @@ class SentCopy:
             old = self.tensors[name]
             # Compared where the weights are (a GPU's memory is the fastest place for this pass);
             # only the host copy's changed elements are written back.
-            new = t.detach().to(dtype=torch_dtype(meta.dtype))
-            enc = encode(name, new, old.to(new.device, non_blocking=True), threshold)
+            new = _cast(t.detach(), torch_dtype(meta.dtype), self.scratch)
+            enc = encode(name, new, old.to(new.device, non_blocking=True), threshold, sparse, self.scratch)
             if enc.kind == "whole":
                 old.copy_(new)
+                enc.pieces = [(name, old if old.device == new.device else new.clone())]  # new: scratch
             elif enc.positions is not None and enc.values is not None:
-                old.view(-1)[enc.positions.cpu()] = enc.values.cpu()
+                old.view(-1).index_copy_(0, enc.positions.cpu(), enc.values.cpu())
             stats.changed += enc.changed
             stats.elements += old.numel()
             stats.full_bytes += old.numel() * old.element_size()
@@ -198,6 +257,13 @@ class SentCopy:
                 tensors.append(piece)
         stats.encode_seconds = time.perf_counter() - t0
         return pieces, tensors, stats
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
+    """`t` in `dtype`, contiguous: itself when it already is, else cast into a scratch buffer."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return scratch.get("new", dtype, t.device, t.numel()).view(t.shape).copy_(t)
 
 
 def keeping(
@@ -321,9 +387,11 @@ class Assembler:
 
 
 def apply(dest: torch.Tensor, positions: torch.Tensor | None, values: torch.Tensor) -> None:
-    """Patch `dest` in place (contiguous): a whole tensor is copied."""
+    """Patch `dest` in place (contiguous): a whole tensor is copied (unless it was received into
+    `dest` itself)."""
     if positions is None:
-        dest.copy_(values.view(dest.shape))
+        if values.data_ptr() != dest.data_ptr():
+            dest.copy_(values.view(dest.shape))
         return
     flat = dest.view(-1)
     if positions.dtype == torch.bool:

@@ -34,7 +34,16 @@ import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_rank, weight_sync_world_size
 from kubedistill.api.spec import DistillationJobSpec
-from kubedistill.runtime.weight_sync.delta import Backoff, DeltaStats, Plan, SentCopy, keeping, new_chain, plan
+from kubedistill.runtime.weight_sync.delta import (
+    Backoff,
+    DeltaStats,
+    Plan,
+    SentCopy,
+    keeping,
+    new_chain,
+    plan,
+    sparse_encodings,
+)
 from kubedistill.runtime.weight_sync.group import (
     GroupAddress,
     WeightSyncGroup,
@@ -329,7 +338,9 @@ class WeightSender:
         tensors: Iterable[torch.Tensor]
         if how == "delta":
             assert copy is not None
-            pieces, tensors, delta = copy.delta(metas, draw(), setting.density_threshold)
+            pieces, tensors, delta = copy.delta(
+                metas, draw(), setting.density_threshold, sparse_encodings(setting.mode)
+            )
             manifest = layout(pieces, budget, self.direct_bytes)
             manifest.delta = ManifestDelta(keep=keep, base=copy.base, targets=metas)
             tensors = _on_device(manifest, zip((p.name for p in pieces), tensors), self.group.device)
