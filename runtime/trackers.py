@@ -180,6 +180,11 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before W&B's service process has written the run's log out (an
+        # offline run file was seen empty right after it); teardown waits for the service to end.
+        import wandb
+
+        wandb.teardown()
 
 
 def run_params(spec: DistillationJobSpec) -> dict[str, Any]:
