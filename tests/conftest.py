@@ -70,3 +70,41 @@ def control_plane(request: pytest.FixtureRequest) -> Any:
     yield plane
     plane.stop()
     shutil.rmtree(plane.home, ignore_errors=True)
+
+
+# ---- two workers (scripts/test.sh runs pytest-xdist's `-n 2 --dist loadgroup`) ------------------
+SHARED_FIXTURES = ("control_plane", "vllm_servers", "hf_servers", "smollm2")
+"""Session fixtures that start something costly: the modules using one run on one worker."""
+SLOW_FIRST = (
+    "test_e2e_vl.py",
+    "test_e2e_modes.py",
+    "test_e2e_kubernetes.py",
+    "test_e2e_scaling.py",
+    "test_learning_regression.py",
+    "test_resume.py",
+    "test_gpu_check.py",
+    "test_trainer_dist.py",
+    "test_style.py",
+)
+"""The slowest modules (--durations), handed out first so the two workers end together."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each module is one xdist group (its module fixtures start once), merged with every other
+    module sharing a costly session fixture; the slowest groups are queued first."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    for item in items:
+        module = item.path.name
+        for name in SHARED_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                parent[find(module)] = find(name)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(find(item.path.name)))
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
