@@ -54,7 +54,7 @@ def job_config(model: Path, engine: str, max_model_len: int, top_k: int, port: i
     from kubedistill.api.roleconfig import Endpoints, JobConfig
     from kubedistill.api.spec import DistillationJobSpec
 
-    inference = {"engine": engine, "kvCacheGiB": 1, "maxModelLen": max_model_len}
+    inference = {"engine": engine, "maxModelLen": max_model_len, **({"kvCacheGiB": 1} if engine == "vllm" else {})}
     spec = {
         "device": "cpu",
         "mode": "sync",

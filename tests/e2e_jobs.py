@@ -60,7 +60,9 @@ def job_yaml(
     lora: dict[str, Any] | None = None,
 ) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
-    inference = {"engine": engine, "kvCacheGiB": 1, "maxModelLen": max_model_len}
+    inference: dict[str, Any] = {"engine": engine, "maxModelLen": max_model_len}
+    if engine == "vllm":
+        inference["kvCacheGiB"] = 1
     if max_num_seqs is not None or engine == "vllm":
         inference["maxNumSeqs"] = max_num_seqs or 16
     spec: dict[str, Any] = {

