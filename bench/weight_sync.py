@@ -264,10 +264,12 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
     """Per link and learning rate: a full sync that starts the chain, --steps optimizer steps each
     followed by a delta sync (mode on; auto too at the last rate), then --repeats full syncs of
     the same weights, the baseline of that block's ratios (measured beside it: a shared machine's
-    load drifts). `rest` is the seconds ratio without the sender's compare pass."""
+    load drifts). `rest` is the seconds ratio without the sender's compare pass. auto's back-off
+    memory starts afresh with each block."""
     import torch
 
     from kubedistill.api.spec import DeltaMode
+    from kubedistill.runtime.weight_sync.delta import Backoff
 
     med = statistics.median
     lrs = [float(x) for x in args.delta_lrs.split(",")]
@@ -296,6 +298,9 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                 for mode in [DeltaMode.always] + ([DeltaMode.auto] if i == len(lrs) - 1 else []):
                     model.load_state_dict(start)
                     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+                    # auto's memory starts afresh with the block, as in a job: the always blocks'
+                    # deltas (slower here) would otherwise make it back off from its first step.
+                    sender._backoff = Backoff()
                     sync(mode)  # a full sync that starts the chain
                     steps = []
                     for _ in range(args.steps):

@@ -21,8 +21,10 @@ from kubedistill.runtime.weight_sync.delta import (
     encode,
     pack_bits,
     plan,
+    sample,
     sparse_encodings,
     unpack_bits,
+    whole_by_sample,
 )
 from kubedistill.runtime.weight_sync.manifest import bucket_layout, tensor_checksum
 from kubedistill.runtime.wire.protocol import DeltaBase, ManifestDelta, TensorMeta
@@ -50,6 +52,21 @@ def test_auto_sends_a_tensor_whole_where_a_mask_would_be_cheapest() -> None:
     assert choose(n, n // 8, 2, 0.5, auto) == "whole"
     assert choose(n, n // 8, 2, 0.5, always) == "mask"
     assert choose(n, 0, 2, 0.5, auto) == "none"
+
+
+def test_a_tensor_goes_whole_on_its_sample_only_when_clearly_dense() -> None:
+    n, auto, always = 1 << 20, ("index",), ("index", "mask")
+    flat = torch.arange(n)
+    s = sample(flat)
+    assert s is not None and s.numel() == n // 64 and s[1, 0] == 4096 and s[0, -1] == 63
+    assert sample(flat[: 16 * 4096 - 1]) is None  # small tensors are counted, not sampled
+    # auto: a mask wins past 1/16 changed, so the sample must show past 1/8
+    assert whole_by_sample(n, 1000, 200, 2, 0.5, auto)
+    assert not whole_by_sample(n, 1000, 100, 2, 0.5, auto)
+    assert not whole_by_sample(n, 1000, 0, 2, 0.5, auto)
+    # always: only past twice the threshold (never at 0.5), or where whole beats a mask
+    assert not whole_by_sample(n, 1000, 1000, 2, 0.5, always)
+    assert whole_by_sample(n, 1000, 900, 2, 0.4, always)
 
 
 def test_bits_pack_and_unpack() -> None:
@@ -119,18 +136,25 @@ def test_the_senders_copy_follows_what_it_sent() -> None:
 
 def test_a_copy_kept_across_syncs_stays_exact_and_sends_whole_tensors_as_itself() -> None:
     # Three deltas in a row through the same copy (its work buffers reused), auto's encodings:
-    # the dense tensor goes whole, as the updated copy itself; the sparse ones as indices.
+    # the dense tensors go whole (the large one on its sample, uncounted), as the updated copy
+    # itself; the sparse one as indices.
     g = torch.Generator().manual_seed(3)
-    w = {"dense": torch.randn(64, 64, generator=g), "sparse": torch.randn(300, 500, generator=g)}
+    w = {
+        "dense": torch.randn(64, 64, generator=g),
+        "large": torch.randn(256, 1024, generator=g),
+        "sparse": torch.randn(300, 500, generator=g),
+    }
     metas = [TensorMeta(name=n, dtype="bfloat16", shape=list(t.shape)) for n, t in w.items()]
     copy = SentCopy("c1", 0, {n: t.to(torch.bfloat16) for n, t in w.items()})
     receiver = {n: t.to(torch.bfloat16) for n, t in w.items()}
     for _ in range(3):
         w["dense"][torch.rand(64, 64, generator=g) < 0.25] *= 1.05  # a mask's range: whole under auto
+        w["large"][torch.rand(256, 1024, generator=g) < 0.3] *= 1.05
         w["sparse"].view(-1)[torch.randint(0, 150_000, (1000,), generator=g)] += 0.5
         pieces, tensors, stats = copy.delta(metas, w.items(), 0.5, sparse_encodings(DeltaMode.auto))
-        assert stats.encodings == {"whole": 1, "index": 1}
-        assert any(t is copy.tensors["dense"] for t in tensors)
+        assert stats.encodings == {"whole": 2, "index": 1}
+        assert any(t is copy.tensors["dense"] for t in tensors) and any(t is copy.tensors["large"] for t in tensors)
+        assert 0.27 < (stats.changed - 1000 - 0.25 * 4096) / (256 * 1024) < 0.33  # the sample's estimate
         patches = Assembler(metas)
         for meta, piece in zip(pieces, tensors, strict=True):
             for target, positions, values in patches.add(meta.name, piece.clone()):

@@ -13,7 +13,8 @@ Per tensor the sender counts the changes first (one XOR of the bits and a count)
 cheapest encoding (bytes on the wire, pure: `choose`): nothing (unchanged), `index` (16-bit offsets
 within blocks of 65536 elements plus each block's count, and the values: 2 bytes a change more),
 `mask` (one bit per element, and the values) or the whole tensor; a tensor whose changed fraction
-exceeds densityThreshold goes whole. Positions are computed only for index and mask. auto allows
+exceeds densityThreshold goes whole. Positions are computed only for index and mask; a tensor whose
+sample (1/64 of it) shows it would go whole even at half that density goes whole uncounted. auto allows
 `index` only (`sparse_encodings`): past 1/16 changed, where a mask would win on bytes, the receiver's
 per-element unpack and scatter and the sender's positions cost more than the bytes saved (measured
 on CPU), so such a tensor goes whole, for no more than a full sync costs. The comparison runs
@@ -88,6 +89,28 @@ def choose(n: int, k: int, value_bytes: int, threshold: float, sparse: Sequence[
     }
     best = min(costs, key=lambda e: costs[e])
     return best if best in sparse else "whole"
+
+
+SAMPLE_RUN, SAMPLE_STRIDE = 64, 4096
+"""The density sample: the first 64 elements of every 4096 (1/64 of a tensor, in runs of whole
+cache lines)."""
+
+
+def sample(flat: torch.Tensor) -> torch.Tensor | None:
+    """A view of a flat tensor's sampled elements; None below 16 runs (counting is cheap there)."""
+    n = flat.numel() - flat.numel() % SAMPLE_STRIDE
+    if n < 16 * SAMPLE_STRIDE:
+        return None
+    return flat[:n].view(-1, SAMPLE_STRIDE)[:, :SAMPLE_RUN]
+
+
+def whole_by_sample(
+    n: int, sampled: int, hits: int, value_bytes: int, threshold: float, sparse: Sequence[Encoding] = SPARSE
+) -> bool:
+    """Whether a tensor of n elements, `hits` of `sampled` of them changed, goes whole without
+    counting: `choose` says so even at half the sampled density (so a tensor an index or mask
+    would suit is rarely sent whole on a sample's noise)."""
+    return hits > 0 and choose(n, n * hits // (2 * sampled), value_bytes, threshold, sparse) == "whole"
 
 
 class Scratch:
@@ -238,16 +261,22 @@ class SentCopy:
         for meta, (name, t) in zip(metas, pairs, strict=True):
             if name != meta.name:
                 raise ValueError(f"weight {name!r} where the manifest has {meta.name!r}")
-            old = self.tensors[name]
-            # Compared where the weights are (a GPU's memory is the fastest place for this pass);
-            # only the host copy's changed elements are written back.
-            new = _cast(t.detach(), torch_dtype(meta.dtype), self.scratch)
-            enc = encode(name, new, old.to(new.device, non_blocking=True), threshold, sparse, self.scratch)
-            if enc.kind == "whole":
-                old.copy_(new)
-                enc.pieces = [(name, old if old.device == new.device else new.clone())]  # new: scratch
-            elif enc.positions is not None and enc.values is not None:
-                old.view(-1).index_copy_(0, enc.positions.cpu(), enc.values.cpu())
+            old, dtype = self.tensors[name], torch_dtype(meta.dtype)
+            t = t.detach()
+            hits, sampled = _sample_hits(t, old, dtype)
+            if sampled and whole_by_sample(old.numel(), sampled, hits, old.element_size(), threshold, sparse):
+                # Mostly changed: no full compare, no positions; `changed` is the sample's estimate.
+                enc = Encoded("whole", old.numel() * hits // sampled, [(name, _whole(t, old))])
+            else:
+                # Compared where the weights are (a GPU's memory is the fastest place for this
+                # pass); only the host copy's changed elements are written back.
+                new = _cast(t, dtype, self.scratch)
+                enc = encode(name, new, old.to(new.device, non_blocking=True), threshold, sparse, self.scratch)
+                if enc.kind == "whole":
+                    old.copy_(new)
+                    enc.pieces = [(name, old if old.device == new.device else new.clone())]  # new: scratch
+                elif enc.positions is not None and enc.values is not None:
+                    old.view(-1).index_copy_(0, enc.positions.cpu(), enc.values.cpu())
             stats.changed += enc.changed
             stats.elements += old.numel()
             stats.full_bytes += old.numel() * old.element_size()
@@ -257,6 +286,28 @@ class SentCopy:
                 tensors.append(piece)
         stats.encode_seconds = time.perf_counter() - t0
         return pieces, tensors, stats
+
+
+def _sample_hits(t: torch.Tensor, old: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
+    """(changed, sampled) elements of `t` (cast to `dtype`) against `old` on their sample; (0, 0)
+    for a tensor too small to sample."""
+    if not t.is_contiguous():
+        return 0, 0
+    new, base = sample(t.view(-1)), sample(old.view(-1))
+    if new is None or base is None:
+        return 0, 0
+    cast = new.to(dtype)
+    return int(torch.count_nonzero(_bits(cast) != _bits(base.to(cast.device)))), cast.numel()
+
+
+def _whole(t: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """The copy set to `t` (cast as a full sync casts it), and the tensor to send: the copy itself
+    where `t` is (no scratch, no second pass), else `t` cast where it is."""
+    if t.device == old.device:
+        return old.copy_(t)
+    new = t.to(old.dtype)
+    old.copy_(new)
+    return new
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, scratch: Scratch) -> torch.Tensor:
