@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,9 @@ def control_plane(request: pytest.FixtureRequest) -> Any:
     shutil.rmtree(plane.home, ignore_errors=True)
 
 
-# ---- two workers (scripts/test.sh runs pytest-xdist's `-n 2 --dist loadgroup`) ------------------
+# ---- two workers (scripts/test.sh runs pytest-xdist's `-n 2`) ---------------------------------
 SHARED_FIXTURES = ("control_plane", "vllm_servers", "hf_servers", "smollm2")
-"""Session fixtures that start something costly: the modules using one run on one worker."""
+"""Session fixtures that start something costly: the modules naming one run on one worker."""
 SLOW_FIRST = (
     "test_e2e_vl.py",
     "test_e2e_modes.py",
@@ -89,9 +90,10 @@ SLOW_FIRST = (
 """The slowest modules (--durations), handed out first so the two workers end together."""
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each module is one xdist group (its module fixtures start once), merged with every other
-    module sharing a costly session fixture; the slowest groups are queued first."""
+def module_groups(folder: Path = Path(__file__).parent) -> dict[str, str]:
+    """Test module file name -> the group of modules run on one worker: the module alone (its
+    module fixtures start once), or with every module that names the same costly session fixture
+    (a name in the source is enough: grouping more than needed only costs balance)."""
     parent: dict[str, str] = {}
 
     def find(key: str) -> str:
@@ -99,12 +101,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             key = parent[key]
         return key
 
-    for item in items:
-        module = item.path.name
+    for path in sorted(folder.glob("test_*.py")):
+        text = path.read_text()
         for name in SHARED_FIXTURES:
-            if name in getattr(item, "fixturenames", ()):
-                parent[find(module)] = find(name)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(find(item.path.name)))
+            if re.search(rf"\b{name}\b", text):
+                parent[find(path.name)] = find(name)
+    return {path.name: find(path.name) for path in folder.glob("test_*.py")}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Work units of whole module groups (module_groups), in collection order. xdist's own
+    `loadgroup` cannot do it under pytest 9.2, whose node ids ignore the group suffix it adds."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = module_groups()
+
+    class ModuleGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return groups.get(name, name)
+
+    return ModuleGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slowest modules first (every worker collects the same order, as xdist requires)."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
