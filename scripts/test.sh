@@ -3,7 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-# Two workers: on 2 cores most tests wait on processes they started (servers, trainers, the API
-# server) part of the time; tests/conftest.py keeps each module, and the modules sharing a costly
-# session fixture, on one worker. KUBEDISTILL_TEST_WORKERS=0 runs them in this process.
-exec .venv/bin/pytest -q -n "${KUBEDISTILL_TEST_WORKERS:-2}" "$@"
+exec .venv/bin/pytest -q "$@"

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -71,60 +70,3 @@ def control_plane(request: pytest.FixtureRequest) -> Any:
     yield plane
     plane.stop()
     shutil.rmtree(plane.home, ignore_errors=True)
-
-
-# ---- two workers (scripts/test.sh runs pytest-xdist's `-n 2`) ---------------------------------
-SHARED_FIXTURES = ("control_plane", "vllm_servers", "hf_servers", "smollm2")
-"""Session fixtures that start something costly: the modules naming one run on one worker."""
-SLOW_FIRST = (
-    "test_e2e_vl.py",
-    "test_e2e_modes.py",
-    "test_e2e_kubernetes.py",
-    "test_e2e_scaling.py",
-    "test_learning_regression.py",
-    "test_resume.py",
-    "test_gpu_check.py",
-    "test_trainer_dist.py",
-    "test_style.py",
-)
-"""The slowest modules (--durations), handed out first so the two workers end together."""
-
-
-def module_groups(folder: Path = Path(__file__).parent) -> dict[str, str]:
-    """Test module file name -> the group of modules run on one worker: the module alone (its
-    module fixtures start once), or with every module that names the same costly session fixture
-    (a name in the source is enough: grouping more than needed only costs balance)."""
-    parent: dict[str, str] = {}
-
-    def find(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    for path in sorted(folder.glob("test_*.py")):
-        text = path.read_text()
-        for name in SHARED_FIXTURES:
-            if re.search(rf"\b{name}\b", text):
-                parent[find(path.name)] = find(name)
-    return {path.name: find(path.name) for path in folder.glob("test_*.py")}
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Work units of whole module groups (module_groups), in collection order. xdist's own
-    `loadgroup` cannot do it under pytest 9.2, whose node ids ignore the group suffix it adds."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    groups = module_groups()
-
-    class ModuleGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-            return groups.get(name, name)
-
-    return ModuleGroupScheduling(config, log)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slowest modules first (every worker collects the same order, as xdist requires)."""
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
