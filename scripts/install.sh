@@ -29,6 +29,9 @@ site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"
 # passed on; the system's CA store is used, as pip's is.
 .venv/bin/python -m pip install -q --disable-pip-version-check 'uv==0.13.9' 2> >(grep -v "^WARNING: Location" >&2)
 export UV_NATIVE_TLS=1
+# Bytecode compiled at install, as pip does: the role processes (vLLM's engine core among them)
+# start with -B, and would otherwise compile torch, transformers and vLLM from source each time.
+export UV_COMPILE_BYTECODE=1
 links=()
 for dir in $(.venv/bin/python -m pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u); do
   if [ -d "$dir" ]; then links+=(--find-links "$dir"); fi
