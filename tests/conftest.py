@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Session-scoped rollout/teacher server fixtures (vllm_servers, hf_servers).
+# Rollout/teacher server fixtures (vllm_servers for one module, hf_servers for the session).
 pytest_plugins = ["server_fixtures"]
 
 # Nothing in the tests may reach a model hub.
