@@ -55,6 +55,8 @@ class JobShape:
     """spec.trainer.lora (None: full fine-tuning)."""
     importance: dict[str, Any] | None = None
     """spec.algorithm.offPolicy.importance (None: the defaults)."""
+    delta: str | None = None
+    """spec.weightSync.delta.mode (None: the default, auto)."""
 
 
 def job_manifest(s: JobShape) -> dict[str, Any]:
@@ -94,7 +96,7 @@ def job_manifest(s: JobShape) -> dict[str, Any]:
         "algorithm": {"distillation": distillation},
         "data": {"train": [str(s.train)], "val": [str(s.val)] if s.val else [], "maxPromptLength": 32, "seed": 0},
         "checkpoint": {"path": str(s.checkpoint), "everySteps": s.checkpoint_every, "keep": 1000, "resume": "never"},
-        "weightSync": {"bucketMB": 16},
+        "weightSync": {"bucketMB": 16, **({"delta": {"mode": s.delta}} if s.delta else {})},
     }
     if s.mode == "fullyAsync" or s.async_:
         spec["async"] = dict(s.async_)

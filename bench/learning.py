@@ -15,6 +15,7 @@ run`: rollout, teacher and trainer as separate local processes).
   on request (--losses k3);
 * --importance truncate,none: each run with and without the off-policy correction
   (algorithm.offPolicy.importance.mode), e.g. in oneStepOff and fullyAsync;
+* --delta always,never: each run with delta weight syncs and with full ones (weightSync.delta.mode);
 * modes: sync, oneStepOff, fullyAsync (stalenessThreshold --staleness, default 1.0, partialRollout);
 * measured: the student's exact reverse KL(student || teacher) at its own samples and its greedy
   held-out accuracy, at every checkpoint (evaluated after the runs, so evaluation does not slow
@@ -79,6 +80,8 @@ ASYNC = {"triggerParameterSyncStep": 1, "partialRollout": True, "partialRolloutS
 SAMPLES_PER_PROMPT = 1
 IMPORTANCE_MODES = ("truncate", "mask", "none")
 """algorithm.offPolicy.importance.mode values of --importance; the first is the spec's default."""
+DELTA_MODES = ("auto", "always", "never")
+"""weightSync.delta.mode values of --delta; the first is the spec's default."""
 LORA = {"rank": 8, "alpha": 16}
 """--lora runs: rank 8 on every linear layer, merged into the rollout engine's base on receipt."""
 LORA_LR_FACTOR = 10.0
@@ -296,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         "(e.g. truncate,none: the off-policy correction against none); runs other than truncate (the "
         "default) are labelled '<loss>+IS <mode>'",
     )
+    ap.add_argument(
+        "--delta",
+        default="auto",
+        help="comma-separated weightSync.delta.mode values, each a run of every loss and mode (e.g. "
+        "always,never: delta syncs against full syncs); runs other than auto (the default) are labelled "
+        "'<loss>+delta <mode>'",
+    )
     ap.add_argument("--problems", type=int, help="held-out problems per evaluation (default 500, quick 200)")
     ap.add_argument("--cache", default=str(REPO / ".kubedistill/bench/arith"), help="teacher/student/data cache")
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/learning"))
@@ -329,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     for m in importances:
         if m not in IMPORTANCE_MODES:
             ap.error(f"--importance: unknown mode {m!r}; allowed: {', '.join(IMPORTANCE_MODES)}")
+    deltas = [m for m in args.delta.split(",") if m]
+    for m in deltas:
+        if m not in DELTA_MODES:
+            ap.error(f"--delta: unknown mode {m!r}; allowed: {', '.join(DELTA_MODES)}")
 
     single_thread()
     from kubedistill.demo import quickstart
@@ -348,15 +362,21 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     failures: list[str] = []
     variants = [
-        (loss, lora, imp)
+        (loss, lora, imp, delta)
         for loss in losses
         for lora in ([False, True] if args.lora else [False])
         for imp in importances
+        for delta in deltas
     ]
-    for loss_label, lora, importance in variants:
+    for loss_label, lora, importance, delta in variants:
         loss_mode, pg, lr = LOSSES[loss_label]
-        default_is = importance == IMPORTANCE_MODES[0]
-        loss = loss_label + ("+LoRA" if lora else "") + ("" if default_is else f"+IS {importance}")
+        default_is, default_delta = importance == IMPORTANCE_MODES[0], delta == DELTA_MODES[0]
+        loss = (
+            loss_label
+            + ("+LoRA" if lora else "")
+            + ("" if default_is else f"+IS {importance}")
+            + ("" if default_delta else f"+delta {delta}")
+        )
         lora_spec = LORA if lora else None
         lr = lr * args.lora_lr_factor if lora else lr
         loss_steps = (args.pg_steps or steps) if pg else steps
@@ -364,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             mode_steps = args.async_steps if (args.async_steps and mode != "sync") else loss_steps
             name = (
                 f"learn-{loss_mode.lower()}{'-lora' if lora else ''}{'' if default_is else '-is' + importance}"
-                f"-{mode.lower()}" + (f"-s{seed}" if seed else "")
+                f"{'' if default_delta else '-delta' + delta}-{mode.lower()}" + (f"-s{seed}" if seed else "")
             )
             if args.render_only:
                 saved = work / f"{name}.result.json"
@@ -392,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                 async_={**ASYNC, "stalenessThreshold": args.staleness} if mode == "fullyAsync" else {},
                 lora=lora_spec,
                 importance=None if default_is else {"mode": importance},
+                delta=None if default_delta else delta,
             )
             print(f"run {loss} / {mode} / seed {seed}: {mode_steps} steps x 64 samples ...", flush=True)
             load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -525,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         command += f" --async-steps {args.async_steps}" if args.async_steps else ""
         command += f" --seeds {args.seeds}" if args.seeds > 1 else ""
         command += f" --importance {args.importance}" if args.importance != IMPORTANCE_MODES[0] else ""
+        command += f" --delta {args.delta}" if args.delta != DELTA_MODES[0] else ""
         command += f" --every {args.every}" if args.every else ""
         command += f" --problems {args.problems}" if args.problems else ""
         command += f" --docs {args.docs}"

@@ -46,6 +46,8 @@ TRAIN_KEYS = {
     "waitSeconds": "wait_seconds",
     "trainSeconds": "train_seconds",
     "syncSeconds": "sync_seconds",
+    "syncBytes": "sync_bytes",
+    "syncDensity": "sync_density",
 }
 """The history line's scalars a tracker receives, and their names there (under train/)."""
 

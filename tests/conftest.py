@@ -17,6 +17,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start mypy now when its test is to run (tests/early_checks.py)."""
+    from early_checks import TYPECHECK_TEST, start_typecheck
+
+    if any(item.nodeid.endswith(TYPECHECK_TEST.removeprefix("tests/")) for item in items):
+        start_typecheck()
+
+
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT

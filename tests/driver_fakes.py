@@ -379,6 +379,9 @@ class FakeSender:
 @dataclass(frozen=True)
 class FakeSyncOutcome:
     times: SyncTimes
+    bytes: int = 0
+    plan: str = "full"
+    density: float = 1.0
 
 
 async def _load_all(servers: Sequence[FakeRolloutServer], version: int, pause: PauseMode) -> None:

@@ -168,6 +168,17 @@ def test_fully_async_mode_resumes_partial_rollouts(runs) -> None:
     assert sum(h["resumedSamples"] for h in hist) >= len(ranges) > 0
     assert any(hi > lo for lo, hi in ranges), ranges
     assert all(hi - lo <= policy.max_lag for lo, hi in ranges)
+    _check_sync_record(hist)
+
+
+def _check_sync_record(hist: list[dict[str, Any]]) -> None:
+    """Each synced step's line says how its sync travelled (weightSync.delta auto: the first sync
+    is a full one that starts the delta chain) and what it sent."""
+    syncs = [h for h in hist if h["synced"]]
+    assert syncs and syncs[0]["syncPlan"] == "keep" and syncs[0]["syncDensity"] == 1.0, syncs[0]
+    assert all(h["syncPlan"] in ("keep", "delta", "full") for h in syncs)
+    assert all(h["syncBytes"] > 0 and 0.0 < h["syncDensity"] <= 1.0 for h in syncs)
+    assert not any("syncPlan" in h for h in hist if not h["synced"])
 
 
 def test_fully_async_partial_rollout_on_vllm(runs, tiny_models) -> None:
@@ -179,6 +190,7 @@ def test_fully_async_partial_rollout_on_vllm(runs, tiny_models) -> None:
     assert hist[1]["rolloutVersions"] == [1]
     assert hist[-1]["trainerVersion"] == 1
     _check_time_budget(hist)
+    _check_sync_record(hist)
     _exported_differs(r, tiny_models)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from early_checks import typecheck_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RUFF = [sys.executable, "-m", "ruff"]
@@ -22,16 +23,10 @@ def test_ruff_format() -> None:
 
 
 def test_mypy() -> None:
-    """Strict on kubedistill/, operator/ and runtime/driver/, default elsewhere (pyproject.toml)."""
-    r = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "typecheck.sh")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHON": sys.executable},
-        timeout=600,
-    )
-    assert r.returncode == 0, f"mypy (bash scripts/typecheck.sh):\n{r.stdout}{r.stderr}"
+    """Strict on kubedistill/, operator/ and runtime/driver/, default elsewhere (pyproject.toml).
+    Started in the background once collected (tests/early_checks.py)."""
+    code, output = typecheck_result()
+    assert code == 0, f"mypy (bash scripts/typecheck.sh):\n{output}"
 
 
 MAX_FUNCTION_LINES = 80

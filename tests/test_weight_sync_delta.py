@@ -18,6 +18,7 @@ from kubedistill.runtime.weight_sync.delta import (
     apply,
     check_delta,
     choose,
+    drawn,
     encode,
     pack_bits,
     plan,
@@ -125,7 +126,8 @@ def test_the_senders_copy_follows_what_it_sent() -> None:
     nxt = {n: t.clone() for n, t in fp32.items()}
     nxt["b"][:30] += 1.0  # a's change stays below half a bf16 ulp: nothing to send for it
     nxt["a"] += 1e-7
-    pieces, tensors, stats = copy.delta(metas, nxt.items(), threshold=0.5)
+    pieces, parts, stats = copy.delta(metas, nxt.items(), threshold=0.5)
+    tensors = list(drawn(parts))
     assert [p.name for p in pieces] == ["b#blocks", "b#index", "b#values"]
     assert [list(t.shape) for t in tensors] == [[1], [60], [30]]  # int16 offsets travel as bytes
     assert stats.changed == 30 and stats.elements == 3800 and stats.full_bytes == 3800 * 2
@@ -151,8 +153,12 @@ def test_a_copy_kept_across_syncs_stays_exact_and_sends_whole_tensors_as_itself(
         w["dense"][torch.rand(64, 64, generator=g) < 0.25] *= 1.05  # a mask's range: whole under auto
         w["large"][torch.rand(256, 1024, generator=g) < 0.3] *= 1.05
         w["sparse"].view(-1)[torch.randint(0, 150_000, (1000,), generator=g)] += 0.5
-        pieces, tensors, stats = copy.delta(metas, w.items(), 0.5, sparse_encodings(DeltaMode.auto))
+        before = tensor_checksum(copy.tensors["large"])
+        pieces, parts, stats = copy.delta(metas, w.items(), 0.5, sparse_encodings(DeltaMode.auto))
         assert stats.encodings == {"whole": 2, "index": 1}
+        # The large tensor, whole on its sample, is cast into the copy only as the transfer draws it.
+        assert sum(callable(p) for p in parts) == 1 and tensor_checksum(copy.tensors["large"]) == before
+        tensors = list(drawn(parts))
         assert any(t is copy.tensors["dense"] for t in tensors) and any(t is copy.tensors["large"] for t in tensors)
         assert 0.27 < (stats.changed - 1000 - 0.25 * 4096) / (256 * 1024) < 0.33  # the sample's estimate
         patches = Assembler(metas)

@@ -56,8 +56,9 @@ def delta_syncs(sender: WeightSender, named: list[tuple[str, torch.Tensor]], ver
     for i in range(count):
         named, version = drift(named, seed + i), version + 1
         stats = sender.sync(version, named)
-        assert sender.last_delta.plan == "delta", i
+        assert sender.last_delta.plan == stats.plan == "delta", i
         assert 0 < stats.bytes < sender.last_delta.full_bytes
+        assert stats.density == sender.last_delta.density < 1.0  # what the step's history line gets
     return named, version
 
 

@@ -56,7 +56,7 @@ from kubedistill.runtime.driver.history import HistoryWriter
 from kubedistill.runtime.driver.membership import RolloutMembership
 from kubedistill.runtime.driver.multimodal import load_student_processor, reads_images
 from kubedistill.runtime.driver.phases import StepClock, sync_parts
-from kubedistill.runtime.driver.report import StepReporter, StepStatsLike, TrainedStep
+from kubedistill.runtime.driver.report import StepReporter, StepStatsLike, SyncOutcomeLike, TrainedStep
 from kubedistill.runtime.driver.rewards import RewardRegistry
 from kubedistill.runtime.driver.routing import (
     EndpointPool,
@@ -67,7 +67,6 @@ from kubedistill.runtime.driver.routing import (
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
-from kubedistill.runtime.weight_sync.times import SyncTimes
 from kubedistill.runtime.wire.batch import BatchParts
 from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, ServerError, new_session
 from kubedistill.runtime.wire.protocol import (
@@ -98,13 +97,6 @@ class TrainerLike(Protocol):
     def frozen_prefixes(self) -> list[str]: ...
     def save_checkpoint(self, step: int, weight_version: int, driver_state: bytes) -> Path: ...
     def export_hf(self, out_dir: str | Path) -> Path | None: ...
-
-
-class SyncOutcomeLike(Protocol):
-    """What a sync reports (runtime/weight_sync's TransferStats)."""
-
-    @property
-    def times(self) -> SyncTimes: ...
 
 
 class SenderLike(Protocol):
@@ -297,29 +289,29 @@ class Driver:
     async def _on_trainer(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
 
-    def _sync_blocking(self, version: int, joiners: Sequence[str] = ()) -> SyncTimes:
+    def _sync_blocking(self, version: int, joiners: Sequence[str] = ()) -> SyncOutcomeLike:
         if self.sender is None:
             raise RuntimeError("no weight sender: the weight-sync group is not formed")
         if joiners:  # the sync re-forms the group with them, so they start at this version
             self.sender.set_members([*self.sender.members, *(u for u in joiners if u not in self.sender.members)])
         # The trainer itself: the sender lays out the manifest from its metadata and draws the
         # gathered tensors bucket by bucket once every server is ready to receive.
-        return self.sender.sync(version, self.trainer).times
+        return self.sender.sync(version, self.trainer)
 
     def _leave_group(self, url: str) -> None:
         if self.sender is not None and url in self.sender.members:
             self.sender.set_members([u for u in self.sender.members if u != url])
 
-    async def sync_weights(self, version: int) -> SyncTimes:
-        """Sync the trainer's weights to every rollout server as `version`; returns the sender's
-        segments of it."""
+    async def sync_weights(self, version: int) -> SyncOutcomeLike:
+        """Sync the trainer's weights to every rollout server as `version`; returns what the
+        sender reports of it (its segments, bytes and plan)."""
         joiners = list(self.rollouts.ready)
-        times = await self._on_trainer(self._sync_blocking, version, joiners)
+        outcome = await self._on_trainer(self._sync_blocking, version, joiners)
         self.fleet.joined(joiners, version)
         self.version = version
         self.status.weight_version = version
         await self.buffer.synced(version)
-        return times
+        return outcome
 
     # ---- the run ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -438,7 +430,8 @@ class Driver:
         clock.lap("train_other", {"train_compute": sum(mb.compute_seconds for mb in stats)})
         self.step += 1
         self.status.step = self.step
-        synced, served, sync_seconds = False, None, 0.0
+        served, sync_seconds = None, 0.0
+        outcome: SyncOutcomeLike | None = None
         # An evaluation due after this step needs its weights on the rollout servers: the last
         # step, otherwise never synced, gets a sync too.
         eval_due = self.eval_schedule is not None and self.eval_schedule.due(self.step)
@@ -450,12 +443,11 @@ class Driver:
             if self.evaluator is not None:
                 await self.evaluator.settle()  # the running evaluation's tokens all come from its weights
                 clock.lap("eval")
-            times = await self.sync_weights(self.version + 1)
-            synced = True
+            outcome = await self.sync_weights(self.version + 1)
             served = await self._served_versions(self.version)
             # What the sender does not report (the driver's thread hop, the served versions and
             # the buffer's new version) is the last of the resume.
-            sync_seconds = clock.lap("sync_resume", sync_parts(times))
+            sync_seconds = clock.lap("sync_resume", sync_parts(outcome.times))
             if eval_due and self.evaluator is not None:
                 await self._evaluate(self.step)
                 clock.lap("eval")
@@ -468,7 +460,7 @@ class Driver:
             staleness=step_samples.staleness(),
             stats=stats,
             waited=waited,
-            synced=synced,
+            sync=outcome,
             served=served,
             sync_seconds=sync_seconds,
         )

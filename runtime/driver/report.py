@@ -13,6 +13,7 @@ from kubedistill.runtime.driver.history import HistoryLine, HistoryWriter
 from kubedistill.runtime.driver.phases import STEP_PHASES
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.metrics import RoleMetrics
+from kubedistill.runtime.weight_sync.times import SyncTimes
 
 
 class StepStatsLike(Protocol):
@@ -41,6 +42,19 @@ class StepStatsLike(Protocol):
     def off_policy(self) -> Mapping[str, float]: ...
 
 
+class SyncOutcomeLike(Protocol):
+    """What a sync reports (runtime/weight_sync's TransferStats)."""
+
+    @property
+    def times(self) -> SyncTimes: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def plan(self) -> str: ...
+    @property
+    def density(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class TrainedStep:
     """One step as the driver ran it: what was trained, under which versions, and the sync after."""
@@ -55,7 +69,8 @@ class TrainedStep:
     staleness: Sequence[int]
     stats: Sequence[StepStatsLike]
     waited: float
-    synced: bool
+    sync: SyncOutcomeLike | None
+    """The sync after the step (None: none)."""
     served: list[int | None] | None
     """Each rollout server's version after the sync (None: no sync)."""
     sync_seconds: float
@@ -104,7 +119,7 @@ class StepReporter:
             **st.to_json(),
             "runId": self.run_id,
             "trainerVersion": s.trainer_version,
-            "synced": s.synced,
+            "synced": s.sync is not None,
             "rolloutVersions": s.served,
             "lossTotal": sum(mb.loss_total for mb in stats) / len(stats),
             "lossDistill": sum(mb.loss_distill for mb in stats) / len(stats),
@@ -123,6 +138,12 @@ class StepReporter:
             "waitSeconds": round(s.waited, 4),
             "trainSeconds": round(sum(mb.seconds for mb in stats), 4),
             "syncSeconds": round(s.sync_seconds, 4),
+            # What the sync sent (weightSync.delta): its plan, bytes and changed fraction.
+            **(
+                {"syncPlan": s.sync.plan, "syncBytes": s.sync.bytes, "syncDensity": round(s.sync.density, 6)}
+                if s.sync is not None
+                else {}
+            ),
             "droppedStale": counters["dropped_stale"],
             "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
             "offPolicy": _mean_per_key([mb.off_policy for mb in stats]),

@@ -29,10 +29,11 @@ restart or a resume from a checkpoint), a failed or aborted sync (the sender dro
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -154,6 +155,16 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return w.view(torch.uint8)[:n].view(torch.bool)
 
 
+Piece = torch.Tensor | Callable[[], torch.Tensor]
+"""A piece to send, or how to make it when the transfer draws it (`drawn`)."""
+
+
+def drawn(pieces: Iterable[Piece]) -> Iterator[torch.Tensor]:
+    """The pieces as tensors, each deferred one made only as it is drawn."""
+    for p in pieces:
+        yield p() if callable(p) else p
+
+
 @dataclass
 class Encoded:
     """One tensor's delta: its encoding, the changed count, the pieces to send, and the flat
@@ -161,7 +172,7 @@ class Encoded:
 
     kind: Encoding
     changed: int
-    pieces: list[tuple[str, torch.Tensor]]
+    pieces: list[tuple[str, Piece]]
     positions: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
@@ -248,16 +259,19 @@ class SentCopy:
         pairs: Iterable[tuple[str, torch.Tensor]],
         threshold: float,
         sparse: Sequence[Encoding] = SPARSE,
-    ) -> tuple[list[TensorMeta], list[torch.Tensor], DeltaStats]:
+    ) -> tuple[list[TensorMeta], list[Piece], DeltaStats]:
         """The pieces of a delta from this copy to `pairs` (cast to the metas' dtypes), updating
         the copy in place to the new weights (drop it if the sync then fails). A whole tensor
-        travels as the updated copy itself (on CPU), which the next delta alone rewrites."""
+        travels as the updated copy itself (on CPU), which the next delta alone rewrites; one
+        that goes whole on its sample and sits beside the copy (host memory) is cast into the copy
+        only when drawn (`drawn`), during the transfer as a full sync casts, so a delta of mostly
+        whole tensors costs what a full sync does."""
         from kubedistill.runtime.weight_sync.transfer import torch_dtype
 
         stats = DeltaStats(plan="delta")
         t0 = time.perf_counter()
         pieces: list[TensorMeta] = []
-        tensors: list[torch.Tensor] = []
+        tensors: list[Piece] = []
         for meta, (name, t) in zip(metas, pairs, strict=True):
             if name != meta.name:
                 raise ValueError(f"weight {name!r} where the manifest has {meta.name!r}")
@@ -266,7 +280,10 @@ class SentCopy:
             hits, sampled = _sample_hits(t, old, dtype)
             if sampled and whole_by_sample(old.numel(), sampled, hits, old.element_size(), threshold, sparse):
                 # Mostly changed: no full compare, no positions; `changed` is the sample's estimate.
-                enc = Encoded("whole", old.numel() * hits // sampled, [(name, _whole(t, old))])
+                # On the copy's device the cast waits for the transfer; from a GPU it is done now,
+                # in GPU memory (deferring would hold the gathered float32 tensors until sent).
+                whole: Piece = functools.partial(_whole, t, old) if t.device == old.device else _whole(t, old)
+                enc = Encoded("whole", old.numel() * hits // sampled, [(name, whole)])
             else:
                 # Compared where the weights are (a GPU's memory is the fastest place for this
                 # pass); only the host copy's changed elements are written back.
@@ -282,7 +299,8 @@ class SentCopy:
             stats.full_bytes += old.numel() * old.element_size()
             stats.encodings[enc.kind] = stats.encodings.get(enc.kind, 0) + 1
             for pname, piece in enc.pieces:
-                pieces.append(TensorMeta(name=pname, dtype=_dtype(piece), shape=list(piece.shape)))
+                shaped = old if callable(piece) else piece  # a deferred whole tensor comes as the copy
+                pieces.append(TensorMeta(name=pname, dtype=_dtype(shaped), shape=list(shaped.shape)))
                 tensors.append(piece)
         stats.encode_seconds = time.perf_counter() - t0
         return pieces, tensors, stats

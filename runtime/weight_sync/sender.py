@@ -39,6 +39,7 @@ from kubedistill.runtime.weight_sync.delta import (
     DeltaStats,
     Plan,
     SentCopy,
+    drawn,
     keeping,
     new_chain,
     plan,
@@ -291,6 +292,7 @@ class WeightSender:
         failed = self.group.all_reduce_sum(0)
         t_loaded = time.perf_counter()
         stats.seconds = t_loaded - t0
+        stats.plan, stats.density = out.how, out.delta.density
         self.last_stats, self.last_delta = stats, out.delta
         self._observe(version, stats, out.delta)
         if refusals:
@@ -338,12 +340,10 @@ class WeightSender:
         tensors: Iterable[torch.Tensor]
         if how == "delta":
             assert copy is not None
-            pieces, tensors, delta = copy.delta(
-                metas, draw(), setting.density_threshold, sparse_encodings(setting.mode)
-            )
+            pieces, parts, delta = copy.delta(metas, draw(), setting.density_threshold, sparse_encodings(setting.mode))
             manifest = layout(pieces, budget, self.direct_bytes)
             manifest.delta = ManifestDelta(keep=keep, base=copy.base, targets=metas)
-            tensors = _on_device(manifest, zip((p.name for p in pieces), tensors), self.group.device)
+            tensors = _on_device(manifest, zip((p.name for p in pieces), drawn(parts)), self.group.device)
         else:
             manifest = layout(metas, budget, self.direct_bytes)
             delta = DeltaStats(plan=how, elements=sum(numel(m.shape) for m in metas), full_bytes=manifest.total_bytes)

@@ -44,6 +44,10 @@ class TransferStats:
     extra: dict[str, float] = field(default_factory=dict)
     times: SyncTimes = field(default_factory=SyncTimes)
     """A whole sync's segments on the trainer (WeightSender.sync fills it)."""
+    plan: str = "full"
+    """How the sync travelled (delta.Plan: full, keep or delta; WeightSender.sync fills it)."""
+    density: float = 1.0
+    """The fraction of the weights' elements that changed (1.0 for a full sync)."""
 
 
 class _InOrder:
