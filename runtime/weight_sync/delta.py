@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import torch
 
@@ -155,7 +155,7 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return w.view(torch.uint8)[:n].view(torch.bool)
 
 
-Piece = torch.Tensor | Callable[[], torch.Tensor]
+Piece: TypeAlias = torch.Tensor | Callable[[], torch.Tensor]
 """A piece to send, or how to make it when the transfer draws it (`drawn`)."""
 
 
