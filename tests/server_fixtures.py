@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,17 +158,27 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        import signal
+        stop_all([self])
 
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        try:  # engine processes left behind (the group id is the server's pid)
-            os.killpg(self.proc.pid, signal.SIGKILL)
+
+def stop_all(servers: Sequence[Server]) -> None:
+    """Stop the servers gracefully, all at once (a vLLM server takes seconds to shut down), then
+    kill what each left behind (its engine processes: the group id is the server's pid)."""
+    import signal
+
+    running = [s for s in servers if s.proc.poll() is None]
+    for s in running:
+        s.proc.terminate()
+    deadline = time.monotonic() + 30
+    for s in running:
+        try:
+            s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait()
+    for s in servers:
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -248,8 +259,7 @@ def start_servers(
         if "sender" not in box:
             raise RuntimeError(f"weight-sync group did not form: {box.get('error')}")
     except BaseException:
-        for s in result._all:
-            s.stop()
+        stop_all(result._all)
         raise
     result.sender = box["sender"]
     return result
@@ -264,8 +274,7 @@ def vllm_servers(tiny_models, tmp_path_factory):
         tmp_path_factory.mktemp("vllm-servers"), tiny_models, ["vllm", "hf"], "vllm", loss_mode="reverseKLTopK"
     )
     yield servers
-    for s in servers._all:
-        s.stop()
+    stop_all(servers._all)
 
 
 @pytest.fixture(scope="session")
@@ -274,5 +283,4 @@ def hf_servers(tiny_models, tmp_path_factory):
         tmp_path_factory.mktemp("hf-servers"), tiny_models, ["hf", "hf"], "hf", partial_rollout="resume"
     )
     yield servers
-    for s in servers._all:
-        s.stop()
+    stop_all(servers._all)

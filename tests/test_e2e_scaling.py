@@ -19,7 +19,7 @@ import yaml
 from e2e_jobs import job_yaml, run_env
 from kubedistill.runtime.driver.history import read_history
 
-STEPS = 200  # room for the scale events: the second server had joined and left by step 106 on 2 loaded cores
+STEPS = 160  # room for the scale events: the second server had joined and left by step 106 on 2 loaded cores
 MINI_BATCH = 4
 # Generation is the bottleneck (one sequence at a time per engine, greedy answers that run to
 # maxTokens), so every sync and every drain meets requests in flight, and a second server helps.

@@ -10,7 +10,7 @@ Changed from the example for a short test that checks what it means to:
   version the trainer holds) means sampled by the very weights the trainer computes with. With
   syncs every 2 steps the second step's lag-0 samples meet weights one update newer (measured:
   |diff| up to 2 at that step, 1e-6 at the first);
-- greedy sampling (temperature 0) with a response budget of 64 tokens and one sequence at a
+- greedy sampling (temperature 0) with a response budget of 32 tokens and one sequence at a
   time in the rollout engine (maxNumSeqs 1): the barely trained student repeats a text token to
   the budget, so generation is the bottleneck and generations are running at the syncs, which
   abort them for the driver to resume (images and all) under the new weights. At temperature 1
@@ -55,7 +55,7 @@ def twin_job(base: Path) -> Path:
     spec["trainer"]["totalSteps"] = STEPS
     spec["async"]["triggerParameterSyncStep"] = 1
     spec["rollout"]["inference"]["maxNumSeqs"] = 1
-    spec["rollout"]["sampling"].update(maxTokens=64, temperature=0.0)
+    spec["rollout"]["sampling"].update(maxTokens=32, temperature=0.0)
     # vLLM-CPU servers start slowly on a busy 2-core machine; the trainer waits for them.
     spec["weightSync"]["timeoutSeconds"] = 600
     spec["data"]["shuffle"] = False

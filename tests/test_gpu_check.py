@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import early_checks
 from kubedistill.api.spec import Device
 from kubedistill.runtime.engines.factory import hf_engine_device
 from kubedistill.runtime.engines.hf import member_address
@@ -37,10 +38,17 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_dry_run_passes_every_part_without_vllm_or_ray(tmp_path: Path) -> None:
-    out = _run("--dry-run", "--out", str(tmp_path / "report.json"), "--workdir", str(tmp_path / "work"))
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert out.stdout.strip().splitlines()[-1].startswith("gpu_check: PASSED")
+@pytest.fixture
+def gpu_check_dry_run(request: pytest.FixtureRequest) -> Path:
+    """`bash bench/gpu_check.sh --dry-run`'s folder (report.json, work/, log.txt), run in the
+    background from collection on (tests/early_checks.py)."""
+    return early_checks.fixture_files(request.config, "gpu_check_dry_run", check=False)
+
+
+def test_dry_run_passes_every_part_without_vllm_or_ray(gpu_check_dry_run: Path) -> None:
+    tmp_path = gpu_check_dry_run
+    log = (tmp_path / "log.txt").read_text()
+    assert log.strip().splitlines()[-1].startswith("gpu_check: PASSED"), log[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
     parts = report["parts"]
     assert report["ok"] and set(parts) == {"text", "lora", "vl", "fixed"}, parts

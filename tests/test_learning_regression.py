@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+import early_checks
 from e2e_jobs import kubedistill_run
 
 STEPS = 20
@@ -53,15 +55,19 @@ def collapsing_job(base: Path, models: Path) -> Path:
     return path
 
 
-def test_k1_policy_gradient_one_step_off_does_not_collapse(tmp_path: Path) -> None:
+@pytest.fixture
+def k1pg_models(request: pytest.FixtureRequest) -> Path:
+    """The quickstart's models with a teacher of 300 steps, peaked enough to have collapsed the
+    old loss, and a student of 200 (made in the background from collection on: tests/early_checks.py)."""
+    return early_checks.fixture_files(request.config, "k1pg_models")
+
+
+def test_k1_policy_gradient_one_step_off_does_not_collapse(tmp_path: Path, k1pg_models: Path) -> None:
     import torch
 
     from kubedistill.demo import quickstart
 
-    torch.set_num_threads(2)
-    models = tmp_path / "models"
-    # A teacher of a few hundred steps is peaked enough to have collapsed the old loss.
-    quickstart.prepare(models, teacher_steps=300, student_steps=200, log=lambda *_: None)
+    models = k1pg_models
     torch.set_num_threads(1)
     before = quickstart.evaluate(models / "student", models / "teacher", n_problems=200)
     job = collapsing_job(tmp_path, models)

