@@ -102,6 +102,17 @@ def typecheck_argv() -> list[str]:
     return ["bash", str(ROOT / "scripts" / "typecheck.sh")]
 
 
+def _script(*args: str) -> str:
+    """Python that runs `bash ARGS` ({out} in them: the fixture's folder) with one torch thread,
+    its output in out/log.txt, and exits with its code."""
+    return (
+        "import os, subprocess; log = open(out / 'log.txt', 'w'); "
+        f"args = [a.format(out=out) for a in {list(args)!r}]; "
+        "sys.exit(subprocess.run(['bash', *args], stdout=log, stderr=subprocess.STDOUT, "
+        "env=dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS='1')).returncode)"
+    )
+
+
 @dataclass(frozen=True)
 class Files:
     code: str
@@ -120,17 +131,20 @@ FIXTURES = {
         "quickstart.prepare(out, teacher_steps=300, student_steps=200, log=lambda *_: None)",
         cached=True,
     ),
-    # bench/gpu_check.sh --dry-run: report.json and the parts' work folders, its output in log.txt.
+    # bench/gpu_check.sh --dry-run: report.json and the parts' work folders.
     "gpu_check_dry_run": Files(
-        "import os, subprocess; log = open(out / 'log.txt', 'w'); "
-        "sys.exit(subprocess.run(['bash', 'bench/gpu_check.sh', '--dry-run', '--out', str(out / 'report.json'), "
-        "'--workdir', str(out / 'work')], stdout=log, stderr=subprocess.STDOUT, "
-        "env=dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS='1')).returncode)",
+        _script("bench/gpu_check.sh", "--dry-run", "--out", "{out}/report.json", "--workdir", "{out}/work"),
         cached=False,
+    ),
+    # tests/test_e2e_vl.py's whole job: the VL example's twin under `kubedistill run`.
+    "vl_twin_run": Files("sys.path.insert(0, 'tests'); import test_e2e_vl; test_e2e_vl.run_twin(out)", cached=False),
+    # bench/gpu_smoke.sh --dry-run --steps 3: the one-GPU job it writes, and its files.
+    "gpu_smoke_dry_run": Files(
+        _script("bench/gpu_smoke.sh", "--dry-run", "--workdir", "{out}", "--steps", "3"), cached=False
     ),
 }
 """Fixture name -> how its files are made."""
-ORDER = ("gpu_check_dry_run", "smollm2", "mypy", "k1pg_models")
+ORDER = ("gpu_check_dry_run", "gpu_smoke_dry_run", "smollm2", "mypy", "vl_twin_run", "k1pg_models")
 """The jobs in the order the suite's modules need them."""
 
 _fresh: dict[str, Path] = {}

@@ -30,14 +30,14 @@ log-prob of every sampled token equals the rollout engine's within 1e-4 (float32
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+import early_checks
 from e2e_jobs import ROOT, kubedistill_run
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 
@@ -65,24 +65,34 @@ def twin_job(base: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def vl_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def run_twin(base: Path) -> None:
+    """Prepare the models and data under `base` and run the twin job there: its exit code and
+    output in base/result.json, its report in base/run/report.json. Run in the background from
+    collection on (tests/early_checks.py): it needs nothing from the session."""
     import torch
 
-    from kubedistill.api.validate import load_job
     from kubedistill.demo.vl_prepare import QUICK, VL_DIR, prepare_vl
 
-    base = tmp_path_factory.mktemp("e2e-vl")
     torch.set_num_threads(1)
     prepare_vl(base / VL_DIR, recipe=QUICK, log=lambda *_: None)
     alternate_rows(base / VL_DIR / "data" / "train.parquet", QUICK.train_rows)
-    job = twin_job(base)
+    # Beside the suite's other modules it has about one core of the two.
+    code, _, out = kubedistill_run(twin_job(base), base / "run", timeout=900)
+    (base / "result.json").write_text(json.dumps({"code": code, "out": out[-20000:]}))
+
+
+@pytest.fixture(scope="module")
+def vl_run(request: pytest.FixtureRequest) -> dict[str, Any]:
+    from kubedistill.api.validate import load_job
+
+    base = early_checks.fixture_files(request.config, "vl_twin_run")
+    result = json.loads((base / "result.json").read_text())
+    job = base / "multi-teacher-vl-cpu.yaml"
     spec = load_job(job).spec
-    code, report, out = kubedistill_run(job, base / "run", timeout=420)
+    report_path = base / "run" / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     ckpt = base / spec.checkpoint.path
-    result = {"code": code, "report": report, "out": out, "base": base, "job": job, "spec": spec, "ckpt": ckpt}
-    yield result
-    shutil.rmtree(base / "run", ignore_errors=True)
+    return {**result, "report": report, "base": base, "job": job, "spec": spec, "ckpt": ckpt}
 
 
 def alternate_rows(path: Path, per_task: int) -> None:

@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+import early_checks
 from kubedistill.api import DistillationJob
 from kubedistill.runtime.entrypoints.local import fit_gpus, local_processes
 
@@ -32,10 +34,17 @@ def test_the_script_parses_and_refuses_bad_arguments() -> None:
     assert bad.returncode == 2 and "--steps must be a positive integer" in bad.stderr
 
 
-def test_dry_run_writes_a_valid_one_gpu_job(tmp_path: Path) -> None:
-    out = _run("--dry-run", "--workdir", str(tmp_path), "--steps", "3")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "dry run done" in out.stdout and "preflight" not in out.stdout
+@pytest.fixture
+def gpu_smoke_dry_run(request: pytest.FixtureRequest) -> Path:
+    """The workdir of `bash bench/gpu_smoke.sh --dry-run --steps 3` (its output in log.txt), run
+    in the background from collection on (tests/early_checks.py)."""
+    return early_checks.fixture_files(request.config, "gpu_smoke_dry_run")
+
+
+def test_dry_run_writes_a_valid_one_gpu_job(gpu_smoke_dry_run: Path) -> None:
+    tmp_path = gpu_smoke_dry_run
+    out = (tmp_path / "log.txt").read_text()
+    assert "dry run done" in out and "preflight" not in out
     raw = yaml.safe_load((tmp_path / "job.yaml").read_text())
     job = DistillationJob.model_validate(raw)
     spec = job.spec
