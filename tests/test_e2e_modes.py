@@ -1,6 +1,7 @@
 """End to end through `kubedistill run` (real role processes; multirank through Ray): one small
-job per mode on the hf engine, and one fullyAsync + partialRollout job on vLLM-CPU rollout and
-teacher servers. The jobs run concurrently (one fixture) to keep the wall time down;
+job per mode on the hf engine, and one fullyAsync + partialRollout job on a vLLM-CPU rollout
+server (its teacher on hf: one vLLM start less; vLLM teachers run end to end in
+tests/test_e2e_vl.py). The jobs run concurrently (one fixture) to keep the wall time down;
 each test then checks one job's report, history and exported student."""
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ JOBS: dict[str, dict[str, Any]] = {
     # k1 + policy gradient on one-step-stale samples: the off-policy statistics in the history.
     "onestepoff": dict(mode="oneStepOff", steps=4, loss="k1", policy_gradient=True),
     # reverseKLTopK: the rollout's top-k ids ride along each sample, across resumes, and the
-    # teacher scores them (hf here, vLLM below).
+    # teacher scores them (an hf teacher behind a vLLM rollout server below; a vLLM teacher's
+    # gather: tests/test_servers_vllm.py).
     "fullyasync": dict(
         mode="fullyAsync",
         steps=4,
@@ -44,7 +46,15 @@ JOBS: dict[str, dict[str, Any]] = {
         max_num_seqs=1,
         loss="reverseKLTopK",
     ),
-    "vllm": dict(mode="fullyAsync", steps=4, engine="vllm", max_tokens=6, asyncspec=FULLY_ASYNC, loss="reverseKLTopK"),
+    "vllm": dict(
+        mode="fullyAsync",
+        steps=4,
+        engine="vllm",
+        teacher_engine="hf",
+        max_tokens=6,
+        asyncspec=FULLY_ASYNC,
+        loss="reverseKLTopK",
+    ),
     # trainer.replicas 2: two gloo CPU ranks (FSDP), rank 0 drives, syncs and checkpoints
     "multirank": dict(mode="sync", steps=2, every=2, trainer_replicas=2),
 }

@@ -263,8 +263,7 @@ def test_vllm_server_leaves_a_silent_trainer_at_once(tiny_models, tmp_path: Path
     server, _, config, url, _ = lone_rollout(tiny_models, tmp_path, "vllm")
     old = None
     try:
-        server.wait_healthy()
-        old = start_sender(tiny_models, config)
+        old = start_sender(tiny_models, config)  # it joins once the server is up: both start at once
         line = old.stdout.readline() if old.stdout is not None else ""
         assert line, f"sender failed; server log:\n{server.log()[-3000:]}"
         assert json.loads(line)["epoch"]
