@@ -183,6 +183,16 @@ def main() -> int:
     return 0
 
 
+def train_step(model: Any, opt: Any, g: Any) -> None:
+    """One real optimizer step on 32 random tokens."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=g)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 @contextlib.contextmanager
 def layout_as(name: str) -> Iterator[None]:
     """The sender's bucket layout for the syncs inside: its own choice, or large tensors alone
@@ -262,9 +272,9 @@ def pod_link(kind: str, gbit: float) -> Iterator[Link | None]:
 
 def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> int:
     """Per link and learning rate: a full sync that starts the chain, --steps optimizer steps each
-    followed by a delta sync (mode on; auto too at the last rate), then --repeats full syncs of
-    the same weights, the baseline of that block's ratios (measured beside it: a shared machine's
-    load drifts). `rest` is the seconds ratio without the sender's compare pass. auto's back-off
+    followed by a delta sync (mode on; auto too at the last rate), then --repeats steps each
+    followed by a full sync, the baseline of that block's ratios (measured beside it: a shared
+    machine's load drifts). `rest` is the seconds ratio without the sender's compare pass. auto's back-off
     memory starts afresh with each block."""
     import torch
 
@@ -293,7 +303,6 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                 return time.perf_counter() - t, stats
 
             g = torch.Generator().manual_seed(0)
-            vocab = model.config.vocab_size
             for i, lr in enumerate(lrs):
                 for mode in [DeltaMode.always] + ([DeltaMode.auto] if i == len(lrs) - 1 else []):
                     model.load_state_dict(start)
@@ -303,14 +312,17 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                     sender._backoff = Backoff()
                     sync(mode)  # a full sync that starts the chain
                     steps = []
+
                     for _ in range(args.steps):
-                        ids = torch.randint(0, vocab, (1, 32), generator=g)
-                        model(input_ids=ids, labels=ids).loss.backward()
-                        opt.step()
-                        opt.zero_grad()
+                        train_step(model, opt, g)
                         seconds, stats = sync(mode)
                         steps.append((seconds, stats.bytes, sender.last_delta))
-                    full = [sync(DeltaMode.never) for _ in range(args.repeats)]
+                    # Each full sync right after a step too, as each delta is: the first sync
+                    # after a step runs on the caches the step left cold, and costs more.
+                    full = []
+                    for _ in range(args.repeats):
+                        train_step(model, opt, g)
+                        full.append(sync(DeltaMode.never))
                     full_s, full_b = med(s for s, _ in full), full[-1][1].bytes
                     print(
                         f"{kind:>8} {lr:>7.0e} {'off':>5} {'-':>4} {'full':>5} {full_b / 2**20:>8.1f} {1:>6.3f} "

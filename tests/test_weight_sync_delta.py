@@ -20,6 +20,7 @@ from kubedistill.runtime.weight_sync.delta import (
     choose,
     drawn,
     encode,
+    host_copy,
     pack_bits,
     plan,
     sample,
@@ -59,15 +60,21 @@ def test_a_tensor_goes_whole_on_its_sample_only_when_clearly_dense() -> None:
     n, auto, always = 1 << 20, ("index",), ("index", "mask")
     flat = torch.arange(n)
     s = sample(flat)
-    assert s is not None and s.numel() == n // 64 and s[1, 0] == 4096 and s[0, -1] == 63
+    assert s is not None and s.shape == (64, 64) and s[1, 0] == n // 64 and s[0, -1] == 63  # runs of 64
+    assert sample(flat[: 16 * 4096]).shape == (16, 64)  # at least 16 runs, 4096 apart
     assert sample(flat[: 16 * 4096 - 1]) is None  # small tensors are counted, not sampled
-    # auto: a mask wins past 1/16 changed, so the sample must show past 1/8
-    assert whole_by_sample(n, 1000, 200, 2, 0.5, auto)
-    assert not whole_by_sample(n, 1000, 100, 2, 0.5, auto)
-    assert not whole_by_sample(n, 1000, 0, 2, 0.5, auto)
-    # always: only past twice the threshold (never at 0.5), or where whole beats a mask
-    assert not whole_by_sample(n, 1000, 1000, 2, 0.5, always)
-    assert whole_by_sample(n, 1000, 900, 2, 0.4, always)
+    # auto: a mask wins past 1/16 changed, so the low estimate must show past 1/16
+    assert whole_by_sample(n, [8] * 64, 2, 0.5, auto)  # 1/8 in every run
+    assert whole_by_sample(n, [5, 6] * 32, 2, 0.5, auto)  # 1/12 in every run: sure enough
+    assert not whole_by_sample(n, [3, 5] * 32, 2, 0.5, auto)  # 1/16 on average: count it
+    assert not whole_by_sample(n, [0] * 64, 2, 0.5, auto)
+    # Clustered: 1/8 of the runs wholly changed is 1/8 on average, but the runs disagree.
+    assert not whole_by_sample(n, [64] * 2 + [0] * 14, 2, 0.5, auto)
+    assert whole_by_sample(n, [64] * 12 + [0] * 4, 2, 0.5, auto)
+    # always: past the threshold, or where whole beats a mask
+    assert whole_by_sample(n, [60] * 64, 2, 0.5, always)
+    assert not whole_by_sample(n, [40] * 64, 2, 0.7, always)  # a mask: 1/8 + 5/8 * 2 < 2 bytes
+    assert whole_by_sample(n, [64] * 64, 2, 1.0, always)  # a mask and every value cost more
 
 
 def test_bits_pack_and_unpack() -> None:
@@ -168,6 +175,17 @@ def test_a_copy_kept_across_syncs_stays_exact_and_sends_whole_tensors_as_itself(
         for n, t in w.items():
             exact = tensor_checksum(t.to(torch.bfloat16))
             assert tensor_checksum(copy.tensors[n]) == exact == tensor_checksum(receiver[n])
+
+
+def test_a_chain_keeps_a_fresh_cast_itself_and_copies_anything_else() -> None:
+    w = torch.randn(8, 8)
+    cast = w.to(torch.bfloat16)
+    assert host_copy(w, cast).data_ptr() == cast.data_ptr()  # new in host memory: kept as is
+    same = w.to(torch.float32)  # no cast: the trainer's own tensor, which the next step changes
+    kept = host_copy(w, same)
+    assert same is w and kept.data_ptr() != w.data_ptr() and torch.equal(kept, w)
+    view = w.view(-1)  # a view of the trainer's tensor is not new either
+    assert host_copy(w, view).data_ptr() != w.data_ptr()
 
 
 ON, AUTO, OFF = (DeltaSyncSpec(mode=m) for m in (DeltaMode.always, DeltaMode.auto, DeltaMode.never))

@@ -40,7 +40,7 @@ from kubedistill.runtime.weight_sync.delta import (
     Plan,
     SentCopy,
     drawn,
-    keeping,
+    host_copy,
     new_chain,
     plan,
     sparse_encodings,
@@ -350,12 +350,8 @@ class WeightSender:
             delta.changed = delta.elements
             if how == "keep":
                 manifest.delta = ManifestDelta(keep=keep)
-            tensors = (
-                t
-                for _, t in keeping(
-                    _named(manifest, lambda: _on_device(manifest, draw(), self.group.device)), kept, how == "keep"
-                )
-            )
+            into = kept if how == "keep" else None
+            tensors = _later(lambda: _on_device(manifest, draw(), self.group.device, into))
         manifest.lora = adapter
         manifest.frozen = frozen
         return _Outgoing(manifest, tensors, how, keep, copy, kept, delta)
@@ -449,20 +445,26 @@ def as_wire_dtype(meta: TensorMeta, dtype: str | None) -> TensorMeta:
 
 
 def _on_device(
-    manifest: Manifest, pairs: Iterable[tuple[str, torch.Tensor]], device: torch.device
+    manifest: Manifest,
+    pairs: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    keep: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[torch.Tensor]:
     """The tensors in manifest order, on the group's device and in the manifest's dtype, each
-    checked against its name."""
+    checked against its name; `keep` gets each one's host copy (a sync that starts a chain)."""
     for i, (name, t) in enumerate(pairs):
         meta = manifest.tensors[i] if i < len(manifest.tensors) else None
         if meta is None or name != meta.name:
             raise WeightSyncError(f"weight {i} is {name!r}; the manifest says {meta.name if meta else None!r}")
-        yield t.to(device=device, dtype=torch_dtype(meta.dtype))
+        sent = t.to(device=device, dtype=torch_dtype(meta.dtype))
+        if keep is not None:
+            keep[name] = host_copy(t, sent)
+        yield sent
 
 
-def _named(manifest: Manifest, tensors: Callable[[], Iterable[torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The manifest's names beside the tensors, drawn only once iterated."""
-    yield from zip((t.name for t in manifest.tensors), tensors())
+def _later(make: Callable[[], Iterable[T]]) -> Iterator[T]:
+    """`make()`'s items, made only once iterated (the weights are drawn after /weights/begin)."""
+    yield from make()
 
 
 def _at(url: str, path: str) -> str:
