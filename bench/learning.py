@@ -382,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         loss_steps = (args.pg_steps or steps) if pg else steps
         for mode, seed in ((m, s) for m in modes for s in range(args.seeds)):
             mode_steps = args.async_steps if (args.async_steps and mode != "sync") else loss_steps
+            # metadata.name has at most 40 characters: delta modes go by their initial (-da, -dn).
             name = (
                 f"learn-{loss_mode.lower()}{'-lora' if lora else ''}{'' if default_is else '-is' + importance}"
-                f"{'' if default_delta else '-delta' + delta}-{mode.lower()}" + (f"-s{seed}" if seed else "")
+                f"{'' if default_delta else '-d' + delta[0]}-{mode.lower()}" + (f"-s{seed}" if seed else "")
             )
             if args.render_only:
                 saved = work / f"{name}.result.json"
