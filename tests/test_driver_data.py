@@ -129,3 +129,17 @@ def test_from_spec_reads_train_and_val(tmp_path: Path, tok) -> None:
     assert (len(src), src.seed, src.max_prompt_length, src.shuffle) == (6, 5, 16, True)
     v = PromptSource.from_spec(spec, tok, split="val")
     assert len(v) == 3 and not v.shuffle and [i.row for i in v.take(3)] == [0, 1, 2]
+
+
+def test_prompts_get_the_tokenizers_own_ids_truncation_set_or_not(tmp_path: Path) -> None:
+    # The fast path (the Rust encoder, straight) must give what tokenizer(text) gives; a backend
+    # left with truncation on goes through tokenizer(), which does not truncate.
+    tok = char_tokenizer("0123456789+=")
+    path = write_jsonl(problems(20), tmp_path / "train.jsonl")
+    src = PromptSource([path], tok, shuffle=False)
+    for item in src.take(20):
+        text = tok.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=False)
+        assert item.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+    tok.backend_tokenizer.enable_truncation(3)
+    item = PromptSource([path], tok, shuffle=False).next()
+    assert len(item.prompt_ids) > 3 and item.prompt_ids == src.first_items(1)[0].prompt_ids

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kubedistill.runtime.engines.hf import HFEngine, _top_k
+from kubedistill.runtime.engines.hf import HFEngine, _top_k, inverse_cdf
 from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
 
 torch.set_num_threads(1)
@@ -38,6 +38,20 @@ def test_top_k_keeps_the_k_most_likely_renormalised() -> None:
     kept = _top_k(probs, torch.tensor([[2], [0]]))
     assert torch.allclose(kept[0], torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
     assert torch.equal(kept[1], probs[1])  # 0: every token
+
+
+def test_a_seeded_row_draws_exactly_from_its_distribution_by_inverse_cdf() -> None:
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    # The edges: u = 0 takes the first token with mass, u just under 1 the last one.
+    assert inverse_cdf(probs, torch.zeros(3)).tolist() == [0, 2, 0]
+    assert inverse_cdf(probs, torch.full((3,), 1 - 1e-7)).tolist() == [3, 2, 1]
+    # Unnormalised rows (top-k/top-p leave sums a rounding off 1) scale u by their total.
+    assert inverse_cdf(probs[:1] * 0.5, torch.tensor([0.69])).tolist() == [2]
+    # Over many uniforms each token's frequency is its probability; a zero is never drawn.
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
+    picked = inverse_cdf(probs[:1].expand(len(u), -1), u)
+    freq = torch.bincount(picked, minlength=4).double() / len(u)
+    assert freq[1] == 0 and torch.allclose(freq, probs[0].double(), atol=0.005)
 
 
 async def test_top_k_1_samples_greedily(student: HFEngine) -> None:

@@ -231,6 +231,11 @@ class PromptSource:
     def tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already wrote any BOS/special tokens into the text.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            # A fast tokenizer's own encoder: the same ids without transformers' wrapping of
+            # each call (19 us a quickstart prompt against 67 us, on the driver's event loop).
+            return list(backend.encode(text, add_special_tokens=False).ids)
         return _token_ids(self.tokenizer(text, add_special_tokens=False))
 
     def next(self) -> PromptItem:

@@ -795,26 +795,49 @@ def penalized(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[_Request]) -> torch.Tensor:
     """One token per row of float logits [rows, vocab] with each row's own sampling: greedy rows
-    take the argmax, seeded rows sample alone from their generator, the rest in one batched draw."""
+    take the argmax; the others' tempered, top-k and top-p filtered distributions are made in one
+    batched pass, unseeded rows drawn together from the global generator, each seeded row by one
+    uniform from its own generator through the inverse CDF (row by row, softmax and multinomial
+    were a third of the quickstart's rollout server: 64 seeded rows a token)."""
     logits = penalized(logits, rows)
     tokens = logits.argmax(-1).cpu()
-    batched = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.generator is None]
-    if batched:
-        idx = torch.tensor(batched, dtype=torch.long, device=logits.device)
-        temps = torch.tensor([rows[i].temperature for i in batched], device=logits.device)[:, None]
-        probs = torch.softmax(logits.index_select(0, idx) / temps, -1)
-        if any(rows[i].top_k for i in batched):
-            probs = _top_k(probs, torch.tensor([rows[i].top_k for i in batched], device=logits.device)[:, None])
-        if any(rows[i].top_p < 1.0 for i in batched):
-            # Sorting every row's whole vocabulary costs ~100 ms per step at 32 rows of a 49k
-            # vocabulary on one core (SmolLM2, bench/servers.py); top_p 1 keeps every token anyway.
-            top_p = torch.tensor([rows[i].top_p for i in batched], device=logits.device)[:, None]
-            probs = _top_p(probs, top_p)
-        tokens[batched] = torch.multinomial(probs, 1)[:, 0].cpu()
-    for i, r in enumerate(rows):
-        if r.temperature > 0.0 and r.generator is not None:
-            tokens[i] = _sample_one(logits[i].cpu(), r.temperature, r.top_p, r.generator, r.top_k)
+    drawn = [i for i, r in enumerate(rows) if r.temperature > 0.0]
+    if not drawn:
+        return tokens
+    probs = _distributions(logits, [rows[i] for i in drawn], drawn)
+    picks = torch.empty(len(drawn), dtype=torch.long)
+    free = [j for j, i in enumerate(drawn) if rows[i].generator is None]
+    if free:
+        picks[free] = torch.multinomial(probs[free], 1)[:, 0].cpu()
+    seeded = [j for j, i in enumerate(drawn) if rows[i].generator is not None]
+    if seeded:
+        u = torch.cat([torch.rand(1, generator=rows[drawn[j]].generator) for j in seeded]).to(probs.device)
+        picks[seeded] = inverse_cdf(probs[seeded], u).cpu()
+    tokens[drawn] = picks
     return tokens
+
+
+def _distributions(logits: torch.Tensor, rows: Sequence[_Request], index: Sequence[int]) -> torch.Tensor:
+    """The sampling distributions of `rows` (logits' rows `index`): softmax at each row's
+    temperature, then its top-k, then its top-p."""
+    idx = torch.tensor(index, dtype=torch.long, device=logits.device)
+    temps = torch.tensor([r.temperature for r in rows], device=logits.device)[:, None]
+    probs = torch.softmax(logits.index_select(0, idx) / temps, -1)
+    if any(r.top_k for r in rows):
+        probs = _top_k(probs, torch.tensor([r.top_k for r in rows], device=logits.device)[:, None])
+    if any(r.top_p < 1.0 for r in rows):
+        # Sorting every row's whole vocabulary costs ~100 ms per step at 32 rows of a 49k
+        # vocabulary on one core (SmolLM2, bench/servers.py); top_p 1 keeps every token anyway.
+        probs = _top_p(probs, torch.tensor([r.top_p for r in rows], device=logits.device)[:, None])
+    return probs
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` [rows, vocab], the token whose cumulative mass first exceeds u [rows]
+    (uniform in [0, 1)) times the row's total: an exact draw, never a zero-probability token."""
+    cdf = probs.cumsum(-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp(max=probs.shape[-1] - 1)
 
 
 def _top_k(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -832,12 +855,3 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_p, order = probs.sort(-1, descending=True)
     keep = sorted_p.cumsum(-1) - sorted_p < top_p
     return torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-
-
-def _sample_one(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator, top_k: int = 0) -> int:
-    probs = torch.softmax(logits / temperature, -1)
-    if top_k:
-        probs = _top_k(probs[None], torch.tensor([[top_k]]))[0]
-    if top_p < 1.0:
-        probs = _top_p(probs[None], torch.tensor([[top_p]]))[0]
-    return int(torch.multinomial(probs, 1, generator=gen))
