@@ -382,6 +382,7 @@ class FakeSyncOutcome:
     bytes: int = 0
     plan: str = "full"
     density: float = 1.0
+    served: Mapping[str, int] = field(default_factory=dict)  # unknown: the driver asks the servers
 
 
 async def _load_all(servers: Sequence[FakeRolloutServer], version: int, pause: PauseMode) -> None:

@@ -150,7 +150,11 @@ def test_weight_sync_is_bit_exact_on_vllm_and_hf(vllm_servers, tiny_models) -> N
     urls = vllm_servers.rollout_urls
     v = max(httpx.get(u + "/version").json()["version"] for u in urls) + 1
     named = perturbed(tiny_models["student"], seed=11)
-    vllm_servers.sender.sync(v, named)
+    stats = vllm_servers.sender.sync(v, named)
+    # vLLM's API process learns of a load after the all-reduce, so the sender asked it; the hf
+    # server serves the load before it, so the sender knew. Either way: what the driver reports.
+    assert [httpx.get(u + "/weights/group").json()["served_at_load"] for u in urls] == [False, True]
+    assert stats.served == {u: v for u in urls}
     want = expected_checksums(named)
     for url in urls:  # vLLM: read back through the repacked CPU kernels, tied lm_head included
         assert httpx.get(url + "/version").json()["version"] == v
@@ -211,6 +215,7 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
             time.sleep(0.05)
         in_place.append(group.pop("in_place"))
         group.pop("delta_base")  # the old sender's base, if its last sync kept one: weights unchanged
+        group.pop("served_at_load")  # checked in test_weight_sync_is_bit_exact_on_vllm_and_hf
         assert group == {"epoch": new.epoch, "state": "ready", "error": None, "dtype": "float32"}
     # The hf server receives large tensors in place, vLLM does not: the syncs pack them for both.
     assert sorted(in_place) == [False, True]

@@ -32,6 +32,9 @@ class RecordingEngine:
     def receives_in_place(self) -> bool:
         return False
 
+    def serves_at_load(self) -> bool:
+        return False
+
     def abort_weight_group(self) -> None:
         self.calls.append("abort")
 
@@ -77,6 +80,7 @@ async def test_switch_waits_for_the_old_sync_then_leaves_then_joins() -> None:
         "dtype": "bfloat16",
         "in_place": False,
         "delta_base": None,
+        "served_at_load": False,
     }
     m.switch("e1")  # the trainer retrying its request: nothing to do
     assert not m.switching and m.switches == 1
@@ -116,6 +120,7 @@ async def test_a_failed_join_is_reported_and_the_same_epoch_can_retry() -> None:
         "dtype": "bfloat16",
         "in_place": False,
         "delta_base": None,
+        "served_at_load": False,
     }
     engine.join_error = None
     m.switch("e1")

@@ -112,6 +112,7 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "dtype": "float32",
             "in_place": True,  # the hf engine: large tensors travel alone, straight into its parameters
             "delta_base": None,  # inside the version-2 load, which may never complete: no base
+            "served_at_load": True,  # the hf engine serves a load before the sync's last all-reduce
         }
         os.kill(sender_proc.pid, signal.SIGKILL)
         sender_proc.wait(30)
@@ -130,6 +131,7 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "dtype": "float32",
             "in_place": True,
             "delta_base": None,  # the aborted sync broke the chain
+            "served_at_load": True,
         }
         # The interrupted version-2 sync failed on the server; it never loaded.
         last = httpx.get(url + "/weights/last").json()
@@ -188,6 +190,7 @@ def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Pat
             "error": None,
             "dtype": "float32",
             "in_place": True,
+            "served_at_load": True,
         }
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(named)
         sender.close()

@@ -53,6 +53,10 @@ class SyncOutcomeLike(Protocol):
     def plan(self) -> str: ...
     @property
     def density(self) -> float: ...
+    @property
+    def served(self) -> Mapping[str, int]:
+        """The version each server serves after the sync, where the sender knows it."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,11 @@ class Engine(ABC):
         """The dtype the engine's weights are stored in (None: not known yet, or mixed)."""
         return None
 
+    def serves_at_load(self) -> bool:
+        """Whether `loaded()` runs before this engine's end of the sync's closing all-reduce, so
+        that once the trainer's sync returns the server already serves the new version."""
+        return False
+
     def receives_in_place(self) -> bool:
         """Whether a bucket of one whole tensor lands straight in the engine's parameter (no
         loader call): then the sender sends large tensors alone, with no packing copy."""

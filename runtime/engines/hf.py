@@ -293,6 +293,9 @@ class HFEngine(Engine):
         dtypes = {p.dtype for p in self._params.values()}  # the model's own (not PEFT's adapter layers)
         return dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
 
+    def serves_at_load(self) -> bool:
+        return True  # _receive_sync: loaded() before close_receive()
+
     def receives_in_place(self) -> bool:
         return True  # receive()'s destination: the parameter itself, generation being paused
 

@@ -78,6 +78,7 @@ class WeightGroupMembership:
             dtype=self.engine.weight_dtype(),
             in_place=self.engine.receives_in_place(),
             delta_base=self.engine.delta_base,
+            served_at_load=self.engine.serves_at_load(),
         )
 
     @property

@@ -48,6 +48,9 @@ class TransferStats:
     """How the sync travelled (delta.Plan: full, keep or delta; WeightSender.sync fills it)."""
     density: float = 1.0
     """The fraction of the weights' elements that changed (1.0 for a full sync)."""
+    served: dict[str, int] = field(default_factory=dict)
+    """The version each member serves once the sync returned, as the sender knows it (its
+    GET /version?at_least answer, or the synced version from a server that serves it at load)."""
 
 
 class _InOrder:

@@ -214,6 +214,10 @@ class WeightsGroupResponse(Wire):
     makes few calls."""
     delta_base: DeltaBase | None = None
     """The delta chain version the engine holds bit for bit (None: none; the next sync is full)."""
+    served_at_load: bool = False
+    """Whether the engine serves (and tags new tokens with) a loaded version before its end of the
+    sync's closing all-reduce (the hf engine), so the sender need not ask for it afterwards
+    (GET /version?at_least); vLLM's API process learns of the load a moment after its workers."""
 
 
 class WeightsBeginResponse(Wire):
