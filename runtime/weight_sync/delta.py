@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -156,7 +155,7 @@ def whole_by_sample(
     if runs < 2 or not total:
         return False
     mean = total / runs  # changed elements a run
-    spread = math.sqrt(max(0.0, sum(map(operator.mul, run_hits, run_hits)) - total * mean) / (runs - 1))
+    spread = math.sqrt(max(0.0, sum(h * h for h in run_hits) - total * mean) / (runs - 1))
     low = (mean - 2 * spread / math.sqrt(runs)) / SAMPLE_RUN
     return low > 0 and choose(n, int(n * low), value_bytes, threshold, sparse) == "whole"
 
