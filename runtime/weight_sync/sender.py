@@ -197,10 +197,10 @@ class WeightSender:
         self._copy: SentCopy | None = None
         """What every member holds after the last sync, while delta syncs are on (delta.py)."""
         self._bases: list[DeltaBase | None] = []
+        """The delta base each member reported before this sync (GET /weights/group)."""
         self._served_at_load: set[str] = set()
         """Members that serve a loaded version before the sync's closing all-reduce (GET
         /weights/group before the sync): no GET /version?at_least after it."""
-        """The delta base each member reported before this sync (GET /weights/group)."""
         self._backoff = Backoff()
         self.last_delta = DeltaStats()
         """The last sync's plan, density and bytes a full sync would have sent."""
@@ -398,8 +398,8 @@ class WeightSender:
         load call returns, a moment later: wait for that as well, so generation requested after
         sync() returns is tagged with the new version. One GET /version?at_least per server,
         which the server answers once its load has ended; none to a server that serves the new
-        version before the all-reduce (`served_at_load`: the hf engine), a round trip through
-        two event loops busy with the generation resuming (~15 ms a sync on the quickstart)."""
+        version before the all-reduce (`served_at_load`: the hf engine): a round trip through
+        two event loops busy with the generation resuming."""
         waiting = [url for url in self.members if url not in self._served_at_load]
         deadline = time.monotonic() + self.timeout
 
