@@ -128,18 +128,16 @@ def sample_hits(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.dtype]])
     to `dtype` and compared bit for bit with `old`; [] for a tensor too small to sample or not
     contiguous. Tensors alike (dtypes, device) share one cast, compare and count."""
     hits: list[list[int]] = [[] for _ in items]
-    alike: dict[tuple[torch.dtype, torch.device, torch.dtype, torch.dtype], list[int]] = {}
+    alike: dict[tuple[torch.dtype, torch.device, torch.dtype], list[int]] = {}
     for i, (t, old, dtype) in enumerate(items):
         if sample_runs(t.numel()) and t.is_contiguous() and old.is_contiguous() and old.dtype == dtype:
-            alike.setdefault((t.dtype, t.device, old.dtype, dtype), []).append(i)
-    for (_, device, _, dtype), members in alike.items():
+            alike.setdefault((t.dtype, t.device, dtype), []).append(i)
+    for (_, device, dtype), members in alike.items():
         new = torch.cat([sample(items[i][0]) for i in members]).to(dtype)
         old = torch.cat([sample(items[i][1]) for i in members]).to(device)
-        counts: list[int] = torch.count_nonzero(_bits(new) != _bits(old), dim=1).tolist()
-        at = 0
-        for i in members:
-            runs = sample_runs(items[i][0].numel())
-            hits[i], at = counts[at : at + runs], at + runs
+        counts = torch.count_nonzero(_bits(new) != _bits(old), dim=1)
+        for i, part in zip(members, counts.split([sample_runs(items[i][0].numel()) for i in members])):
+            hits[i] = part.tolist()
     return hits
 
 
