@@ -156,6 +156,13 @@ class _Partial:
 
     def __init__(self, metric: Counter | Gauge | Histogram, base: dict[str, str]) -> None:
         self._metric, self._base = metric, base
+        # Children by their extra labels: prometheus_client's labels() sorts and checks them at
+        # every call, and the driver calls it a few times per sample.
+        self._children: dict[tuple[tuple[str, str], ...], BoundMetric] = {}
 
     def labels(self, **extra: str) -> BoundMetric:
-        return cast(BoundMetric, self._metric.labels(**self._base, **extra))
+        key = tuple(extra.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = cast(BoundMetric, self._metric.labels(**self._base, **extra))
+        return child

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kubedistill.runtime.trainer import Trainer
+from kubedistill.runtime.trainer.trainer import fused_adamw
 from trainer_cases import make_batch, make_spec
 
 torch.set_num_threads(1)
@@ -21,8 +22,14 @@ def test_adamw_takes_weight_decay_betas_and_eps(tiny_models: dict[str, Path], tm
         group = t.optimizer.param_groups[0]
         assert (group["weight_decay"], group["betas"], group["eps"]) == (0.05, (0.8, 0.95), 1e-6)
         assert group["initial_lr"] == 2e-3
+        assert group["fused"] is True  # one kernel for every tensor on CPU (fused_adamw)
     finally:
         t.close()
+
+
+def test_adamw_is_fused_on_cpu_and_cuda_only() -> None:
+    assert fused_adamw("cpu") is True and fused_adamw("cuda") is True
+    assert fused_adamw("mps") is None  # torch's own default elsewhere
 
 
 def test_grad_clip_bounds_the_gradient_adamw_receives(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -45,6 +45,10 @@ class SampleBuffer:
         self.counters: dict[str, int] = {k: 0 for k in COUNTERS}
         self._ready: list[SampleGroup] = []
         self._in_flight: dict[int, SampleGroup] = {}
+        # Samples in each, kept as they change: the waits' predicates read them at every wake-up
+        # (a finished sample wakes them), where a sum over the groups grew with the buffer.
+        self._ready_samples = 0
+        self._in_flight_samples = 0
         self._arrivals = 0
         self._closed = False
         self._cond = asyncio.Condition()
@@ -53,12 +57,12 @@ class SampleBuffer:
     @property
     def buffered(self) -> int:
         """Samples ready to train on."""
-        return sum(len(g) for g in self._ready)
+        return self._ready_samples
 
     @property
     def in_flight(self) -> int:
         """Samples generating (or being scored)."""
-        return sum(len(g) for g in self._in_flight.values())
+        return self._in_flight_samples
 
     @property
     def generating(self) -> int:
@@ -82,18 +86,16 @@ class SampleBuffer:
         self._check_open()
         if group.group_id in self._in_flight:
             raise ValueError(f"group {group.group_id} is already in flight")
-        if not self.staleness_policy.may_submit(self.stale_count, self.capped, len(group)):
+        if not self._may_submit(len(group)):
             return False
-        self._in_flight[group.group_id] = group
+        self._add_in_flight(group)
         self.stale_count += len(group)
         return True
 
     async def reserve(self, group: SampleGroup) -> None:
         """Wait until the staleness rule lets `group` start, then register it as in flight."""
         async with self._cond:
-            await self._cond.wait_for(
-                lambda: self._closed or self.staleness_policy.may_submit(self.stale_count, self.capped, len(group))
-            )
+            await self._cond.wait_for(lambda: self._closed or self._may_submit(len(group)))
             self.try_reserve(group)
 
     async def sample_finished(self) -> None:
@@ -108,7 +110,7 @@ class SampleBuffer:
         async with self._cond:
             self._take_in_flight(group.group_id)
             if not group.finished:
-                self._in_flight[group.group_id] = group
+                self._add_in_flight(group)
                 raise ValueError(
                     f"group {group.group_id} is not finished: finish reasons {[s.finish_reason for s in group.samples]}"
                 )
@@ -121,6 +123,7 @@ class SampleBuffer:
                 group.arrival = self._arrivals
                 self._arrivals += 1
                 self._ready.append(group)
+                self._ready_samples += len(group)
                 kept = True
             self._gauge()
             self._cond.notify_all()
@@ -136,10 +139,10 @@ class SampleBuffer:
         if want % self.staleness_policy.group_size:
             raise ValueError(f"take({want}): must be a multiple of the group size {self.staleness_policy.group_size}")
         async with self._cond:
-            while True:
-                self._drop_stale()
-                if self.buffered >= want:
-                    break
+            # Once, not at every wake-up: only a sync (which drops them itself) or a restored state
+            # makes ready groups too stale, and `put` refuses the ones that arrive too stale.
+            self._drop_stale()
+            while self.buffered < want:
                 if self._closed:
                     raise BufferClosed(f"buffer closed with {self.buffered} of {want} samples ready")
                 await self._cond.wait()
@@ -149,6 +152,7 @@ class SampleBuffer:
                 g = self._ready.pop(0)
                 taken.append(g)
                 total += len(g)
+            self._ready_samples -= total
             self._count("consumed", total)
             if self.metrics is not None:
                 hist = self.metrics["staleness"]
@@ -198,7 +202,10 @@ class SampleBuffer:
         self._arrivals = int(state["arrivals"])
         self.counters = {k: int(state["counters"].get(k, 0)) for k in COUNTERS}
         self._ready = [SampleGroup.from_dict(g) for g in state["ready"]]
-        self._in_flight = {g.group_id: g for g in (SampleGroup.from_dict(d) for d in state["in_flight"])}
+        self._ready_samples = sum(len(g) for g in self._ready)
+        self._in_flight, self._in_flight_samples = {}, 0
+        for d in state["in_flight"]:
+            self._add_in_flight(SampleGroup.from_dict(d))
         self._gauge()
 
     def to_bytes(self) -> bytes:
@@ -217,11 +224,26 @@ class SampleBuffer:
         if self._closed:
             raise BufferClosed("buffer is closed")
 
+    def _may_submit(self, group_size: int) -> bool:
+        """The staleness rule for one more group. The bound's own count is checked first: while it
+        holds the group back, the cap's count (under fullyAsync, a scan of the samples in flight)
+        is not needed."""
+        policy = self.staleness_policy
+        if not policy.may_submit(self.stale_count, 0, group_size):
+            return False
+        return policy.may_submit(self.stale_count, self.capped, group_size)
+
+    def _add_in_flight(self, group: SampleGroup) -> None:
+        self._in_flight[group.group_id] = group
+        self._in_flight_samples += len(group)
+
     def _take_in_flight(self, group_id: int) -> SampleGroup:
         try:
-            return self._in_flight.pop(group_id)
+            group = self._in_flight.pop(group_id)
         except KeyError:
             raise ValueError(f"group {group_id} is not in flight (reserve it first)") from None
+        self._in_flight_samples -= len(group)
+        return group
 
     def _too_stale(self, group: SampleGroup) -> bool:
         return self.staleness_policy.is_too_stale(self.version, _oldest(group, self.version))
@@ -231,6 +253,7 @@ class SampleBuffer:
         dropped = self.buffered - sum(len(g) for g in keep)
         if dropped:
             self._ready = keep
+            self._ready_samples -= dropped
             self._count("dropped_stale", dropped)
         return dropped
 

@@ -505,7 +505,10 @@ class Driver:
             asyncio.get_running_loop().create_task(self.buffer.close())
 
     async def _generate_group(self, group: SampleGroup) -> None:
-        await asyncio.gather(*(self._generate_sample(group, s) for s in group.samples))
+        if len(group.samples) == 1:  # one sample per prompt: no task and gather of its own
+            await self._generate_sample(group, group.samples[0])
+        else:
+            await asyncio.gather(*(self._generate_sample(group, s) for s in group.samples))
         prepare(group, self.requirements)
         await self.buffer.put(group)
 

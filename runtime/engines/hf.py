@@ -171,6 +171,7 @@ class HFEngine(Engine):
         self._adapter_params: dict[str, torch.Tensor] = {}
         self._adapter_layout: tuple[int, frozenset[str]] | None = None
         self._eos: frozenset[int] = frozenset()
+        self._vocab_size: int | None = None
         # A vision-language model's image pad and merge, and its image processor (None: text).
         self._vision: VisionTokens | None = None
         self._never_sampled: list[int] = []  # a vision-language model's placeholder ids: never sampled
@@ -215,6 +216,9 @@ class HFEngine(Engine):
         self._params = dict(model.named_parameters())
         self._lora_mode, self._lora_base, self._adapter_params, self._adapter_layout = None, None, {}, None
         self._eos = frozenset(self._eos_ids())
+        # Read once: every request is checked against it, and the config's attribute lookups
+        # cost ~20 us a call on the server's event loop.
+        self._vocab_size = int(model.config.get_text_config().vocab_size)
 
     def _load_vision(self, model: PreTrainedModel) -> None:
         """A vision-language model's image pad, spatial merge and image processor (its
@@ -276,6 +280,7 @@ class HFEngine(Engine):
             self._forwards.shutdown(wait=False)
             self._forwards = None
         self.model = None
+        self._vocab_size = None
 
     @property
     def max_model_len(self) -> int:
@@ -285,7 +290,9 @@ class HFEngine(Engine):
 
     @property
     def vocab_size(self) -> int:
-        return int(self._model.config.get_text_config().vocab_size)
+        if self._vocab_size is None:
+            raise RuntimeError("the hf engine is not started: vocab_size comes from the model's config")
+        return self._vocab_size
 
     def weight_dtype(self) -> str | None:
         if self.model is None:

@@ -94,19 +94,37 @@ def make_app(role: str, engine: Engine, metrics: RoleMetrics, lifespan: Lifespan
 def answer_each(requests: Sequence[R], handle: Callable[[R], Awaitable[BaseModel]]) -> StreamingResponse:
     """A batch's answers (runtime/wire/streams.py): every request handled at once, as its single
     endpoint handles it, and framed as soon as it is done. A client that goes away cancels the
-    unfinished ones, as it would cancel single requests by closing their connections."""
+    unfinished ones, as it would cancel single requests by closing their connections.
+
+    The answers that finish together (an engine iteration ends many requests at once) go out as
+    one write: one chunk of the stream and one read on the client, not one per request."""
 
     async def frames() -> AsyncIterator[bytes]:
-        tasks = {asyncio.ensure_future(handle(r)): i for i, r in enumerate(requests)}
-        pending = set(tasks)
+        finished: list[asyncio.Task[BaseModel]] = []
+        wake = asyncio.Event()
+
+        def done(task: asyncio.Task[BaseModel]) -> None:
+            finished.append(task)
+            wake.set()
+
+        tasks: dict[asyncio.Task[BaseModel], int] = {}
+        for i, r in enumerate(requests):
+            task = asyncio.ensure_future(handle(r))
+            tasks[task] = i
+            task.add_done_callback(done)
+        left = len(tasks)
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    yield frame(tasks[task], *_outcome(task))
+            while left:
+                await wake.wait()
+                wake.clear()
+                ready = finished[:]
+                del finished[:]
+                left -= len(ready)
+                yield b"".join(frame(tasks[t], *_outcome(t)) for t in ready)
         finally:
-            for task in pending:
-                task.cancel()
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
 
     return StreamingResponse(frames(), media_type=FRAMES_MEDIA_TYPE)
 
