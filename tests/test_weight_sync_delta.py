@@ -177,6 +177,29 @@ def test_a_copy_kept_across_syncs_stays_exact_and_sends_whole_tensors_as_itself(
             assert tensor_checksum(copy.tensors[n]) == exact == tensor_checksum(receiver[n])
 
 
+def test_auto_sends_a_keep_when_the_first_tensors_all_moved() -> None:
+    # A trainer step that moved every element (lr 1e-4 in bf16) shows in the first sample batch:
+    # the sync goes as a keep. One that moved a few rows (an embedding's), or a dense layer
+    # beside a large sparse tensor, stays a delta.
+    g = torch.Generator().manual_seed(5)
+    w = {"embed": torch.randn(512, 1024, generator=g), "layer": torch.randn(256, 512, generator=g)}
+    metas = [TensorMeta(name=n, dtype="bfloat16", shape=list(t.shape)) for n, t in w.items()]
+    copy = SentCopy("c1", 0, {n: t.to(torch.bfloat16) for n, t in w.items()})
+    auto = sparse_encodings(DeltaMode.auto)
+
+    def moved(**scales: float) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t * (1 + scales.get(n, 0.0))) for n, t in w.items()]
+
+    assert copy.dense_start(metas, moved(embed=0.05, layer=0.05), 0.5, auto)
+    rows = {n: t.clone() for n, t in w.items()}
+    rows["embed"][:40] *= 1.05  # 40 of 512 rows: clustered, an index's work
+    rows["layer"] *= 1.05
+    assert not copy.dense_start(metas, list(rows.items()), 0.5, auto)
+    assert not copy.dense_start(metas, moved(), 0.5, auto)
+    with pytest.raises(ValueError, match="where the manifest has"):
+        copy.dense_start(metas, list(reversed(moved(embed=0.05))), 0.5, auto)
+
+
 def test_a_chain_keeps_a_fresh_cast_itself_and_copies_anything_else() -> None:
     w = torch.randn(8, 8)
     cast = w.to(torch.bfloat16)

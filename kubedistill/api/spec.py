@@ -572,7 +572,8 @@ class DeltaSyncSpec(ApiModel):
     mode: DeltaMode = DeltaMode.auto
     """auto: deltas while they are faster than full syncs (measured by the trainer; after a slower
     one, full syncs for 2, 4, ... 64 syncs before trying again), changed positions sent as indices
-    only (a tensor past 1/16 changed in bf16 goes whole); always: a delta whenever every server
+    only (a tensor past 1/16 changed in bf16 goes whole), and a full sync (that keeps the chain)
+    when the first tensors' samples show nearly every weight moved; always: a delta whenever every server
     holds the trainer's last version; never: full syncs only. Anything that breaks the chain (a
     server joining or failing a load, a trainer restart or resume, an aborted sync) makes the
     next sync a full one by itself. Costs one copy of the student in the engines' dtype in the

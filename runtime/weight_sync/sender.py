@@ -24,6 +24,8 @@ is known to be formed, so the other trainer ranks do not wait in an all-gather m
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
@@ -33,8 +35,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from kubedistill.api.roleconfig import Endpoints, weight_sync_rank, weight_sync_world_size
-from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.api.spec import DeltaMode, DistillationJobSpec
 from kubedistill.runtime.weight_sync.delta import (
+    SAMPLE_BATCH,
     Backoff,
     DeltaStats,
     Plan,
@@ -339,12 +342,25 @@ class WeightSender:
         held = self._copy.base if self._copy is not None and self._copy.fits(metas) else None
         how = plan(setting, held, self._bases, self.wire_dtype, bool(adapter), self._backoff)
         copy, self._copy = self._copy, None  # kept again only once this sync has succeeded
+        sparse = sparse_encodings(setting.mode)
+        probe_seconds = 0.0
+        if how == "delta" and setting.mode is DeltaMode.auto:
+            assert copy is not None
+            t0 = time.perf_counter()
+            pairs = iter(draw())
+            first = list(itertools.islice(pairs, SAMPLE_BATCH))
+            dense = copy.dense_start(metas[: len(first)], first, setting.density_threshold, sparse)
+            probe_seconds = time.perf_counter() - t0
+            if dense:
+                how = "keep"
+            draw = functools.partial(itertools.chain, first, pairs)  # drawn once: the first batch, then on
         keep = DeltaBase(chain=copy.base.chain if how == "delta" and copy else new_chain(), version=version)
         kept: dict[str, torch.Tensor] = {}
         tensors: Iterable[torch.Tensor]
         if how == "delta":
             assert copy is not None
-            pieces, parts, delta = copy.delta(metas, draw(), setting.density_threshold, sparse_encodings(setting.mode))
+            pieces, parts, delta = copy.delta(metas, draw(), setting.density_threshold, sparse)
+            delta.encode_seconds += probe_seconds
             manifest = layout(pieces, budget, self.direct_bytes)
             manifest.delta = ManifestDelta(keep=keep, base=copy.base, targets=metas)
             tensors = _on_device(manifest, zip((p.name for p in pieces), drawn(parts)), self.group.device)
@@ -352,6 +368,7 @@ class WeightSender:
             manifest = layout(metas, budget, self.direct_bytes)
             delta = DeltaStats(plan=how, elements=sum(numel(m.shape) for m in metas), full_bytes=manifest.total_bytes)
             delta.changed = delta.elements
+            delta.encode_seconds = probe_seconds
             if how == "keep":
                 manifest.delta = ManifestDelta(keep=keep)
             into = kept if how == "keep" else None
