@@ -3,6 +3,7 @@ the plain-process launcher that carries it out."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -24,6 +25,7 @@ from kubedistill.runtime.entrypoints.supervisor import (
     SupervisorStatus,
     decide,
 )
+from kubedistill.runtime.entrypoints.zygote import Zygote
 
 JOB = Supervised(("trainer-0", "trainer-1"), backoff_limit=2, active_deadline_seconds=None, started=1000.0)
 RUNNING: dict[str, Exit] = {"trainer-0": None, "trainer-1": None, "rollout-0": None, "teacher-arith-0": None}
@@ -151,18 +153,31 @@ def test_visible_gpus_without_torch(tmp_path: Path) -> None:
 
 def _plan(name: str, code: str, gpus: float = 0) -> ProcessPlan:
     return ProcessPlan(
-        name, Identity(role=Role.trainer, replica=0), 0, {"WHO": name}, 1.0, gpus, [sys.executable, "-c", code]
+        name,
+        Identity(role=Role.trainer, replica=0),
+        0,
+        {"KUBEDISTILL_WHO": name},
+        1.0,
+        gpus,
+        [sys.executable, "-c", code],
     )
 
 
-def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    launcher = ProcessLauncher(tmp_path, gpu_ids=["0"])
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("forked", [False, True], ids=["spawned", "forked"])
+def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool) -> None:
+    """The same behaviour whether each process is spawned or forked from a zygote."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    zygote = Zygote(preload=("json",)) if forked else None
+    launcher = ProcessLauncher(tmp_path, gpu_ids=["0"], zygote=zygote)
 
     def _said(name: str) -> str:
         return (tmp_path / f"{name}.log").read_text() if (tmp_path / f"{name}.log").exists() else ""
 
-    show = "import os; print(os.environ['WHO'], os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)"
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    show = "import os; print(os.environ['KUBEDISTILL_WHO'], os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)"
     launcher.start(
         [
             _plan("a", show + "; raise SystemExit(3)", gpus=0.5),
@@ -174,6 +189,8 @@ def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: py
     while time.monotonic() < deadline and (None in (launcher.poll()["a"], launcher.poll()["c"]) or not _said("b")):
         time.sleep(0.05)
     assert launcher.poll() == {"a": 3, "b": None, "c": -signal.SIGKILL}
+    b = launcher.running["b"].proc
+    assert _parent(b.pid) == (zygote.proc.pid if zygote else os.getpid())
     assert (tmp_path / "a.log").read_text() == "a 0\n"
     with pytest.raises(Exception, match="no GPU free for d"):  # a and b hold the one GPU
         launcher.start([_plan("d", "pass", gpus=1)])
@@ -187,3 +204,5 @@ def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: py
     assert (tmp_path / "d.log").read_text() == "d 0\n1\n"
     launcher.close()
     assert launcher.poll() == {}
+    if zygote is not None:
+        assert zygote.proc.poll() is not None  # closed with the launcher

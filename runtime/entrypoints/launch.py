@@ -4,12 +4,12 @@ supervisor (supervisor.py decides, a launcher carries it out).
 Two backends with one interface. `ProcessLauncher` (here, the default on one machine) runs each
 role as a plain child process: nothing to start first, so the roles begin importing at once.
 `RayLauncher` (launch_ray.py) places them through Ray, on an existing cluster (`--address`) or a
-local Ray when asked (`--launcher ray`).
+local Ray when asked (`--launcher ray`). Given a zygote (zygote.py), `ProcessLauncher` forks the
+roles from it, their common imports done once, and spawns what it cannot fork.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -23,6 +23,7 @@ from typing import Protocol
 
 from kubedistill.api.roleconfig import Identity
 from kubedistill.runtime.entrypoints.supervisor import Exit
+from kubedistill.runtime.entrypoints.zygote import Zygote, die_with_parent
 
 STOP_GRACE_SECONDS = 10.0
 """How long a stopped process has between SIGTERM and SIGKILL."""
@@ -93,8 +94,14 @@ def place_gpus(want: float, used: Mapping[str, float], ids: Sequence[str]) -> li
     return next(([i] for i in ids if used.get(i, 0.0) + want <= 1.0 + 1e-9), None)
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+class Child(Protocol):
+    """A started role process: a subprocess.Popen, or one forked by the zygote."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def spawn(argv: list[str], env: Mapping[str, str], log: FileIO) -> subprocess.Popen[bytes]:
@@ -105,12 +112,12 @@ def spawn(argv: list[str], env: Mapping[str, str], log: FileIO) -> subprocess.Po
         env={**os.environ, **env},
         stdout=log,
         stderr=subprocess.STDOUT,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         start_new_session=True,
     )
 
 
-def terminate(procs: Iterable[subprocess.Popen[bytes]], grace: float = STOP_GRACE_SECONDS) -> None:
+def terminate(procs: Iterable[Child], grace: float = STOP_GRACE_SECONDS) -> None:
     """SIGTERM each process group, wait up to `grace` for all of them together, then SIGKILL."""
     procs = list(procs)
     for p in procs:
@@ -125,27 +132,32 @@ def terminate(procs: Iterable[subprocess.Popen[bytes]], grace: float = STOP_GRAC
             p.wait()
 
 
-def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(p: Child, sig: int) -> None:
     try:
         os.killpg(p.pid, sig)
     except ProcessLookupError:
-        pass
+        try:  # a role just forked may not lead its own process group yet
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 @dataclass
 class _Running:
-    proc: subprocess.Popen[bytes]
-    log: FileIO
+    proc: Child
+    log: FileIO | None
+    """The log file held open for a spawned process (a forked one opens its own)."""
     gpus: dict[str, float]
 
 
 class ProcessLauncher:
-    """Role processes as children of `kubedistill run` on this machine, each given its GPUs by
-    CUDA_VISIBLE_DEVICES as Ray would."""
+    """Role processes as children of `kubedistill run` on this machine (forked by `zygote` where
+    it can), each given its GPUs by CUDA_VISIBLE_DEVICES as Ray would."""
 
-    def __init__(self, log_dir: Path, gpu_ids: Sequence[str]) -> None:
+    def __init__(self, log_dir: Path, gpu_ids: Sequence[str], zygote: Zygote | None = None) -> None:
         self.log_dir = log_dir
         self.gpu_ids = list(gpu_ids)
+        self.zygote = zygote
         self.running: dict[str, _Running] = {}
 
     def gpus(self) -> int:
@@ -168,9 +180,15 @@ class ProcessLauncher:
                 env.setdefault("OMP_NUM_THREADS", str(max(1, int(p.cpus))))
             if ids:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-            log = open(self.log_dir / f"{p.name}.log", "ab", buffering=0)
-            share = p.gpus if p.gpus < 1 else 1.0
-            self.running[p.name] = _Running(spawn(p.argv, env, log), log, {i: share for i in ids})
+            share = {i: p.gpus if p.gpus < 1 else 1.0 for i in ids}
+            path = self.log_dir / f"{p.name}.log"
+            zygote, full_env = self.zygote, {**os.environ, **env}
+            forked = zygote.fork(p.name, p.argv, full_env, os.getcwd(), str(path)) if zygote else None
+            if forked is not None:
+                self.running[p.name] = _Running(forked, None, share)
+                continue
+            log = open(path, "ab", buffering=0)
+            self.running[p.name] = _Running(spawn(p.argv, env, log), log, share)
 
     def poll(self) -> dict[str, Exit]:
         return {name: r.proc.poll() for name, r in self.running.items()}
@@ -179,7 +197,10 @@ class ProcessLauncher:
         stopped = [self.running.pop(n) for n in names if n in self.running]
         terminate(r.proc for r in stopped)
         for r in stopped:
-            r.log.close()
+            if r.log is not None:
+                r.log.close()
 
     def close(self) -> None:
         self.stop(list(self.running))
+        if self.zygote is not None:
+            self.zygote.close()

@@ -47,6 +47,7 @@ from kubedistill.runtime.entrypoints.supervisor import (
     decide,
     gang_record,
 )
+from kubedistill.runtime.entrypoints.zygote import Zygote
 from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient
 
 LAUNCHERS = ("processes", "ray")
@@ -335,12 +336,12 @@ def prepare(job_path: Path, workdir: Path | None, log: Callable[[str], object]) 
     return local
 
 
-def make_launcher(kind: str, local: LocalJob, address: str | None) -> Launcher:
+def make_launcher(kind: str, local: LocalJob, address: str | None, zygote: Zygote | None = None) -> Launcher:
     if kind == "ray":
         from kubedistill.runtime.entrypoints.launch_ray import RayLauncher
 
         return RayLauncher(local.logs, address, sum(p.cpus for p in local.processes))
-    return ProcessLauncher(local.logs, visible_gpus(os.environ))
+    return ProcessLauncher(local.logs, visible_gpus(os.environ), zygote)
 
 
 def run(
@@ -358,11 +359,15 @@ def run(
     if address and launcher == "processes":
         log("kubedistill run: --address (or RAY_ADDRESS) names a Ray cluster; use it with --launcher ray")
         return 1
+    kind = launcher or ("ray" if address else "processes")
+    # The roles' common imports start now, beside reading the job (zygote.py).
+    zygote = Zygote() if kind == "processes" else None
     local = prepare(job_path, workdir, log)
     if local is None:
+        if zygote is not None:
+            zygote.close()
         return 1
-    kind = launcher or ("ray" if address else "processes")
-    launch = make_launcher(kind, local, address)
+    launch = make_launcher(kind, local, address, zygote)
     try:
         local.config = fit_gpus(local.config, local.processes, launch.gpus())
     except ValueError as exc:
