@@ -57,6 +57,9 @@ class JobShape:
     """spec.algorithm.offPolicy.importance (None: the defaults)."""
     delta: str | None = None
     """spec.weightSync.delta.mode (None: the default, auto)."""
+    rollout_dtype: str = "auto"
+    """spec.rollout.inference.dtype: what the rollout engine holds, and so what a weight sync
+    sends (bfloat16: an update below half a bf16 ulp leaves the synced weight unchanged)."""
 
 
 def job_manifest(s: JobShape) -> dict[str, Any]:
@@ -76,7 +79,7 @@ def job_manifest(s: JobShape) -> dict[str, Any]:
         ],
         "rollout": {
             "replicas": 1,
-            "inference": dict(inference),
+            "inference": {**inference, **({"dtype": s.rollout_dtype} if s.rollout_dtype != "auto" else {})},
             "sampling": {
                 "samplesPerPrompt": s.n,
                 "temperature": 1.0,

@@ -636,8 +636,52 @@ def part_fixed(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[st
     return out
 
 
-PARTS = {"text": part_text, "lora": part_lora, "vl": part_vl, "fixed": part_fixed}
-BUDGET_SECONDS = {"text": 200, "lora": 100, "vl": 150, "fixed": 90}
+FORKED_ROLE = (
+    "import time, torch, kubedistill.runtime.engines.factory\n"
+    "t = torch.ones(1024, device={device!r}); print(float(t.sum()), time.time())\n"
+)
+"""What a role does first on its GPU: our engines' imports, then a tensor on the device."""
+
+
+def part_fork(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str, Any]:
+    """Whether a role forked from `kubedistill run`'s zygote can use CUDA (a fork after anything
+    touched the CUDA driver cannot), and what the fork saves: the same first steps of a role as
+    a fresh process and as a fork. While unchecked, roles on GPU machines start fresh
+    (`forks_roles`, runtime/entrypoints/local.py)."""
+    from kubedistill.runtime.entrypoints.zygote import PRELOAD, Zygote
+
+    code = FORKED_ROLE.format(device="cpu" if dry else "cuda")
+    env = dict(os.environ)
+    t0 = time.perf_counter()
+    fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    fresh_s = time.perf_counter() - t0
+    zygote = Zygote(PRELOAD)
+    try:
+        t0 = time.perf_counter()
+        first = zygote.fork("ready", [sys.executable, "-c", "pass"], zygote.env, str(work), str(work / "ready.log"))
+        ready = first is not None and first.wait(120) == 0
+        ready_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        role = zygote.fork("role", [sys.executable, "-c", code], zygote.env, str(work), str(work / "role.log"))
+        code_forked = role.wait(120) if role is not None else None
+        forked_s = time.perf_counter() - t0
+    finally:
+        zygote.close()
+    said = (work / "role.log").read_text(errors="replace") if (work / "role.log").exists() else ""
+    if not ready or code_forked != 0:
+        raise RuntimeError(f"a forked role failed (exit {code_forked}): {said[-1500:]}")
+    if fresh.returncode != 0:
+        raise RuntimeError(f"a fresh role failed (exit {fresh.returncode}): {fresh.stderr[-1500:]}")
+    return {
+        "forked_role_uses_device": True,
+        "fresh_role_s": round(fresh_s, 2),
+        "zygote_ready_s": round(ready_s, 2),
+        "forked_role_s": round(forked_s, 2),
+    }
+
+
+PARTS = {"text": part_text, "lora": part_lora, "vl": part_vl, "fixed": part_fixed, "fork": part_fork}
+BUDGET_SECONDS = {"text": 200, "lora": 100, "vl": 150, "fixed": 90, "fork": 45}
 """Each part's limit on the GPU; together under the 8 minutes a borrowed GPU's command allows."""
 
 

@@ -16,6 +16,8 @@ run`: rollout, teacher and trainer as separate local processes).
 * --importance truncate,none: each run with and without the off-policy correction
   (algorithm.offPolicy.importance.mode), e.g. in oneStepOff and fullyAsync;
 * --delta always,never: each run with delta weight syncs and with full ones (weightSync.delta.mode);
+  with --rollout-dtype bfloat16 and a low --lr, the deltas are sparse (most synced weights keep
+  their bf16 value);
 * modes: sync, oneStepOff, fullyAsync (stalenessThreshold --staleness, default 1.0, partialRollout);
 * measured: the student's exact reverse KL(student || teacher) at its own samples and its greedy
   held-out accuracy, at every checkpoint (evaluated after the runs, so evaluation does not slow
@@ -306,6 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         "always,never: delta syncs against full syncs); runs other than auto (the default) are labelled "
         "'<loss>+delta <mode>'",
     )
+    ap.add_argument("--lr", type=float, help="learning rate of every run (default: each loss's own, LOSSES)")
+    ap.add_argument(
+        "--rollout-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="rollout.inference.dtype: with bfloat16 at a low --lr most synced weights do not change, so a "
+        "delta sync is sparse (use another --workdir: run names do not carry it)",
+    )
     ap.add_argument("--problems", type=int, help="held-out problems per evaluation (default 500, quick 200)")
     ap.add_argument("--cache", default=str(REPO / ".kubedistill/bench/arith"), help="teacher/student/data cache")
     ap.add_argument("--workdir", default=str(REPO / ".kubedistill/bench/learning"))
@@ -370,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for loss_label, lora, importance, delta in variants:
         loss_mode, pg, lr = LOSSES[loss_label]
+        lr = args.lr or lr
         default_is, default_delta = importance == IMPORTANCE_MODES[0], delta == DELTA_MODES[0]
         loss = (
             loss_label
@@ -414,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 lora=lora_spec,
                 importance=None if default_is else {"mode": importance},
                 delta=None if default_delta else delta,
+                rollout_dtype=args.rollout_dtype,
             )
             print(f"run {loss} / {mode} / seed {seed}: {mode_steps} steps x 64 samples ...", flush=True)
             load_before, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -16,6 +16,7 @@ from kubedistill.runtime.entrypoints.local import (
     RAY_WORKER_PORTS,
     absolute_paths,
     ephemeral_ports,
+    forks_roles,
     free_port,
     local_processes,
     run,
@@ -161,6 +162,12 @@ def test_one_gpu_is_shared_by_trainer_rollout_and_teacher(tmp_path: Path) -> Non
     config, procs = local_processes(_job("one-gpu.yaml"), tmp_path / "config.json")
     assert fit_gpus(config, procs, available=3) is config  # they fit: nothing changes
     assert [p.gpus for p in procs] == [1, 1, 1] and not any("NCCL_HOSTID" in p.env for p in procs)
+
+
+def test_roles_fork_from_a_zygote_only_as_plain_processes_without_gpus() -> None:
+    assert forks_roles("processes", [])
+    assert not forks_roles("processes", ["0"])  # with GPUs: fresh processes (zygote.py, CUDA)
+    assert not forks_roles("ray", [])  # Ray starts its own workers
 
 
 def test_gpu_sharing_rules() -> None:

@@ -336,6 +336,13 @@ def prepare(job_path: Path, workdir: Path | None, log: Callable[[str], object]) 
     return local
 
 
+def forks_roles(kind: str, gpu_ids: Sequence[str]) -> bool:
+    """Whether the roles are forked from a zygote: plain processes on a machine without GPUs.
+    With GPUs they start fresh: a fork is safe only while nothing in the zygote has touched the
+    CUDA driver, which no GPU run has checked yet, and there start-up is model loading anyway."""
+    return kind == "processes" and not gpu_ids
+
+
 def make_launcher(kind: str, local: LocalJob, address: str | None, zygote: Zygote | None = None) -> Launcher:
     if kind == "ray":
         from kubedistill.runtime.entrypoints.launch_ray import RayLauncher
@@ -361,7 +368,7 @@ def run(
         return 1
     kind = launcher or ("ray" if address else "processes")
     # The roles' common imports start now, beside reading the job (zygote.py).
-    zygote = Zygote() if kind == "processes" else None
+    zygote = Zygote() if forks_roles(kind, visible_gpus(os.environ)) else None
     local = prepare(job_path, workdir, log)
     if local is None:
         if zygote is not None:

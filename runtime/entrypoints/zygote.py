@@ -207,12 +207,14 @@ def _running(pid: int) -> bool:
 # --- the zygote's side ----------------------------------------------------------------------
 
 
-def _become(request: dict[str, Any], replies: int) -> None:
+def _become(request: dict[str, Any], replies: int, zygote: int) -> None:
     """In a forked child: turn into the requested role process and run it to the end. Its
     exceptions and SystemExit propagate to the interpreter's top level, which exits as
     `python -m` would."""
-    os.setsid()
     die_with_parent()
+    if os.getppid() != zygote:  # the zygote died before the line above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+    os.setsid()
     _libc().prctl(15, request["name"].encode()[:15])  # PR_SET_NAME
     _show_command_line(request["argv"])
     os.chdir(request["cwd"])
@@ -276,7 +278,7 @@ def serve(preload: Sequence[str]) -> None:
             importlib.import_module(name)
         except ImportError:
             pass  # an optional part this build lacks: a role that needs it says so itself
-    pending = b""
+    pending, zygote = b"", os.getpid()
     with selectors.DefaultSelector() as selector:
         selector.register(0, selectors.EVENT_READ)
         while True:
@@ -294,7 +296,7 @@ def serve(preload: Sequence[str]) -> None:
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
-                    _become(request, replies)
+                    _become(request, replies, zygote)
                 os.write(replies, json.dumps({"pid": pid}).encode() + b"\n")
 
 
