@@ -428,6 +428,24 @@ def sample(http: Any, url: str, scale: Scale, vocab: int, seed: int) -> tuple[An
     return batch, seconds
 
 
+def served_weights_match(http: Any, server: RolloutServer, trainer: Any) -> dict[str, Any]:
+    """The server's weights against the trainer's cast to the server's dtype, tensor by tensor
+    (GET /weights/checksums); raises unless every one is equal bit for bit."""
+    from kubedistill.runtime.weight_sync.manifest import tensor_checksum
+    from kubedistill.runtime.weight_sync.transfer import torch_dtype
+    from kubedistill.runtime.wire.protocol import WeightsGroupResponse
+
+    served = http.call("GET", server.url + "/weights/group", WeightsGroupResponse, timeout=60).dtype or "float32"
+    want = {n: tensor_checksum(t.to(torch_dtype(served))) for n, t in trainer.named_full_weights()}
+    if "lm_head.weight" not in want and "model.embed_tokens.weight" in want:
+        want["lm_head.weight"] = want["model.embed_tokens.weight"]  # tied
+    got = json.loads(http.fetch("GET", server.url + "/weights/checksums", timeout=300))
+    bad = sorted(n for n in want if got.get(n) != want[n])
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(want)} synced weights differ on the server, e.g. {bad[:3]}")
+    return {"compared": len(want), "dtype": served, "differ": 0}
+
+
 def lag0(stats: Any) -> dict[str, float]:
     off = stats.off_policy
     if "lag0Tokens" not in off:
@@ -447,11 +465,8 @@ def part_text(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str
     import torch
 
     from kubedistill.runtime.trainer import Trainer
-    from kubedistill.runtime.weight_sync.manifest import tensor_checksum
     from kubedistill.runtime.weight_sync.sender import WeightSender
-    from kubedistill.runtime.weight_sync.transfer import torch_dtype
     from kubedistill.runtime.wire.http import BlockingClient
-    from kubedistill.runtime.wire.protocol import WeightsGroupResponse
 
     out: dict[str, Any] = {}
     device = "cpu" if dry else "cuda"
@@ -498,15 +513,7 @@ def part_text(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str
             )
             version += 1
         out["sync"] = syncs
-        served = http.call("GET", server.url + "/weights/group", WeightsGroupResponse, timeout=60).dtype or "float32"
-        want = {n: tensor_checksum(t.to(torch_dtype(served))) for n, t in trainer.named_full_weights()}
-        if "lm_head.weight" not in want and "model.embed_tokens.weight" in want:
-            want["lm_head.weight"] = want["model.embed_tokens.weight"]  # tied
-        got = json.loads(http.fetch("GET", server.url + "/weights/checksums", timeout=300))
-        bad = sorted(n for n in want if got.get(n) != want[n])
-        out["checksums"] = {"compared": len(want), "dtype": served, "differ": len(bad), "first_differing": bad[:3]}
-        if bad:
-            raise RuntimeError(f"{len(bad)} of {len(want)} synced weights differ on the server, e.g. {bad[:3]}")
+        out["checksums"] = served_weights_match(http, server, trainer)
 
         # 4. after the sync, the engine samples from the weights the trainer holds
         batch, _ = sample(http, server.url, scale, scale.text.vocab, seed=2)
@@ -636,6 +643,73 @@ def part_fixed(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[st
     return out
 
 
+DELTA_LR = 1e-6
+"""The reference OPD job's learning rate (issue: delta syncs), where most bf16 weights do not change."""
+
+
+def part_delta(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str, Any]:
+    """Delta weight syncs (spec.weightSync.delta) where the sender's compare pass runs in GPU
+    memory: the fixed part's SmolLM2-135M-shaped student, bf16 in the hf server, trained at lr
+    1e-6 (AdamW on synthetic batches, float32 masters). Steps each synced as a delta, the
+    server's weights then checked bit for bit, then as many steps each synced in full, all over
+    NCCL's socket transport (the pods' path without RDMA). Reports bytes and seconds of a delta
+    over a full sync (medians) and each delta's density."""
+    import statistics
+
+    from kubedistill.api.spec import DeltaMode
+    from kubedistill.runtime.trainer import Trainer
+    from kubedistill.runtime.weight_sync.sender import WeightSender
+    from kubedistill.runtime.wire.http import BlockingClient
+
+    small = replace(
+        scale, text=scale.small, samples=scale.small_samples, prompt=scale.small_prompt, response=scale.small_response
+    )
+    device = "cpu" if dry else "cuda"
+    model = build_model(text_config(scale.small), work / "student", device, "float32" if dry else "bfloat16")
+    spec = job_spec(model, work, small, dry)
+    spec.trainer.optim.lr = DELTA_LR
+    server = RolloutServer(spec, work, work / "rollout.log")
+    http = BlockingClient(timeout=600)
+    out: dict[str, Any] = {"lr": DELTA_LR}
+    try:
+        trainer = Trainer(spec)
+        server.wait_healthy(http, 300)
+        sender = WeightSender(spec, server.endpoints)
+        version = 0
+
+        def synced(mode: DeltaMode) -> tuple[float, int]:
+            nonlocal version
+            sender.spec.weight_sync.delta.mode = mode
+            version += 1
+            t0 = time.perf_counter()
+            stats = sender.sync(version, trainer)
+            return time.perf_counter() - t0, stats.bytes
+
+        synced(DeltaMode.never)  # NCCL's first collectives
+        synced(DeltaMode.always)  # a full sync that starts the chain
+        deltas, fulls, densities = [], [], []
+        for i in range(scale.small_steps):
+            trainer.train([synthetic_batch(small, scale.small.vocab, seed=60 + i)])
+            deltas.append(synced(DeltaMode.always))
+            densities.append(round(sender.last_delta.density, 5))
+        out["checksums_after_deltas"] = served_weights_match(http, server, trainer)
+        for i in range(scale.small_steps):
+            trainer.train([synthetic_batch(small, scale.small.vocab, seed=80 + i)])
+            fulls.append(synced(DeltaMode.never))
+        full_s, full_bytes = statistics.median(s for s, _ in fulls), fulls[-1][1]
+        out["full_sync_ms"] = round(1000 * full_s, 1)
+        out["delta_sync_ms"] = [round(1000 * s, 1) for s, _ in deltas]
+        out["density"] = densities
+        out["bytes_over_full"] = round(statistics.median(b / full_bytes for _, b in deltas), 4)
+        out["seconds_over_full"] = round(statistics.median(s / full_s for s, _ in deltas), 3)
+        sender.close()
+        trainer.close()
+    finally:
+        http.close()
+        server.stop()
+    return out
+
+
 FORKED_ROLE = (
     "import time, torch, kubedistill.runtime.engines.factory\n"
     "t = torch.ones(1024, device={device!r}); print(float(t.sum()), time.time())\n"
@@ -680,8 +754,15 @@ def part_fork(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str
     }
 
 
-PARTS = {"text": part_text, "lora": part_lora, "vl": part_vl, "fixed": part_fixed, "fork": part_fork}
-BUDGET_SECONDS = {"text": 200, "lora": 100, "vl": 150, "fixed": 90, "fork": 45}
+PARTS = {
+    "text": part_text,
+    "lora": part_lora,
+    "vl": part_vl,
+    "fixed": part_fixed,
+    "delta": part_delta,
+    "fork": part_fork,
+}
+BUDGET_SECONDS = {"text": 150, "lora": 60, "vl": 80, "fixed": 60, "delta": 80, "fork": 45}
 """Each part's limit on the GPU; together under the 8 minutes a borrowed GPU's command allows."""
 
 

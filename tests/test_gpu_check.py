@@ -51,7 +51,7 @@ def test_dry_run_passes_every_part_without_vllm_or_ray(gpu_check_dry_run: Path) 
     assert log.strip().splitlines()[-1].startswith("gpu_check: PASSED"), log[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
     parts = report["parts"]
-    assert report["ok"] and set(parts) == {"text", "lora", "vl", "fixed", "fork"}, parts
+    assert report["ok"] and set(parts) == {"text", "lora", "vl", "fixed", "delta", "fork"}, parts
     text = parts["text"]
     # The engine's samples trained on at once: the trainer's log-probs (bf16 compute) against the
     # engine's (float32) on the same weights, before and after a sync of the trained weights.
@@ -72,6 +72,11 @@ def test_dry_run_passes_every_part_without_vllm_or_ray(gpu_check_dry_run: Path) 
     assert 0 < fixed["train_step"]["compute_ms"] <= fixed["train_step"]["wall_ms"]
     sync = fixed["sync_ms"]
     assert sum(sync[k] for k in ("pause", "transfer", "load", "resume")) <= sync["total"] + 0.5
+    # Delta syncs at lr 1e-6 left the server with the trainer's weights, bit for bit (in float32,
+    # the dry run's engine dtype, every weight changes: the deltas carry whole tensors).
+    delta = parts["delta"]
+    assert delta["checksums_after_deltas"]["differ"] == 0 and len(delta["density"]) == tiny.small_steps
+    assert 0 < delta["bytes_over_full"] <= 1.01 and delta["full_sync_ms"] > 0
     # A role forked from the zygote ran its first steps on the device, as a fresh one did.
     fork = parts["fork"]
     assert fork["forked_role_uses_device"] and fork["forked_role_s"] > 0 and fork["fresh_role_s"] > 0
@@ -81,7 +86,8 @@ def test_dry_run_passes_every_part_without_vllm_or_ray(gpu_check_dry_run: Path) 
 
 def test_unknown_parts_are_refused() -> None:
     out = _run("--dry-run", "--parts", "text,sound")
-    assert out.returncode == 2 and "--parts: unknown ['sound'] (allowed: text, lora, vl, fixed, fork)" in out.stderr
+    allowed = "text, lora, vl, fixed, delta, fork"
+    assert out.returncode == 2 and f"--parts: unknown ['sound'] (allowed: {allowed})" in out.stderr
 
 
 def test_peak_and_flops() -> None:
