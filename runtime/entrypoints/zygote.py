@@ -7,7 +7,8 @@ launcher reads the job, and then forks each role from that warm image: a fork ta
 milliseconds, the imported pages are shared copy-on-write, and three roles on two cores no
 longer each redo the same imports. A forked role then runs `python -m <module> args` as a fresh
 process would: its own session, environment, working directory and log, the module run as
-`__main__`, and the interpreter's normal exit (threads joined, atexit handlers, flushes).
+`__main__`, and the interpreter's exit (threads joined, atexit handlers, flushes; the modules
+are not torn down).
 
 A role forks only where a fresh process would behave the same: its environment may differ from
 the zygote's only in variables that nothing preloaded reads at import (`fork_blockers`);
