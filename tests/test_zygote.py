@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kubedistill.runtime.entrypoints import zygote as zygote_module
 from kubedistill.runtime.entrypoints.zygote import Forked, Zygote, fork_blockers, python_entry
 
 
@@ -110,4 +111,16 @@ def test_the_roles_end_with_their_zygote(tmp_path: Path) -> None:
     zygote.proc.kill()  # as when the launcher is killed: its zygote's stdin closes, or it dies
     assert child.wait(20) == -signal.SIGTERM
     assert zygote.fork("late", [sys.executable, "-c", "pass"], dict(os.environ), str(tmp_path), "/dev/null") is None
+    zygote.close()
+
+
+def test_a_zygote_not_ready_in_time_is_ended_and_its_roles_spawned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(zygote_module, "READY_SECONDS", 0.2)
+    zygote = Zygote(preload=("torch",))  # seconds of imports
+    argv = [sys.executable, "-c", "pass"]
+    assert zygote.fork("late", argv, zygote.env, str(tmp_path), "/dev/null") is None
+    assert zygote.proc.wait(20) == -signal.SIGKILL
+    assert zygote.fork("later", argv, zygote.env, str(tmp_path), "/dev/null") is None
     zygote.close()

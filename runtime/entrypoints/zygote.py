@@ -67,6 +67,8 @@ THREADS_VARIABLE = "OMP_NUM_THREADS"
 """Read by OpenMP at torch's import: a forked role applies it itself (torch.set_num_threads)."""
 
 REAP_SECONDS = 0.2
+READY_SECONDS = 600.0
+"""The longest a fork waits for the zygote's imports (a minute or two on a busy 2-core machine)."""
 
 
 def fork_blockers(zygote_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
@@ -139,24 +141,27 @@ class Zygote:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            reply: dict[str, Any] = json.loads(line)
-            if "pid" in reply:
-                self._pids.put(int(reply["pid"]))
-            else:
-                with self._ended:
-                    self._codes[int(reply["exit"])] = int(reply["code"])
-                    self._ended.notify_all()
-        with self._ended:
-            self.gone = True
-            self._ended.notify_all()
-        self._pids.put(None)
+        try:
+            for line in self.proc.stdout:
+                reply: dict[str, Any] = json.loads(line)
+                if "pid" in reply:
+                    self._pids.put(int(reply["pid"]))
+                else:
+                    with self._ended:
+                        self._codes[int(reply["exit"])] = int(reply["code"])
+                        self._ended.notify_all()
+        finally:
+            with self._ended:
+                self.gone = True
+                self._ended.notify_all()
+            self._pids.put(None)
 
     def fork(self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, log: str) -> Forked | None:
         """Fork `argv` (a `python -m` or `-c` command) with this environment, working
-        directory and log (appended to), its process named `name` (what ps, top and pgrep show
-        for it: every forked role shares the zygote's command line); None when it cannot fork it
-        (the caller spawns it)."""
+        directory and log (appended to), its process named `name` (its comm, what top and pgrep
+        show); None when it cannot fork it (the caller spawns it). Waits for the zygote's
+        imports, up to READY_SECONDS: a zygote not ready by then is ended, and what it would
+        have forked is spawned."""
         if python_entry(argv) is None or fork_blockers(self.env, env) or self.gone:
             return None
         request = json.dumps({"name": name, "argv": list(argv), "env": dict(env), "cwd": cwd, "log": log}) + "\n"
@@ -167,7 +172,11 @@ class Zygote:
                 self.proc.stdin.flush()
             except (BrokenPipeError, ValueError):  # the zygote ended (or was closed)
                 return None
-            pid = self._pids.get()
+            try:
+                pid = self._pids.get(timeout=READY_SECONDS)
+            except queue.Empty:
+                self.proc.kill()  # its reader then marks it gone
+                return None
         return None if pid is None else Forked(pid, self)
 
     def exit_code(self, pid: int, wait: float | None = 0.0) -> int | None:
