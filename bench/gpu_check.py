@@ -721,7 +721,7 @@ def part_fork(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str
     """Whether a role forked from `kubedistill run`'s zygote can use CUDA (a fork after anything
     touched the CUDA driver cannot), and what the fork saves: the same first steps of a role as
     a fresh process and as a fork. While unchecked, roles on GPU machines start fresh
-    (`forks_roles`, runtime/entrypoints/local.py)."""
+    (`forks_roles`, runtime/entrypoints/zygote.py)."""
     from kubedistill.runtime.entrypoints.zygote import PRELOAD, Zygote
 
     code = FORKED_ROLE.format(device="cpu" if dry else "cuda")

@@ -70,7 +70,7 @@ def _plugins() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentPar
 # (module, function) pairs; each function adds subcommands to the parser. The modules must be
 # cheap to import and need no optional extra (heavy imports go inside the command functions).
 COMMAND_MODULES: list[tuple[str, str]] = [
-    ("kubedistill.runtime.entrypoints.local", "add_commands"),
+    ("kubedistill.runtime.entrypoints.run_cli", "add_commands"),
     ("kubedistill.runtime.entrypoints.roles", "add_commands"),
     ("kubedistill.operator.main", "add_commands"),
 ]

@@ -16,12 +16,12 @@ from kubedistill.runtime.entrypoints.local import (
     RAY_WORKER_PORTS,
     absolute_paths,
     ephemeral_ports,
-    forks_roles,
     free_port,
     local_processes,
     run,
 )
 from kubedistill.runtime.entrypoints.supervisor import ActorLost, Exit, exit_text, gang_failures, gang_record
+from kubedistill.runtime.entrypoints.zygote import forks_roles
 
 ROOT = Path(__file__).resolve().parent.parent
 

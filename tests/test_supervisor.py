@@ -14,7 +14,8 @@ import pytest
 from kubedistill.api.failures import GangOutcome
 from kubedistill.api.progress import TrainerProgress
 from kubedistill.api.roleconfig import Identity, Role
-from kubedistill.runtime.entrypoints.launch import ProcessLauncher, ProcessPlan, place_gpus, visible_gpus
+from kubedistill.runtime.entrypoints.gpu_ids import visible_gpus
+from kubedistill.runtime.entrypoints.launch import ProcessLauncher, ProcessPlan, place_gpus
 from kubedistill.runtime.entrypoints.supervisor import (
     Actions,
     ActorLost,

@@ -11,7 +11,6 @@ roles from it, their common imports done once, and spawns what it cannot fork.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -68,18 +67,6 @@ class Launcher(Protocol):
     def close(self) -> None:
         """Stop every process."""
         ...
-
-
-def visible_gpus(environ: Mapping[str, str], dev: Path = Path("/dev")) -> list[str]:
-    """The GPU ids child processes may use, without importing torch: CUDA_VISIBLE_DEVICES when
-    set, else one per /dev/nvidiaN (a container sees only its own, renumbered from 0 by CUDA)."""
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    try:
-        count = sum(1 for p in dev.iterdir() if re.fullmatch(r"nvidia\d+", p.name))
-    except OSError:
-        count = 0
-    return [str(i) for i in range(count)]
 
 
 def place_gpus(want: float, used: Mapping[str, float], ids: Sequence[str]) -> list[str] | None:

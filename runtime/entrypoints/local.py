@@ -14,7 +14,6 @@ from the last checkpoint and re-forms the weight-sync group with them.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -35,9 +34,11 @@ from kubedistill.api.progress import HISTORY_ENV, TrainerProgress
 from kubedistill.api.roleconfig import Endpoints, Identity, JobConfig, Role, role_env, trainer_world_size, user_env
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.driver.history import read_history
+from kubedistill.runtime.entrypoints.gpu_ids import visible_gpus
 from kubedistill.runtime.entrypoints.gpu_share import GpuDemand, Started, share_gpus, start_waves
-from kubedistill.runtime.entrypoints.launch import Launcher, PlacementError, ProcessLauncher, ProcessPlan, visible_gpus
+from kubedistill.runtime.entrypoints.launch import Launcher, PlacementError, ProcessLauncher, ProcessPlan
 from kubedistill.runtime.entrypoints.local_scaling import RolloutScaler
+from kubedistill.runtime.entrypoints.run_cli import launcher_kind
 from kubedistill.runtime.entrypoints.supervisor import (
     Exit,
     Finish,
@@ -47,10 +48,8 @@ from kubedistill.runtime.entrypoints.supervisor import (
     decide,
     gang_record,
 )
-from kubedistill.runtime.entrypoints.zygote import Zygote
+from kubedistill.runtime.entrypoints.zygote import Zygote, forks_roles
 from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient
-
-LAUNCHERS = ("processes", "ray")
 
 HOST = "127.0.0.1"
 
@@ -336,13 +335,6 @@ def prepare(job_path: Path, workdir: Path | None, log: Callable[[str], object]) 
     return local
 
 
-def forks_roles(kind: str, gpu_ids: Sequence[str]) -> bool:
-    """Whether the roles are forked from a zygote: plain processes on a machine without GPUs.
-    With GPUs they start fresh: a fork is safe only while nothing in the zygote has touched the
-    CUDA driver, which no GPU run has checked yet, and there start-up is model loading anyway."""
-    return kind == "processes" and not gpu_ids
-
-
 def make_launcher(kind: str, local: LocalJob, address: str | None, zygote: Zygote | None = None) -> Launcher:
     if kind == "ray":
         from kubedistill.runtime.entrypoints.launch_ray import RayLauncher
@@ -360,15 +352,20 @@ def run(
     report: Path | None = None,
     progress: bool | None = None,
     log: Callable[[str], object] = print,
+    zygote: Zygote | None = None,
 ) -> int:
     """Run a job locally; returns the process exit code (0 = the trainer succeeded). `launcher`:
-    "processes" or "ray"; default Ray with an `address`, else plain processes."""
+    "processes" or "ray"; default Ray with an `address`, else plain processes. `zygote`: one
+    already importing (the command line starts it first); without, one starts here where
+    `forks_roles` says so. It is closed with the run."""
+    kind = launcher_kind(launcher, address)
     if address and launcher == "processes":
         log("kubedistill run: --address (or RAY_ADDRESS) names a Ray cluster; use it with --launcher ray")
+        if zygote is not None:
+            zygote.close()
         return 1
-    kind = launcher or ("ray" if address else "processes")
-    # The roles' common imports start now, beside reading the job (zygote.py).
-    zygote = Zygote() if forks_roles(kind, visible_gpus(os.environ)) else None
+    if zygote is None and forks_roles(kind, visible_gpus(os.environ)):
+        zygote = Zygote()  # the roles' common imports start now, beside reading the job
     local = prepare(job_path, workdir, log)
     if local is None:
         if zygote is not None:
@@ -570,37 +567,3 @@ def _finish_report(local: LocalJob, outcome: dict[str, Any], log: Callable[[str]
     )
     if report is not None:
         report.write_text(json.dumps(outcome, indent=2))
-
-
-def _run_command(args: argparse.Namespace) -> int:
-    return run(
-        Path(args.job),
-        address=args.address,
-        launcher=args.launcher,
-        workdir=Path(args.workdir) if args.workdir else None,
-        report=Path(args.report) if args.report else None,
-        progress=args.progress,
-    )
-
-
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("run", help="run every role of a job as local processes")
-    p.add_argument("job", metavar="JOB.yaml")
-    p.add_argument(
-        "--launcher",
-        choices=LAUNCHERS,
-        default=None,
-        help="start the roles as plain child processes, or through Ray (default: ray with --address, else processes)",
-    )
-    p.add_argument(
-        "--address", default=os.environ.get("RAY_ADDRESS"), help="existing Ray cluster (implies --launcher ray)"
-    )
-    p.add_argument("--workdir", help="run directory (config, logs); default .kubedistill/runs/<job>")
-    p.add_argument("--report", metavar="FILE", help="write a JSON summary here")
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="live progress line (default: when stdout is a terminal)",
-    )
-    p.set_defaults(func=_run_command)

@@ -80,6 +80,14 @@ def fork_blockers(zygote_env: Mapping[str, str], env: Mapping[str, str]) -> list
     )
 
 
+def forks_roles(launcher: str, gpu_ids: Sequence[str]) -> bool:
+    """Whether `kubedistill run` forks its roles from a zygote: plain processes on a machine
+    without GPUs. With GPUs they start fresh: a fork is safe only while nothing in the zygote has
+    touched the CUDA driver, which no GPU session has checked yet (bench/gpu_check.sh's `fork`
+    part does), and there start-up is model loading and vLLM's engine start anyway."""
+    return launcher == "processes" and not gpu_ids
+
+
 def python_entry(argv: Sequence[str]) -> tuple[str, str, list[str]] | None:
     """("-m", module, args) or ("-c", code, args) for `python -m module ...` or
     `python -c code ...` run by this interpreter; None for any other command (it is spawned)."""
