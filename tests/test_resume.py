@@ -139,15 +139,19 @@ def _kill_trainer_after_checkpoint_and_check_resume(job: Path, tmp_path: Path) -
         text=True,
     )
     deadline = time.monotonic() + 240
-    killed_pid, epochs, meta = None, [], {}
+    killed_pid, trainer_pid, looked, epochs, meta = None, None, 0.0, [], {}
     while time.monotonic() < deadline and proc.poll() is None:
+        if trainer_pid is None and time.monotonic() - looked > 0.2:
+            # Found while it trains, so that the kill follows the checkpoint at once: a tiny
+            # job's steps take milliseconds, and a search of /proc then may let it checkpoint again.
+            looked, trainer_pid = time.monotonic(), _trainer_pid(workdir / "config.json")
         if killed_pid is None and (ckpt / "meta.json").is_file():
-            rollout = json.loads((workdir / "config.json").read_text())["endpoints"]["rollout"][0]
-            epochs.append(_get(rollout + "/weights/group").get("epoch"))
+            assert trainer_pid is not None, "trainer process not found"
+            os.kill(trainer_pid, signal.SIGKILL)
+            killed_pid = trainer_pid
             meta = json.loads((ckpt / "meta.json").read_text())  # later checkpoints retire it
-            killed_pid = _trainer_pid(workdir / "config.json")
-            assert killed_pid is not None, "trainer process not found"
-            os.kill(killed_pid, signal.SIGKILL)
+            rollout = json.loads((workdir / "config.json").read_text())["endpoints"]["rollout"][0]
+            epochs.append(_get(rollout + "/weights/group").get("epoch"))  # the new gang's group comes later
         elif killed_pid is not None:
             group = _get(rollout + "/weights/group")
             if group.get("state") == "ready" and group.get("epoch") not in epochs:
