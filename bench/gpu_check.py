@@ -729,7 +729,7 @@ def part_fork(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str
     t0 = time.perf_counter()
     fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     fresh_s = time.perf_counter() - t0
-    zygote = Zygote(PRELOAD)
+    zygote = Zygote(("torch",) if dry else PRELOAD)  # the dry run checks the steps, not CUDA
     try:
         t0 = time.perf_counter()
         first = zygote.fork("ready", [sys.executable, "-c", "pass"], zygote.env, str(work), str(work / "ready.log"))
