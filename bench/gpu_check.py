@@ -581,6 +581,13 @@ def part_vl(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str, 
     return out
 
 
+def small_scale(scale: Scale) -> Scale:
+    """The scale of the parts on the small student (fixed, delta): its shape and step sizes."""
+    return replace(
+        scale, text=scale.small, samples=scale.small_samples, prompt=scale.small_prompt, response=scale.small_response
+    )
+
+
 def part_fixed(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[str, Any]:
     """What a step costs beyond its model work, on the GPU (issue: a step's fixed costs stay host
     work when the model's own work shrinks): a SmolLM2-135M-shaped student, steps of many short
@@ -592,13 +599,7 @@ def part_fixed(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[st
     from kubedistill.runtime.weight_sync.sender import WeightSender
     from kubedistill.runtime.wire.http import BlockingClient
 
-    small = replace(
-        scale,
-        text=scale.small,
-        samples=scale.small_samples,
-        prompt=scale.small_prompt,
-        response=scale.small_response,
-    )
+    small = small_scale(scale)
     device = "cpu" if dry else "cuda"
     model = build_model(text_config(scale.small), work / "student", device, "float32" if dry else "bfloat16")
     spec = job_spec(model, work, small, dry)
@@ -661,9 +662,7 @@ def part_delta(work: Path, scale: Scale, dry: bool, device_name: str) -> dict[st
     from kubedistill.runtime.weight_sync.sender import WeightSender
     from kubedistill.runtime.wire.http import BlockingClient
 
-    small = replace(
-        scale, text=scale.small, samples=scale.small_samples, prompt=scale.small_prompt, response=scale.small_response
-    )
+    small = small_scale(scale)
     device = "cpu" if dry else "cuda"
     model = build_model(text_config(scale.small), work / "student", device, "float32" if dry else "bfloat16")
     spec = job_spec(model, work, small, dry)
