@@ -56,7 +56,7 @@ class JobShape:
     importance: dict[str, Any] | None = None
     """spec.algorithm.offPolicy.importance (None: the defaults)."""
     delta: str | None = None
-    """spec.weightSync.delta.mode (None: the default, auto)."""
+    """spec.weightSync.delta.mode (None: the default, never)."""
     rollout_dtype: str = "auto"
     """spec.rollout.inference.dtype: what the rollout engine holds, and so what a weight sync
     sends (bfloat16: an update below half a bf16 ulp leaves the synced weight unchanged)."""

@@ -82,8 +82,10 @@ ASYNC = {"triggerParameterSyncStep": 1, "partialRollout": True, "partialRolloutS
 SAMPLES_PER_PROMPT = 1
 IMPORTANCE_MODES = ("truncate", "mask", "none")
 """algorithm.offPolicy.importance.mode values of --importance; the first is the spec's default."""
-DELTA_MODES = ("auto", "always", "never")
+DELTA_MODES = ("never", "auto", "always")
 """weightSync.delta.mode values of --delta; the first is the spec's default."""
+DELTA_TAGS = {"never": "n", "auto": "u", "always": "a"}
+"""A delta mode's letter in run names (auto and always share their initial)."""
 LORA = {"rank": 8, "alpha": 16}
 """--lora runs: rank 8 on every linear layer, merged into the rollout engine's base on receipt."""
 LORA_LR_FACTOR = 10.0
@@ -303,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--delta",
-        default="auto",
+        default=DELTA_MODES[0],
         help="comma-separated weightSync.delta.mode values, each a run of every loss and mode (e.g. "
-        "always,never: delta syncs against full syncs); runs other than auto (the default) are labelled "
+        "always,never: delta syncs against full syncs); runs other than never (the default) are labelled "
         "'<loss>+delta <mode>'",
     )
     ap.add_argument("--lr", type=float, help="learning rate of every run (default: each loss's own, LOSSES)")
@@ -393,10 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         loss_steps = (args.pg_steps or steps) if pg else steps
         for mode, seed in ((m, s) for m in modes for s in range(args.seeds)):
             mode_steps = args.async_steps if (args.async_steps and mode != "sync") else loss_steps
-            # metadata.name has at most 40 characters: delta modes go by their initial (-da, -dn).
+            # metadata.name has at most 40 characters: delta modes go by a letter (-du, -da).
             name = (
                 f"learn-{loss_mode.lower()}{'-lora' if lora else ''}{'' if default_is else '-is' + importance}"
-                f"{'' if default_delta else '-d' + delta[0]}-{mode.lower()}" + (f"-s{seed}" if seed else "")
+                f"{'' if default_delta else '-d' + DELTA_TAGS[delta]}-{mode.lower()}" + (f"-s{seed}" if seed else "")
             )
             if args.render_only:
                 saved = work / f"{name}.result.json"

@@ -5,8 +5,9 @@ Starts N rollout servers (`kubedistill role rollout`, engine hf or vllm) of Smol
 shape with --random), forms the weight-sync group with this process as trainer rank 0, then for
 each bucket size and repeat times in the same run:
   (a) one raw broadcast of a single flat tensor of the same byte count (+ the closing all-reduce)
-  (b) our sync end to end: /weights/begin, pack, broadcast, unpack, load into every engine,
-      closing all-reduce.
+  (b) our full sync end to end: /weights/begin, pack, broadcast, unpack, load into every engine,
+      closing all-reduce. weightSync.delta is set to never explicitly: these rows sync the same
+      weights again and again, which under a delta mode would be empty deltas after the first.
 The receivers' own breakdown (waiting on the transport vs loading; on vLLM-CPU the oneDNN
 repack) is read from /weights/last. Last line: median ratio b/a at the spec's bucket size.
 
@@ -18,7 +19,8 @@ and full, and their ratios. Last line: the ratios at the first rank.
 With --delta-lrs (e.g. 1e-6,1e-5,1e-4) it measures delta syncs (spec.weightSync.delta) instead:
 receivers keep SmolLM2-135M in bf16, this process trains an fp32 copy with AdamW at each learning
 rate (real optimizer steps on random tokens; the full model, tied embedding included), and after
-every step syncs with delta on; rows give per step the bytes and seconds over a full sync's
+every step syncs with delta on (a delta only ever follows an optimizer step: never the same
+weights again); rows give per step the bytes and seconds over a full sync's
 (the median of --repeats full syncs of the same weights, right after) and the changed fraction. --links runs
 it over loopback and over a pod-like link: a network namespace joined by a veth pair shaped with
 tc to --link-gbit (needs root and `ip`/`tc`). auto rows: delta auto at the last rate. Last line:
@@ -160,6 +162,7 @@ def main() -> int:
                         t = time.perf_counter()
                         sender.sync(version, named, bucket_bytes=mb * 2**20)
                         r["ours"].append(time.perf_counter() - t)
+                    full_sync(sender)
                     last = [httpx.get(u + "/weights/last", timeout=60).json() for u in urls]
                     r["waits"].append(max(x["transport_wait_seconds"] for x in last))
                     r["loads"].append(max(x["load_seconds"] for x in last))
@@ -181,6 +184,12 @@ def main() -> int:
             f"{args.receivers} {args.engine} receivers): {ratio:.3f}"
         )
     return 0
+
+
+def full_sync(sender: Any) -> None:
+    """Refuse a row whose last sync was not a plain full one (weightSync.delta never)."""
+    if sender.last_delta.plan != "full":
+        raise SystemExit(f"bench: a full-sync row's sync went as {sender.last_delta.plan!r}: delta must be off")
 
 
 def train_step(model: Any, opt: Any, g: Any) -> None:
@@ -293,14 +302,24 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
         with pod_link(kind, args.link_gbit) as link, rollout_servers(mdir, work, args, link, "bfloat16") as (sender, _):
             named = [(n, p) for n, p in model.named_parameters()]  # live: each sync reads the weights as they are
             version = 0
+            trained = False  # whether an optimizer step changed the weights since the last sync
+
+            def step(opt: Any, g: Any) -> None:
+                nonlocal trained
+                train_step(model, opt, g)
+                trained = True
 
             def sync(mode: DeltaMode, named: list[tuple[str, Any]] = named) -> tuple[float, Any]:
-                nonlocal version
+                nonlocal version, trained
                 sender.spec.weight_sync.delta.mode = mode
                 version += 1
                 t = time.perf_counter()
                 stats = sender.sync(version, [(n, p.detach()) for n, p in named])
-                return time.perf_counter() - t, stats
+                seconds = time.perf_counter() - t
+                if sender.last_delta.plan == "delta" and not trained:
+                    raise SystemExit("bench: a delta of unchanged weights; each delta row must follow a step")
+                trained = False
+                return seconds, stats
 
             g = torch.Generator().manual_seed(0)
             for i, lr in enumerate(lrs):
@@ -314,14 +333,14 @@ def delta_rows(mdir: Path, work: Path, model: Any, args: argparse.Namespace) -> 
                     steps = []
 
                     for _ in range(args.steps):
-                        train_step(model, opt, g)
+                        step(opt, g)
                         seconds, stats = sync(mode)
                         steps.append((seconds, stats.bytes, sender.last_delta))
                     # Each full sync right after a step too, as each delta is: the first sync
                     # after a step runs on the caches the step left cold, and costs more.
                     full = []
                     for _ in range(args.repeats):
-                        train_step(model, opt, g)
+                        step(opt, g)
                         full.append(sync(DeltaMode.never))
                     full_s, full_b = med(s for s, _ in full), full[-1][1].bytes
                     print(
@@ -365,7 +384,9 @@ def rollout_servers(
 ) -> Iterator[tuple[Any, list[str]]]:
     """args.receivers rollout servers of `mdir` (spec.trainer.lora = `lora`, which sizes a vLLM
     engine's LoRA support; `dtype` their weights' dtype) in a weight-sync group with this process
-    as the trainer, over loopback or `link`: (sender, urls)."""
+    as the trainer, over loopback or `link`: (sender, urls). The sender's weightSync.delta is
+    never, whatever the spec's default: full syncs unless a row sets a mode itself."""
+    from kubedistill.api.spec import DeltaMode
     from kubedistill.runtime.weight_sync.sender import WeightSender
     from server_fixtures import Server, free_port, job_config
 
@@ -382,6 +403,7 @@ def rollout_servers(
         bucket_mb=int(args.buckets_mb.split(",")[-1]),
     )
     cfg.spec.trainer.lora = lora
+    cfg.spec.weight_sync.delta.mode = DeltaMode.never
     if dtype is not None:
         from kubedistill.api.enums import DType
 
@@ -499,6 +521,7 @@ def timed_syncs(sender: Any, weights: Any, repeats: int) -> tuple[list[float], i
         t = time.perf_counter()
         nbytes = sender.sync(version, weights).bytes
         seconds.append(time.perf_counter() - t)
+        full_sync(sender)
     return seconds, nbytes
 
 

@@ -61,6 +61,7 @@ def job_yaml(
     trainer_replicas: int = 1,
     max_num_seqs: int | None = None,
     lora: dict[str, Any] | None = None,
+    delta: str | None = None,
 ) -> Path:
     data = write_prompts(base / "data" / "train.jsonl")
     inference = _inference(engine, max_model_len, max_num_seqs)
@@ -100,6 +101,8 @@ def job_yaml(
         spec["async"] = asyncspec
     if lora is not None:
         spec["trainer"]["lora"] = lora
+    if delta is not None:
+        spec["weightSync"]["delta"] = {"mode": delta}
     job = {"apiVersion": "kubedistill.io/v1alpha1", "kind": "DistillationJob", "metadata": {"name": name}, "spec": spec}
     path = base / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))

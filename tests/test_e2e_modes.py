@@ -45,6 +45,7 @@ JOBS: dict[str, dict[str, Any]] = {
         asyncspec=RESUMING,
         max_num_seqs=1,
         loss="reverseKLTopK",
+        delta="auto",  # delta syncs, off by default, end to end: a keep, then deltas (or full)
     ),
     "vllm": dict(
         mode="fullyAsync",
@@ -178,15 +179,18 @@ def test_fully_async_mode_resumes_partial_rollouts(runs) -> None:
     assert sum(h["resumedSamples"] for h in hist) >= len(ranges) > 0
     assert any(hi > lo for lo, hi in ranges), ranges
     assert all(hi - lo <= policy.max_lag for lo, hi in ranges)
-    _check_sync_record(hist)
+    _check_sync_record(hist, delta=True)
 
 
-def _check_sync_record(hist: list[dict[str, Any]]) -> None:
-    """Each synced step's line says how its sync travelled (weightSync.delta auto: the first sync
-    is a full one that starts the delta chain) and what it sent."""
+def _check_sync_record(hist: list[dict[str, Any]], delta: bool) -> None:
+    """Each synced step's line says how its sync travelled and what it sent: with weightSync.delta
+    auto the first sync is a full one that starts the delta chain (keep); by default (never)
+    every sync is a plain full one."""
     syncs = [h for h in hist if h["synced"]]
-    assert syncs and syncs[0]["syncPlan"] == "keep" and syncs[0]["syncDensity"] == 1.0, syncs[0]
-    assert all(h["syncPlan"] in ("keep", "delta", "full") for h in syncs)
+    first = "keep" if delta else "full"
+    assert syncs and syncs[0]["syncPlan"] == first and syncs[0]["syncDensity"] == 1.0, syncs[0]
+    plans = ("keep", "delta", "full") if delta else ("full",)
+    assert all(h["syncPlan"] in plans for h in syncs), [h["syncPlan"] for h in syncs]
     assert all(h["syncBytes"] > 0 and 0.0 < h["syncDensity"] <= 1.0 for h in syncs)
     assert not any("syncPlan" in h for h in hist if not h["synced"])
 
@@ -200,7 +204,7 @@ def test_fully_async_partial_rollout_on_vllm(runs, tiny_models) -> None:
     assert hist[1]["rolloutVersions"] == [1]
     assert hist[-1]["trainerVersion"] == 1
     _check_time_budget(hist)
-    _check_sync_record(hist)
+    _check_sync_record(hist, delta=False)
     _exported_differs(r, tiny_models)
 
 

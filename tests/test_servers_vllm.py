@@ -199,11 +199,13 @@ def test_a_restarted_trainer_reforms_the_group_with_vllm_and_hf(vllm_servers, ti
     workers leave the old group (kd_ws_leave) and join the new one, and its weights arrive bit
     for bit on both engines."""
     from kubedistill.runtime.weight_sync.sender import WeightSender
+    from test_weight_sync_delta_servers import delta_on
 
     urls = vllm_servers.rollout_urls
     old = vllm_servers.sender
     old.close()
-    new = WeightSender(vllm_servers.config.spec, vllm_servers.config.endpoints)
+    # Delta syncs on (off by default): the new sender's first sync restarts the chain.
+    new = WeightSender(delta_on(vllm_servers.config.spec), vllm_servers.config.endpoints)
     vllm_servers.sender = new  # later tests sync through the new group
     assert new.epoch != old.epoch
     in_place = []

@@ -21,6 +21,7 @@ import httpx
 import torch
 
 from kubedistill.api.roleconfig import JobConfig
+from kubedistill.api.spec import DeltaMode
 from server_fixtures import Server, free_port, job_config
 from test_servers_hf import expected_checksums, perturbed
 
@@ -68,8 +69,9 @@ class LoneRollout(NamedTuple):
     port: int
 
 
-def lone_rollout(models: dict[str, Path], tmp_path: Path, engine: str) -> LoneRollout:
-    """The rollout server of a one-replica job, started."""
+def lone_rollout(models: dict[str, Path], tmp_path: Path, engine: str, delta: DeltaMode | None = None) -> LoneRollout:
+    """The rollout server of a one-replica job, started (weightSync.delta.mode `delta`, else the
+    default)."""
     port, wport = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     cfg = job_config(
@@ -80,6 +82,8 @@ def lone_rollout(models: dict[str, Path], tmp_path: Path, engine: str) -> LoneRo
         teacher_urls=["http://127.0.0.1:1"],
         weight_sync_port=wport,
     )
+    if delta is not None:
+        cfg.spec.weight_sync.delta.mode = delta
     config = tmp_path / "config.json"
     cfg.dump(config)
     return LoneRollout(Server("rollout", config, port), cfg, config, url, port)
@@ -94,7 +98,8 @@ def start_sender(models: dict[str, Path], config: Path) -> subprocess.Popen[str]
 
 
 def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Path) -> None:
-    server, cfg, config, url, port = lone_rollout(tiny_models, tmp_path, "hf")
+    # Delta syncs on (off by default): each new sender's first sync restarts the chain (keep).
+    server, cfg, config, url, port = lone_rollout(tiny_models, tmp_path, "hf", DeltaMode.always)
     sender_proc = None
     try:
         sender_proc = start_sender(tiny_models, config)

@@ -4,6 +4,7 @@ sender's copy that follows the weights it sent."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -22,9 +23,11 @@ from kubedistill.runtime.weight_sync.delta import (
     encode,
     host_copy,
     pack_bits,
+    pin_host_copies,
     plan,
     sample,
     sparse_encodings,
+    to_host,
     unpack_bits,
     whole_by_sample,
 )
@@ -211,8 +214,54 @@ def test_a_chain_keeps_a_fresh_cast_itself_and_copies_anything_else() -> None:
     assert host_copy(w, view).data_ptr() != w.data_ptr()
 
 
+def test_host_copies_are_pinned_only_from_a_cuda_device() -> None:
+    assert pin_host_copies(torch.device("cuda", 0)) and pin_host_copies(torch.device("cuda"))
+    assert not pin_host_copies(torch.device("cpu")) and not pin_host_copies(torch.device("meta"))
+
+
+def test_a_host_copy_from_the_cpu_is_a_plain_contiguous_copy() -> None:
+    w = torch.randn(6, 4).t()  # not contiguous: the copy is, so a delta can patch it flat
+    kept = to_host(w)
+    assert kept.is_contiguous() and torch.equal(kept, w) and not kept.is_pinned()
+    assert kept.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+
+
+def test_a_host_copy_falls_back_to_pageable_memory_where_pinning_fails(monkeypatch, caplog) -> None:
+    """The pinning call is made for a tensor the decision says to pin; where it fails (here: a
+    CPU-only torch, no pinned allocator) the copy is a plain one, and the failure is logged once."""
+    from kubedistill.runtime.weight_sync import delta
+
+    if torch.cuda.is_available():
+        pytest.skip("pinning works here: test_a_host_copy_from_a_gpu_is_pinned")
+    monkeypatch.setattr(delta, "pin_host_copies", lambda device: True)
+    monkeypatch.setattr(delta, "_pin_failed", False)
+    w = torch.randn(5, 3, dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="kubedistill.weight_sync"):
+        kept, again = to_host(w), to_host(w)
+    assert torch.equal(kept, w) and torch.equal(again, w) and not kept.is_pinned()
+    assert kept.data_ptr() != w.data_ptr() and delta._pin_failed
+    assert len([r for r in caplog.records if "pinning failed" in r.getMessage()]) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_host_copy_from_a_gpu_is_pinned() -> None:
+    w = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
+    kept = to_host(w)
+    assert kept.device.type == "cpu" and kept.is_pinned() and torch.equal(kept, w.cpu())
+    assert host_copy(w, w).is_pinned()  # what a sync that starts a chain keeps from a GPU
+
+
 ON, AUTO, OFF = (DeltaSyncSpec(mode=m) for m in (DeltaMode.always, DeltaMode.auto, DeltaMode.never))
 HELD = DeltaBase(chain="c1", version=7)
+
+
+def test_delta_syncs_are_off_by_default() -> None:
+    """never until a delta is measured faster than a full sync on a GPU: a default job's syncs
+    are plain full ones, whose manifests ask no receiver to keep a copy (plan "full")."""
+    default = DeltaSyncSpec()
+    assert default.mode is DeltaMode.never
+    assert plan(default, HELD, [HELD], "bfloat16", False, Backoff()) == "full"
+    assert plan(default, None, [None], "bfloat16", False, Backoff()) == "full"
 
 
 @pytest.mark.parametrize(

@@ -569,16 +569,18 @@ class DeltaSyncSpec(ApiModel):
     """Sparse delta syncs: only the weights that changed since the version every rollout server
     holds, bit for bit the same result as a full sync (docs/design.md#delta-weight-syncs)."""
 
-    mode: DeltaMode = DeltaMode.auto
-    """auto: deltas while they are faster than full syncs (measured by the trainer; after a slower
-    one, full syncs for 2, 4, ... 64 syncs before trying again), changed positions sent as indices
-    only (a tensor past 1/16 changed in bf16 goes whole), and a full sync (that keeps the chain)
-    when the first tensors' samples show nearly every weight moved; always: a delta whenever every server
-    holds the trainer's last version; never: full syncs only. Anything that breaks the chain (a
-    server joining or failing a load, a trainer restart or resume, an aborted sync) makes the
-    next sync a full one by itself. Costs one copy of the student in the engines' dtype in the
-    trainer's host memory, and one in each vLLM worker's (none on the hf engine). A LoRA
-    student's adapter-only syncs are never deltas."""
+    mode: DeltaMode = DeltaMode.never
+    """never (the default, until a delta is measured faster than a full sync on a GPU): full
+    syncs only, no copy kept; auto: deltas while they are faster than full syncs (measured by
+    the trainer; after a slower one, full syncs for 2, 4, ... 64 syncs before trying again),
+    changed positions sent as indices only (a tensor past 1/16 changed in bf16 goes whole), and a
+    full sync (that keeps the chain) when the first tensors' samples show nearly every weight
+    moved; always: a delta whenever every server holds the trainer's last version. Anything that
+    breaks the chain (a server joining or failing a load, a trainer restart or resume, an aborted
+    sync) makes the next sync a full one by itself. auto and always cost a pinned host copy of
+    the student in the engines' dtype on the trainer's rank 0 and in each vLLM worker (none on
+    the hf engine): about 2 bytes a parameter in bf16. A LoRA student's adapter-only syncs are
+    never deltas."""
     density_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
     """A tensor whose changed fraction exceeds this travels whole rather than as changed
     positions and values."""
@@ -594,7 +596,7 @@ class WeightSyncSpec(ApiModel):
     timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
     """Timeout of one sync."""
     delta: DeltaSyncSpec = Field(default_factory=DeltaSyncSpec)
-    """Send only what changed between versions (auto, always or never)."""
+    """Send only what changed between versions (never, auto or always; never by default)."""
 
 
 QueueName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]

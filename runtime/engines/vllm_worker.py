@@ -215,6 +215,7 @@ class WeightSyncWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        from kubedistill.runtime.weight_sync.delta import to_host
         from kubedistill.runtime.weight_sync.transfer import close_receive, receive
 
         if manifest.delta is not None and manifest.delta.base is not None:
@@ -224,7 +225,9 @@ class WeightSyncWorkerExtension:
         t0 = time.perf_counter()
         if load:
             self._kd_base_copy = None  # the weights no longer match it from here on
-        # Keeping a delta base: a copy of every tensor as loaded (host memory, HF names, unfused).
+        # Keeping a delta base: a copy of every tensor as loaded (host memory, pinned from a GPU;
+        # HF names, unfused). Only a sync that starts a chain asks for one (manifest.delta), and
+        # only a job with weightSync.delta on sends such syncs: under never a worker keeps none.
         kept: dict[str, torch.Tensor] | None = {} if load and manifest.delta is not None else None
 
         def consume(named: list[tuple[str, torch.Tensor]]) -> None:
@@ -232,7 +235,7 @@ class WeightSyncWorkerExtension:
                 return
             try:
                 if kept is not None:
-                    kept.update((n, t.to("cpu", copy=True)) for n, t in named)
+                    kept.update((n, to_host(t)) for n, t in named)
                 model.load_weights(weights=named)
             except Exception as e:  # keep receiving so the collective stays in step
                 errors.append(f"{type(e).__name__}: {e}")

@@ -19,7 +19,8 @@ sample (16-64 runs of 64 elements) shows it would go whole even at a low estimat
 `index` only (`sparse_encodings`): past 1/16 changed, where a mask would win on bytes, the receiver's
 per-element unpack and scatter and the sender's positions cost more than the bytes saved (measured
 on CPU), so such a tensor goes whole, for no more than a full sync costs. The comparison runs
-where the trainer's weights are (a GPU's memory on GPU); the copy stays in host memory.
+where the trainer's weights are (a GPU's memory on GPU); the copy stays in host memory, pinned
+when it comes from a GPU (`to_host`), so the copies between the two overlap the host's work.
 The pieces are ordinary tensors of the manifest, so bucketing, double buffering and
 in-place receives work as for a full sync.
 
@@ -31,6 +32,7 @@ restart or a resume from a checkpoint), a failed or aborted sync (the sender dro
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import time
@@ -56,6 +58,7 @@ Plan = Literal["full", "keep", "delta"]
 keep a copy; delta: the changed elements only."""
 
 T = TypeVar("T")
+log = logging.getLogger("kubedistill.weight_sync")
 
 MAX_BACKOFF = 64
 """auto: the most full syncs sent before trying a delta again after deltas did not pay."""
@@ -286,7 +289,8 @@ class DeltaStats:
 
 class SentCopy:
     """What every receiver of the group holds, bit for bit: the sender's copy of the last sync
-    (host memory, the engines' dtype: one more model's worth of RAM on the trainer's rank 0)."""
+    (host memory, pinned from a GPU, the engines' dtype: one more model's worth of RAM on the
+    trainer's rank 0)."""
 
     def __init__(self, chain: str, version: int, tensors: dict[str, torch.Tensor]):
         self.base = DeltaBase(chain=chain, version=version)
@@ -427,14 +431,43 @@ def host_copy(source: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     """What a sync that starts a chain keeps of a tensor it sends: the sent tensor itself where
     the cast to the wire dtype made it new in host memory (a CPU trainer: nothing else holds it,
     and a fresh copy would cost its page faults, 15 % of a SmolLM2-135M sync), else a copy in
-    host memory (the sent tensor is the trainer's own, or in GPU memory)."""
+    host memory (`to_host`: the sent tensor is the trainer's own, or in GPU memory)."""
     if (
         sent is not source
         and sent.device.type == "cpu"
         and sent.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
     ):
         return sent.detach()
-    return sent.detach().to("cpu", copy=True)
+    return to_host(sent)
+
+
+def pin_host_copies(device: torch.device) -> bool:
+    """Whether the host copy of a tensor on `device` is pinned (page-locked): only from a CUDA
+    device, whose copies to and from pinned memory go by DMA at the bus's speed, without a
+    staging copy, and with non_blocking=True overlap the host's work (the compare pass streams
+    the copy to the GPU; a vLLM worker's delta load reads it). From the CPU nothing crosses a
+    bus, and pinning there needs an accelerator anyway."""
+    return bool(device.type == "cuda")
+
+
+_pin_failed = False
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` in host memory, pinned when `t` is on a CUDA device
+    (`pin_host_copies`); pageable where pinning is refused (no pinned allocator, or the host
+    will not lock that much memory), logged once."""
+    global _pin_failed
+    t = t.detach()
+    if pin_host_copies(t.device) and not _pin_failed:
+        try:
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError as e:
+            _pin_failed = True
+            log.warning("delta sync: host copies stay pageable, pinning failed: %s", e)
+        else:
+            return pinned.copy_(t)
+    return t.to("cpu", copy=True, memory_format=torch.contiguous_format)
 
 
 def _dtype(t: torch.Tensor) -> str:

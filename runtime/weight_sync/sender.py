@@ -10,8 +10,8 @@ a restarted trainer reaches the same long-lived rollout servers. A sync POSTs /w
 (version + manifest + epoch) to every rollout server, broadcasts the buckets, then all-reduces a
 failure count so it returns only once every engine has loaded the weights (or raises naming how many failed).
 
-With spec.weightSync.delta on or auto, a sync that every server can take as a delta sends only the
-changed elements (runtime/weight_sync/delta.py: the plan, the copy kept of what was sent, the
+With spec.weightSync.delta always or auto (off by default), a sync that every server can take as
+a delta sends only the changed elements (runtime/weight_sync/delta.py: the plan, the copy kept of what was sent, the
 encodings); the weights are then drawn and compared before /weights/begin, as the manifest's
 pieces depend on them. Any other sync is full, and restarts the chain when it keeps a copy.
 
@@ -375,7 +375,9 @@ class WeightSender:
             tensors = _later(lambda: _on_device(manifest, draw(), self.group.device, into))
         manifest.lora = adapter
         manifest.frozen = frozen
-        return _Outgoing(manifest, tensors, how, keep, copy, kept, delta)
+        # Only a delta needs the old copy; any other sync lets it go before its own tensors are
+        # drawn, so a keep never holds two copies at once (pinned blocks stay in PyTorch's cache).
+        return _Outgoing(manifest, tensors, how, keep, copy if how == "delta" else None, kept, delta)
 
     def _begin(self, body: WeightsBeginRequest) -> list[str]:
         """POST /weights/begin to every member; returns the refusals (409: the server discards
