@@ -98,6 +98,9 @@ class PodView:
     volume_problem: str = ""
     """Why the scheduler cannot place the pod for want of a volume (a claim missing or unbound);
     empty otherwise."""
+    image_problem: tuple[str, str] | None = None
+    """(the kubelet's reason, its message) while a container cannot get its image
+    (IMAGE_PROBLEMS: ErrImagePull, ImagePullBackOff, ...); None otherwise."""
 
     @property
     def group(self) -> str:
@@ -137,6 +140,7 @@ class PodView:
             reason=_failure_reason(status),
             disruption=_disruption(status),
             volume_problem=_volume_problem(status) if phase is PodPhase.pending else "",
+            image_problem=_image_problem(status) if phase is PodPhase.pending else None,
         )
 
 
@@ -166,6 +170,28 @@ def _volume_problem(status: Mapping[str, Any]) -> str:
         if unscheduled and "persistentvolumeclaim" in message.lower():
             return message
     return ""
+
+
+IMAGE_PROBLEMS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "ImageInspectError",
+        "RegistryUnavailable",
+    }
+)
+"""The kubelet's waiting reasons of a container whose image it cannot get: the pod stays Pending
+until someone fixes the image (the kubelet retries a pull by itself, with backoff)."""
+
+
+def _image_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in IMAGE_PROBLEMS:
+            return str(waiting["reason"]), str(waiting.get("message") or "")
+    return None
 
 
 def _disruption(status: Mapping[str, Any]) -> str:

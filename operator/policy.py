@@ -70,7 +70,7 @@ from kubedistill.operator.running import (
     is_surplus,
     rollout_drain_seconds,
 )
-from kubedistill.operator.volumes import resume_problem
+from kubedistill.operator.volumes import resume_problem, unwritable_tracker_dir
 
 TERMINAL = (Phase.succeeded, Phase.failed)
 
@@ -289,8 +289,10 @@ def plan(
         status.message = ""
         _hold_unscheduled(p, spec, missing_apis, now)
         _hold_unresumable(p, spec, now)
+        _hold_unwritable_trackers(p, spec, now)
         _hold_refused(p, refusals or {}, now)
         _blocked_by_volumes(p, observed, now)
+        _blocked_by_images(p, observed)
     _conditions(p, spec, observed, now)
     _phase_event(p, previous)
     return p
@@ -331,6 +333,21 @@ def _hold_unresumable(p: Plan, spec: DistillationJobSpec, now: datetime) -> None
     p.status.phase = Phase.blocked
     p.status.message = message[:4096]
     set_condition(p.status, ConditionType.created, False, "CheckpointNotResumable", message, now)
+
+
+def _hold_unwritable_trackers(p: Plan, spec: DistillationJobSpec, now: datetime) -> None:
+    """A tracker directory on the pods' read-only root filesystem would fail at the trainer's first
+    write, after the job had started: its pods are held until the spec changes, and the job is
+    Blocked and says which field and where to put it."""
+    if p.status.phase is Phase.blocked:
+        return
+    why = unwritable_tracker_dir(spec)
+    if why is None:
+        return
+    p.create = [o for o in p.create if o["kind"] != "Pod"]
+    p.status.phase = Phase.blocked
+    p.status.message = why[:4096]
+    set_condition(p.status, ConditionType.created, False, "TrackerDirNotWritable", why, now)
 
 
 def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime) -> None:
@@ -374,6 +391,28 @@ def _blocked_by_volumes(p: Plan, observed: Observed, now: datetime) -> None:
     p.status.phase = Phase.blocked
     p.status.message = message[:4096]
     set_condition(p.status, ConditionType.created, False, "VolumeUnavailable", message, now)
+
+
+def image_stuck(observed: Observed) -> tuple[str, str, str] | None:
+    """(pod, the kubelet's reason, message) of the first pod whose container cannot get its image."""
+    stuck = sorted((q.name, *q.image_problem) for q in observed.pods.values() if q.image_problem and not q.deleting)
+    return stuck[0] if stuck else None
+
+
+def _blocked_by_images(p: Plan, observed: Observed) -> None:
+    """A pod whose image cannot be pulled waits for someone to fix the image or the registry, not
+    for time: the job is Blocked and says which pod and why (the Ready condition carries the
+    kubelet's reason, see _conditions). The kubelet retries the pull by itself; once the container
+    starts, the next plan finds nothing stuck and the job goes on."""
+    if p.status.phase is Phase.blocked:
+        return  # a refused creation or a missing volume already says why
+    stuck = image_stuck(observed)
+    if stuck is None:
+        return
+    name, reason, why = stuck
+    message = f"pod {name} cannot get its image: {reason}" + (f": {why}" if why else "")
+    p.status.phase = Phase.blocked
+    p.status.message = message[:4096]
 
 
 def _run(
@@ -548,7 +587,13 @@ def _conditions(p: Plan, spec: DistillationJobSpec | None, observed: Observed, n
         else:
             set_condition(st, ConditionType.created, False, "Creating", "creating the job's children", now)
     summary = f"trainer {st.ready.trainer}, rollout {st.ready.rollout}, teachers {st.ready.teachers} ready"
-    set_condition(st, ConditionType.ready, all_ready, "AllPodsReady" if all_ready else "PodsNotReady", summary, now)
+    ready_reason = "AllPodsReady" if all_ready else "PodsNotReady"
+    stuck = image_stuck(observed) if not all_ready else None
+    if stuck is not None:
+        # The kubelet's own reason (ErrImagePull, ImagePullBackOff, ...), as `kubectl get pods` shows it.
+        name, ready_reason, why = stuck
+        summary = f"{summary}; pod {name}: {ready_reason}" + (f": {why}" if why else "")
+    set_condition(st, ConditionType.ready, all_ready, ready_reason, summary[:32768], now)
     set_condition(st, ConditionType.running, st.phase is Phase.running, st.phase.value, f"phase {st.phase.value}", now)
     if st.phase is not Phase.succeeded:
         set_condition(st, ConditionType.succeeded, False, "NotSucceeded", "the trainer has not completed", now)

@@ -124,3 +124,32 @@ def user_volumes(
     dropped = {m.get("name") for m in spec.volume_mounts} - mounted
     volumes = [v for v in spec.volumes if v.get("name") not in dropped]
     return [*volumes, *over.volumes], [*mounts, *over.volume_mounts]
+
+
+def unwritable_tracker_dir(spec: DistillationJobSpec) -> str | None:
+    """Why trainer pod 0 could not write a tracker's local directory (trackers.tensorboard.logDir,
+    trackers.wandb.dir), in one line; None when every one is on something writable: the scratch
+    emptyDir, the checkpoint path (the operator's claim or a user volume), or a writable user mount
+    of trainer pod 0. Anywhere else is the image's read-only root filesystem."""
+    trackers = spec.trackers
+    if trackers is None:
+        return None
+    wanted = []
+    if trackers.tensorboard is not None:
+        wanted.append(("trackers.tensorboard.logDir", str(trackers.tensorboard.log_dir)))
+    if trackers.wandb is not None and trackers.wandb.dir is not None:
+        wanted.append(("trackers.wandb.dir", str(trackers.wandb.dir)))
+    writable = [m for m in _trainer_mounts(spec) if not m.get("readOnly")]
+    ckpt = spec.checkpoint.path.rstrip("/") or "/"
+    for field, path in wanted:
+        if not path.startswith("/"):
+            return (
+                f"{field} {path} is relative: set an absolute path under checkpoint.path ({ckpt}) or a mounted volume"
+            )
+        on_ckpt = ckpt.startswith("/") and holds({"mountPath": ckpt}, path)
+        if not (_under_scratch(path) or on_ckpt or any(holds(m, path) for m in writable)):
+            return (
+                f"{field} {path} is on the pods' read-only root filesystem: put it under checkpoint.path ({ckpt}) "
+                f"or a writable volume mounted on the trainer"
+            )
+    return None

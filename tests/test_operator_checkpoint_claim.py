@@ -1,7 +1,7 @@
 """The checkpoint claim (operator/volumes.py, render.py): a job without a volume at checkpoint.path
 gets a PersistentVolumeClaim that trainer pod 0 mounts, so a gang restart resumes from the last
 checkpoint; a job that could not resume is Blocked with a one-line reason (operator/policy.py).
-The real API server and a real gang restart: tests/test_e2e_kubernetes.py."""
+The real API server and a real gang restart: tests/test_real_node.py."""
 
 from __future__ import annotations
 
@@ -121,6 +121,42 @@ def test_a_resumable_job_is_not_blocked() -> None:
     for changes in ({}, {"volumes": [CLAIM], "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]}):
         assert resume_problem(DistillationJobSpec.model_validate(_raw(**changes))) is None
         assert plan(JobView("j", "ml", 1, _raw(**changes), {}), Observed(), T0).status.phase is Phase.pending
+
+
+UNWRITABLE_TRACKERS = {
+    "tensorboard on the root": ({"tensorboard": {"logDir": "/var/tb"}}, "trackers.tensorboard.logDir /var/tb is on"),
+    "wandb relative": ({"wandb": {"project": "p", "dir": "wandb"}}, "trackers.wandb.dir wandb is relative"),
+    "on a read-only mount": ({"tensorboard": {"logDir": "/models/tb"}}, "trackers.tensorboard.logDir /models/tb is on"),
+}
+WRITABLE_TRACKERS = [
+    {"tensorboard": {"logDir": "/ckpt/tb"}},  # on the operator's claim
+    {"tensorboard": {"logDir": "/tmp/tb"}, "wandb": {"project": "p", "dir": "/tmp/wandb"}},  # the scratch emptyDir
+    {"tensorboard": {"logDir": "/logs/tb"}},  # a writable user mount
+    {"wandb": {"project": "p"}},  # a temporary directory of wandb's own
+]
+LOG_VOLUMES = {
+    "volumes": [{"name": "logs", "emptyDir": {}}, {"name": "models", "emptyDir": {}}],
+    "volumeMounts": [
+        {"name": "logs", "mountPath": "/logs"},
+        {"name": "models", "mountPath": "/models", "readOnly": True},
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNWRITABLE_TRACKERS))
+def test_a_tracker_directory_on_the_read_only_root_blocks_the_job_with_the_field(case: str) -> None:
+    trackers, why = UNWRITABLE_TRACKERS[case]
+    p = plan(JobView("j", "ml", 1, _raw(trackers=trackers, **LOG_VOLUMES), {}), Observed(), T0)
+    assert p.status.phase is Phase.blocked
+    assert p.status.message.startswith(why) and "\n" not in p.status.message, p.status.message
+    assert condition(p.status, ConditionType.created).reason == "TrackerDirNotWritable"
+    assert not [o for o in p.create if o["kind"] == "Pod"]
+
+
+@pytest.mark.parametrize("trackers", WRITABLE_TRACKERS)
+def test_a_tracker_directory_on_a_writable_volume_runs(trackers: dict[str, Any]) -> None:
+    p = plan(JobView("j", "ml", 1, _raw(trackers=trackers, **LOG_VOLUMES), {}), Observed(), T0)
+    assert p.status.phase is Phase.pending and [o for o in p.create if o["kind"] == "Pod"]
 
 
 def test_the_disruption_event_says_where_the_gang_restarts_from() -> None:

@@ -500,6 +500,41 @@ def test_the_pod_group_follows_the_pod_count_unless_min_member_is_set() -> None:
     assert [o["kind"] for o in p.update] == ["ConfigMap"]
 
 
+def test_a_pod_that_cannot_get_its_image_blocks_the_job_with_the_kubelets_reason_until_it_starts() -> None:
+    from kubedistill.operator.observed import PodView as View
+
+    back_off = 'Back-off pulling image "ghcr.io/kubedistill/kubedistill-runtime:nope"'
+    pod = {
+        "metadata": {"name": "j-rollout-0", "labels": {"kubedistill.io/role": "rollout"}},
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [
+                {"name": "main", "state": {"waiting": {"reason": "ImagePullBackOff", "message": back_off}}}
+            ],
+        },
+    }
+    assert View.of(pod).image_problem == ("ImagePullBackOff", back_off)
+    creating = copy.deepcopy(pod)
+    creating["status"]["containerStatuses"][0]["state"]["waiting"] = {"reason": "ContainerCreating"}
+    assert View.of(creating).image_problem is None  # on its way: no problem
+
+    job = _job()
+    world = _with(_world(job, phase=PodPhase.pending, ready=False), "j-rollout-0", image_problem=("ErrImagePull", "x"))
+    p = plan(job, world, T0)
+    assert p.status.phase is Phase.blocked
+    assert p.status.message == "pod j-rollout-0 cannot get its image: ErrImagePull: x"
+    ready = condition(p.status, ConditionType.ready)
+    assert (ready.status, ready.reason) == (ConditionStatus.false, "ErrImagePull")
+    assert "pod j-rollout-0: ErrImagePull: x" in ready.message
+    assert [(e.type, e.reason) for e in p.events] == [("Warning", "Blocked")]
+    assert p.create == [] or all(o["kind"] != "Pod" or o["metadata"]["name"] != "j-rollout-0" for o in p.create)
+
+    # The image arrives and the kubelet's retry starts the container: the job goes on by itself.
+    later = plan(_next(job, p), _world(job), T0 + timedelta(seconds=30))
+    assert later.status.phase is not Phase.blocked and later.status.message == ""
+    assert condition(later.status, ConditionType.ready).reason == "AllPodsReady"
+
+
 def test_a_pod_waiting_for_a_missing_claim_blocks_the_job_until_it_is_scheduled() -> None:
     from kubedistill.operator.observed import PodView as View
 

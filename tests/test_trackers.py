@@ -5,13 +5,7 @@ reader, the W&B offline run's transaction log, and a real MLflow tracking server
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import socket
 import struct
-import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,9 +14,8 @@ import pytest
 
 from kubedistill.api.spec import MlflowSpec, TensorBoardSpec, TrackersSpec, WandbSpec
 from kubedistill.runtime.trackers import Trackers, eval_metrics, open_sinks, train_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-MLFLOW_SERVER = ROOT / ".venv" / "mlflow-server" / "bin" / "mlflow"
+from mlflow_server import free_port
+from mlflow_server import mlflow_server as mlflow_server_at
 
 EVALUATION = {
     "step": 0,
@@ -182,43 +175,14 @@ def test_wandb_offline_run_files_hold_every_step(tmp_path) -> None:
     assert config["lr"] == 0.001
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory) -> Iterator[str]:
-    """A real MLflow tracking server (sqlite store) on a free port."""
-    if not MLFLOW_SERVER.exists():
-        pytest.fail(f"{MLFLOW_SERVER} is missing: run scripts/install.sh (it installs the MLflow server there)")
-    home = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
-    uri = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [str(MLFLOW_SERVER), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--default-artifact-root", str(home / "artifacts")],
-        cwd=home, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "MLFLOW_TRACKING_URI": ""}, start_new_session=True,
-    )  # fmt: skip
+    """A real MLflow tracking server (tests/mlflow_server.py) on loopback."""
     try:
-        deadline = time.monotonic() + 300  # its imports take 40-100 s on 2 busy cores
-        while True:
-            try:
-                with urllib.request.urlopen(uri + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the MLflow server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield uri
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        shutil.rmtree(home, ignore_errors=True)
+        with mlflow_server_at(tmp_path_factory.mktemp("mlflow")) as uri:
+            yield uri
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 def test_mlflow_run_on_a_real_server_holds_every_step(mlflow_server: str) -> None:
@@ -245,7 +209,7 @@ def test_mlflow_run_on_a_real_server_holds_every_step(mlflow_server: str) -> Non
 def test_mlflow_server_gone_warns_and_the_lines_keep_flowing(monkeypatch, caplog) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    spec = TrackersSpec(mlflow=MlflowSpec(tracking_uri=f"http://127.0.0.1:{_free_port()}"))
+    spec = TrackersSpec(mlflow=MlflowSpec(tracking_uri=f"http://127.0.0.1:{free_port()}"))
     with caplog.at_level(logging.WARNING, logger="kubedistill.trackers"):
         assert Trackers.open(spec, "job", {}) is None  # nothing answers: left out, the job goes on
     assert "tracker mlflow left out: it could not start" in caplog.text
