@@ -1,5 +1,7 @@
-"""The `kubedistill` command. Subcommands import their modules lazily: `crd` and `validate`
-must stay fast and must not import torch."""
+"""The `kubedistill` command."""
+
+# Subcommands import their modules lazily: `crd` and `validate` must stay fast and must not
+# import torch.
 
 from __future__ import annotations
 
@@ -38,8 +40,30 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+DESCRIPTION = """\
+Distill a student LLM from teacher LLMs on-policy: the student generates, the teachers score
+its tokens, the trainer learns from their log-probabilities. A DistillationJob manifest
+describes the job; run it on Kubernetes (the operator) or on this machine (`kubedistill run`)."""
+EPILOG = """first steps:
+  kubedistill quickstart            a CPU demo: make a teacher and a student, distill, show the gain
+  kubedistill validate JOB.yaml     check a manifest, one line per problem
+  kubedistill run JOB.yaml          run a job here, as local processes
+  kubectl apply -f JOB.yaml         run it on a cluster with the operator installed
+  kubedistill COMMAND --help        a command's own options
+
+docs: README.md and docs/ (docs/fields.md: every spec field)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kubedistill", description=__doc__.splitlines()[0])
+    from kubedistill import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kubedistill",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("crd", help="print the DistillationJob CRD generated from the API models")

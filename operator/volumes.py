@@ -2,11 +2,11 @@
 the operator provisions when no user volume holds checkpoint.path), the job-wide user volumes it
 needs, and its role's own (`overrides.volumes` / `overrides.volumeMounts`).
 
-Only trainer rank 0 touches the checkpoint path (runtime/trainer/state.py). A job-wide mount that
-holds it is therefore left out of every other pod, unless that pod also reads something under it
-(its model or tokenizer): on ReadWriteOnce storage a claim mounted by pods on two nodes leaves the
-second pod pending on a Multi-Attach error. A volume whose every job-wide mount was left out is
-left out too. Pure: render.py places the result in the pod."""
+Only trainer rank 0 touches the checkpoint path (runtime/trainer/state.py). A mount that holds it,
+job-wide or a role's own, is therefore left out of every other pod, unless that pod also reads
+something under it (its model or tokenizer): on ReadWriteOnce storage a claim mounted by pods on
+two nodes leaves the second pod pending on a Multi-Attach error. A volume whose every mount was
+left out is left out too. Pure: render.py places the result in the pod."""
 
 from __future__ import annotations
 
@@ -73,6 +73,11 @@ def provisions_checkpoint_claim(spec: DistillationJobSpec) -> bool:
     return ckpt.startswith("/") and not _under_scratch(ckpt) and not any(holds(m, ckpt) for m in _trainer_mounts(spec))
 
 
+POD_LIFETIME_VOLUMES = ("emptyDir", "ephemeral")
+"""Volume sources that live and die with their pod (a generic ephemeral volume's claim is deleted
+with it): a gang restart, which replaces the trainer pods, finds them empty."""
+
+
 def resume_problem(spec: DistillationJobSpec) -> str | None:
     """Why a gang restart of this job could not resume from its last checkpoint, in one line; None
     when it can, or when checkpoint.resume is never (a restart then starts over, as asked)."""
@@ -89,9 +94,10 @@ def resume_problem(spec: DistillationJobSpec) -> str | None:
         return None  # the operator's claim holds it
     volumes = [*spec.volumes, *spec.trainer.overrides.volumes]
     volume = next((v for v in volumes if v.get("name") == mount.get("name")), None)
-    if volume is not None and "emptyDir" in volume:
+    kind = next((k for k in POD_LIFETIME_VOLUMES if volume is not None and k in volume), None)
+    if volume is not None and kind is not None:
         return (
-            f"checkpoint.path {ckpt} is on emptyDir volume {volume['name']}, which a gang restart empties: {fix}"
+            f"checkpoint.path {ckpt} is on {kind} volume {volume['name']}, which a gang restart empties: {fix}"
             " (or remove the mount, and the operator provisions a claim)"
         )
     return None
@@ -117,13 +123,15 @@ def scratch_volumes(job: str, spec: DistillationJobSpec, role: Role, replica: in
 def user_volumes(
     spec: DistillationJobSpec, role: Role, replica: int, teacher: str | None
 ) -> tuple[list[Volume], list[Mount]]:
-    """The user's volumes and mounts on one pod: the job-wide ones it needs, then its role's."""
+    """The user's volumes and mounts on one pod: the job-wide ones it needs, then its role's (a
+    role's own mount at the checkpoint path, too, only where `needs_mount` says)."""
     over = role_overrides(spec, role, teacher)
     mounts = [m for m in spec.volume_mounts if needs_mount(spec, m, role, replica, teacher)]
-    mounted = {m.get("name") for m in [*mounts, *over.volume_mounts]}
-    dropped = {m.get("name") for m in spec.volume_mounts} - mounted
-    volumes = [v for v in spec.volumes if v.get("name") not in dropped]
-    return [*volumes, *over.volumes], [*mounts, *over.volume_mounts]
+    own = [m for m in over.volume_mounts if needs_mount(spec, m, role, replica, teacher)]
+    mounted = {m.get("name") for m in [*mounts, *own]}
+    dropped = {m.get("name") for m in [*spec.volume_mounts, *over.volume_mounts]} - mounted
+    volumes = [v for v in [*spec.volumes, *over.volumes] if v.get("name") not in dropped]
+    return volumes, [*mounts, *own]
 
 
 def unwritable_tracker_dir(spec: DistillationJobSpec) -> str | None:

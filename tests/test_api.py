@@ -339,3 +339,29 @@ def test_async_settings_give_the_defaults_of_an_unset_async() -> None:
     doc["spec"]["async"] = {"requireBatches": 3, "stalenessThreshold": 0.5}
     settings = DistillationJob.model_validate(doc).spec.async_settings
     assert (settings.require_batches, settings.staleness_threshold, settings.oversample) == (3, 0.5, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("mode", "threshold", "accepted"),
+    [("sync", 0.0, True), ("sync", 1.0, False), ("oneStepOff", 1.0, True), ("oneStepOff", 0.0, False)],
+)
+def test_a_staleness_threshold_outside_fully_async_must_be_the_one_the_mode_fixes(
+    mode: str, threshold: float, accepted: bool
+) -> None:
+    """sync runs at staleness 0 and oneStepOff at 1: writing that value out is honoured, any
+    other (an explicit 0 in oneStepOff included) is refused by the model and by the CEL rule."""
+    doc = _load(ROOT / "tests/manifests/broken/staleness-threshold-in-one-step-off.yaml")
+    doc["spec"]["mode"] = mode
+    doc["spec"]["async"] = {"stalenessThreshold": threshold, "requireBatches": 2}
+    cel = list(cel_violations(apply_defaults(copy.deepcopy(doc), SCHEMA), SCHEMA))
+    assert (cel == []) is accepted, cel
+    try:
+        DistillationJob.model_validate(doc)
+        python_accepted = True
+    except ValueError:
+        python_accepted = False
+    assert python_accepted is accepted
+    # Unset, as the API server leaves it (no default in the schema), is the mode's own value.
+    doc["spec"]["async"] = {"requireBatches": 2}
+    assert list(cel_violations(apply_defaults(copy.deepcopy(doc), SCHEMA), SCHEMA)) == []
+    assert DistillationJob.model_validate(doc).spec.async_settings.staleness_threshold is None

@@ -76,3 +76,16 @@ def test_role_command_refuses_bad_arguments_in_one_line(tmp_path: Path, args: li
     r, _ = _cli("role", *(a.format(dir=tmp_path) for a in args))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert expected.format(dir=tmp_path) in r.stderr.strip().splitlines()[-1]
+
+
+def test_version_and_help_say_what_the_tool_is() -> None:
+    from kubedistill import __version__
+
+    version = subprocess.run([sys.executable, "-m", "kubedistill.cli", "--version"], capture_output=True, text=True)
+    assert (version.returncode, version.stdout.strip()) == (0, f"kubedistill {__version__}")
+    help_text = subprocess.run([sys.executable, "-m", "kubedistill.cli", "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0
+    description = help_text.stdout.split("\n\n")[1]
+    assert description.startswith("Distill a student LLM"), description
+    assert "lazily" not in help_text.stdout
+    assert "kubedistill validate JOB.yaml" in help_text.stdout

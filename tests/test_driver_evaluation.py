@@ -197,7 +197,7 @@ async def test_keep_best_exports_each_evaluated_student_and_keeps_the_best(tmp_p
 
 async def test_image_rows_are_evaluated_with_their_images() -> None:
     """A VL row's held-out requests carry its images, to the rollout server and to the teacher."""
-    from kubedistill.api.spec import EvaluationSpec
+    from kubedistill.api.spec import EvaluationSpec, SamplingSpec
     from kubedistill.runtime.driver.data import PromptItem
     from kubedistill.runtime.driver.evaluation import Evaluator
     from kubedistill.runtime.driver.rewards import RewardRegistry
@@ -229,7 +229,7 @@ async def test_image_rows_are_evaluated_with_their_images() -> None:
     evaluator = Evaluator(
         EvaluationSpec(scoreWithTeachers=True),
         [item],
-        default_max_tokens=8,
+        sampling=SamplingSpec(maxTokens=8),
         tokenizer=Digits(),  # type: ignore[arg-type]
         rewards=RewardRegistry(strict=False),
         generate=generate,
@@ -243,3 +243,50 @@ async def test_image_rows_are_evaluated_with_their_images() -> None:
     assert [r.images for r in scored] == [item.images_base64()] and scored[0].token_ids == [1, 2, 3, 5]
     geo = result.sources["geo3k"]
     assert (geo.score, geo.reverse_kl, geo.teacher) == (1.0, 1.0, "vision")
+
+
+async def test_held_out_requests_end_and_draw_as_the_rollouts_do() -> None:
+    """spec.rollout.sampling's stop, stopTokenIds, repetitionPenalty, topK and topP reach every
+    held-out request (an answer ends where a training one would); the temperature and maxTokens are
+    spec.evaluation's own."""
+    from kubedistill.api.spec import EvaluationSpec, SamplingSpec
+    from kubedistill.runtime.driver.data import PromptItem
+    from kubedistill.runtime.driver.evaluation import Evaluator
+    from kubedistill.runtime.driver.rewards import RewardRegistry
+    from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse
+
+    item = PromptItem(
+        uid=0, row=0, epoch=0, prompt_ids=[1, 2], messages=[], data_source="arith", route_value="arith",
+        ground_truth="5",
+    )  # fmt: skip
+    generated: list[GenerateRequest] = []
+
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        generated.append(req)
+        return GenerateResponse(
+            request_id=req.request_id, token_ids=[5], logprobs=[-0.5], versions=[3], finish_reason="stop"
+        )
+
+    class Digits:
+        def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+            return "".join(map(str, ids))
+
+    rollout = SamplingSpec(
+        maxTokens=64, temperature=0.7, stop=["</answer>"], stopTokenIds=[7, 9], repetitionPenalty=1.3, topK=5, topP=0.8
+    )
+    evaluator = Evaluator(
+        EvaluationSpec(maxTokens=16),
+        [item],
+        sampling=rollout,
+        tokenizer=Digits(),  # type: ignore[arg-type]
+        rewards=RewardRegistry(strict=False),
+        generate=generate,
+        score=None,
+        on_result=lambda _: None,
+    )
+    evaluator.start(6, 3)
+    await evaluator.settle()
+    [req] = generated
+    s = req.sampling
+    assert (s.stop, s.stop_token_ids, s.repetition_penalty, s.top_k, s.top_p) == (["</answer>"], [7, 9], 1.3, 5, 0.8)
+    assert (s.temperature, s.max_tokens) == (0.0, 16)

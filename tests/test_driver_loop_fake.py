@@ -346,3 +346,18 @@ async def test_a_steps_phases_add_up_to_its_wall_time_and_name_where_it_went(tmp
         total = metrics.registry.get_sample_value("kubedistill_step_seconds_sum", {**labels, "phase": phase})
         assert count == steps, phase
         assert total == pytest.approx(sum(h["phases"][phase] for h in hist), abs=1e-3), phase
+
+
+# ---- requireBatches ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("mode", "require_batches"), [("oneStepOff", 1), ("oneStepOff", 3), ("sync", 2)])
+async def test_each_train_step_gets_require_batches_mini_batches(tmp_path, mode, require_batches) -> None:
+    """spec.async.requireBatches on the driver's side, from the spec: every train step hands the
+    trainer that many mini-batches of miniBatchSize samples, and the staleness bound counts them."""
+    steps = 3
+    spec = job_spec(tmp_path, mode=mode, steps=steps, max_tokens=4, asyncspec={"requireBatches": require_batches})
+    r = rig(spec)
+    await r.run()
+    assert [len(step) for step in r.trainer.steps] == [require_batches] * steps
+    assert all(len(b.token_ids) == 4 for step in r.trainer.steps for b in step)
+    assert r.driver.staleness_policy.required == 4 * require_batches
+    assert len(set(trained_groups(r))) == steps * require_batches * 2

@@ -262,3 +262,53 @@ async def test_top_k_ids_per_generated_position_and_teacher_gathers(tiny_models:
     finally:
         await student.shutdown()
         await teacher.shutdown()
+
+
+async def test_the_teacher_scores_at_temperature_1_whatever_the_rollout_temperature(
+    tiny_models: dict[str, Path],
+) -> None:
+    """docs/algorithms.md#temperature: the teacher engine the spec makes scores with the log-softmax
+    of its own logits, not of logits / rollout.sampling.temperature."""
+    from kubedistill.api.spec import DistillationJobSpec
+    from kubedistill.runtime.engines.factory import make_engine
+
+    spec = DistillationJobSpec.model_validate(
+        {
+            "device": "cpu",
+            "student": {"model": str(tiny_models["student"])},
+            "teachers": [{"name": "t", "model": str(tiny_models["teacher"]), "inference": {"engine": "hf"}}],
+            "rollout": {"sampling": {"temperature": 0.25}},
+            "trainer": {"miniBatchSize": 4},
+            "data": {"train": ["/d/t.parquet"]},
+        }
+    )
+    [teacher] = spec.teachers
+    engine = make_engine(spec, teacher, teacher.inference)
+    await engine.start()
+    req = ScoreRequest(token_ids=PROMPTS["c"] + [8, 9, 10], prompt_len=len(PROMPTS["c"]), top_k=3)
+    out = await engine.score(req)
+    await engine.shutdown()
+    with torch.no_grad():
+        logits = plain_model(tiny_models["teacher"])(input_ids=torch.tensor([req.token_ids])).logits[0]
+    targets = torch.tensor(req.token_ids[req.prompt_len :])[:, None]
+    at = {t: torch.log_softmax(logits / t, -1)[req.prompt_len - 1 : -1].gather(1, targets)[:, 0] for t in (1.0, 0.25)}
+    assert out.logprobs == pytest.approx(at[1.0].tolist(), abs=1e-4)
+    assert not torch.allclose(torch.tensor(out.logprobs), at[0.25], atol=1e-2)
+    assert "temperature" not in ScoreRequest.model_fields
+
+
+async def test_the_temperature_decides_what_is_drawn(student: HFEngine) -> None:
+    """The same seed draws the greedy tokens at a temperature near 0 and others at 1: a
+    temperature the engine ignored (or took as 1, or as greedy) fails one of the two."""
+
+    def at(temperature: float) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=f"t{temperature}",
+            prompt_token_ids=PROMPTS["a"],
+            sampling=Sampling(max_tokens=12, temperature=temperature, seed=7, ignore_eos=True),
+        )
+
+    greedy_ids = (await student.generate(greedy("g", PROMPTS["a"], 12))).token_ids
+    cold, warm = (await student.generate(at(1e-4))), (await student.generate(at(1.0)))
+    assert cold.token_ids == greedy_ids
+    assert warm.token_ids != greedy_ids

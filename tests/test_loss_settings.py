@@ -102,3 +102,31 @@ def test_proximal_recompute_asks_for_a_proximal_pass_and_current_does_not() -> N
     assert needs_proximal_pass(_algo(pg, offPolicy={"proximal": "recompute"}), mini_batches=2)
     assert not needs_proximal_pass(_algo(pg, offPolicy={"proximal": "current"}), mini_batches=2)
     assert not needs_proximal_pass(_algo(pg, offPolicy={"proximal": "recompute"}), mini_batches=1)
+
+
+def test_distillation_enabled_switches_the_teacher_term_on_and_off() -> None:
+    """algorithm.distillation.enabled in the trainer's loss: with it, the teacher's term joins the
+    task-reward term (total = pg + coef x distill); without it, the loss is the task-reward term
+    alone, even where the batch holds teacher log-probs."""
+    logprobs = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    mu = torch.tensor([-1.1, -1.9, -0.6])
+    teacher = torch.tensor([-0.2, -3.0, -0.1])
+    adv = torch.tensor([0.5, 0.5, -1.0])
+    base = {"lossMode": "k3", "useTaskRewards": True, "coef": 1.0}
+    on = L.per_token_losses(
+        _algo({**base, "enabled": True}),
+        logprobs=logprobs,
+        behaviour_logprobs=mu,
+        teacher_logprobs=teacher,
+        task_advantages=adv,
+    )
+    off = L.per_token_losses(
+        _algo({**base, "enabled": False}),
+        logprobs=logprobs,
+        behaviour_logprobs=mu,
+        teacher_logprobs=teacher,  # present, and not read
+        task_advantages=adv,
+    )
+    assert torch.allclose(on["pg"], off["pg"])
+    assert on["distill"].abs().sum() > 0 and torch.equal(off["distill"], torch.zeros(3))
+    assert torch.allclose(off["total"], off["pg"]) and not torch.allclose(on["total"], off["total"])

@@ -69,3 +69,33 @@ def test_smollm2_converted_from_gguf_is_a_working_hf_model(smollm2: Path, tiny_m
     # And its tokenizer is not the tiny models' one.
     with pytest.raises(ValueError, match="vocabulary size 49152 \\(student\\) vs 16 \\(teacher\\)"):
         check_shared_vocabulary(smollm2, {"tiny": tiny_models["student"]})
+
+
+def test_the_trainer_refuses_teachers_of_another_tokenizer_when_it_starts(
+    tiny_models: dict[str, Path], tiny_bpe_model: Path
+) -> None:
+    """Rank 0 checks the job's tokenizers before it loads a model; the failure is one line."""
+    from kubedistill.api.progress import TrainerProgress
+    from kubedistill.api.roleconfig import Endpoints, JobConfig
+    from kubedistill.api.spec import DistillationJobSpec
+    from kubedistill.runtime.entrypoints.trainer import _build
+    from kubedistill.runtime.metrics import RoleMetrics
+
+    spec = DistillationJobSpec.model_validate(
+        {
+            "device": "cpu",
+            "student": {"model": str(tiny_models["student"])},
+            "teachers": [
+                {"name": "math", "model": str(tiny_models["teacher"]), "match": {"dataSource": ["math"]}},
+                {"name": "prose", "model": str(tiny_bpe_model), "match": {"dataSource": ["prose"]}},
+            ],
+            "trainer": {"miniBatchSize": 4},
+            "data": {"train": ["/dev/null"]},
+        }
+    )
+    endpoints = Endpoints(trainer="http://127.0.0.1:1", master_addr="127.0.0.1", rollout=[], teachers={})
+    config = JobConfig(job="vocab", spec=spec, endpoints=endpoints)
+    with pytest.raises(ValueError) as err:
+        _build(config, RoleMetrics("vocab", "trainer", 0), TrainerProgress(total_steps=1), lambda: [])
+    assert str(err.value).startswith("student and teachers must share one tokenizer: teacher 'prose'")
+    assert "\n" not in str(err.value)

@@ -97,6 +97,23 @@ UNRESUMABLE = {
         {"volumes": [{"name": "ckpt", "emptyDir": {}}], "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]},
         "is on emptyDir volume ckpt, which a gang restart empties",
     ),
+    # A generic ephemeral volume: its claim is made for the pod and deleted with it.
+    "ephemeral": (
+        {
+            "volumes": [
+                {
+                    "name": "ckpt",
+                    "ephemeral": {
+                        "volumeClaimTemplate": {
+                            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+                        }
+                    },
+                }
+            ],
+            "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}],
+        },
+        "is on ephemeral volume ckpt, which a gang restart empties",
+    ),
 }
 
 

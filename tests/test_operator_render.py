@@ -120,20 +120,35 @@ def test_security_context_overrides_merge_over_the_restricted_default(tmp_path: 
     ]
 
 
-def test_checkpoint_path_gets_an_empty_dir_on_trainer_pods_unless_a_volume_holds_it() -> None:
+def test_checkpoint_path_is_the_operators_claim_on_trainer_pod_0_unless_a_user_volume_holds_it() -> None:
+    """checkpoint.path on Kubernetes: trainer pod 0 (which writes checkpoints) mounts the claim the
+    operator provisions there; a user volume that holds the path replaces it; no other pod mounts
+    anything at the path."""
+    from kubedistill.operator.volumes import checkpoint_claim_name
+
+    def mounted_at(pod: dict, path: str) -> list[dict]:
+        """The volumes of a pod's container mounts at `path`."""
+        names = [m["name"] for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == path]
+        return [v for v in pod["spec"]["volumes"] if v["name"] in names]
+
     doc = read_manifest(ROOT / "examples" / "one-gpu.yaml")
     doc["spec"]["checkpoint"] = {"path": "/ckpt/run1"}
+    doc["spec"]["trainer"].pop("overrides", None)
     doc["spec"].pop("volumeMounts", None)
     doc["spec"].pop("volumes", None)
     job = DistillationJob.model_validate(doc)
-    pods = _by(render_children(job.metadata.name, "ml", job.spec), "Pod")
-    mounts = {n: {m["mountPath"] for m in p["spec"]["containers"][0]["volumeMounts"]} for n, p in pods.items()}
-    assert all(("/ckpt/run1" in m) == ("trainer" in n) for n, m in mounts.items())
+    name = job.metadata.name
+    pods = _by(render_children(name, "ml", job.spec), "Pod")
+    claim = {"name": "checkpoint", "persistentVolumeClaim": {"claimName": checkpoint_claim_name(name)}}
+    assert mounted_at(pods[f"{name}-trainer-0"], "/ckpt/run1") == [claim]
+    assert all(not mounted_at(p, "/ckpt/run1") for n, p in pods.items() if n != f"{name}-trainer-0")
     doc["spec"]["volumes"] = [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}]
     doc["spec"]["volumeMounts"] = [{"name": "ckpt", "mountPath": "/ckpt"}]
     job = DistillationJob.model_validate(doc)
-    trainer = _by(render_children(job.metadata.name, "ml", job.spec), "Pod")[f"{job.metadata.name}-trainer-0"]
-    assert [v["name"] for v in trainer["spec"]["volumes"] if "emptyDir" in v] == ["dshm", "scratch"]
+    trainer = _by(render_children(name, "ml", job.spec), "Pod")[f"{name}-trainer-0"]
+    assert mounted_at(trainer, "/ckpt/run1") == []
+    assert mounted_at(trainer, "/ckpt") == [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}]
+    assert "checkpoint" not in {v["name"] for v in trainer["spec"]["volumes"]}
 
 
 def test_multi_teacher_layout() -> None:

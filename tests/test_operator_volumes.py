@@ -82,3 +82,35 @@ def test_every_pod_requests_cpu_and_memory_and_overrides_win_per_key() -> None:
     }
     trainer = gpu["j-trainer-0"]["spec"]["containers"][0]["resources"]["requests"]
     assert trainer == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
+
+
+def test_a_trainer_override_claim_at_the_checkpoint_path_goes_on_trainer_pod_0_only() -> None:
+    """A ReadWriteOnce claim the trainer's overrides mount at checkpoint.path: on trainer pod 0,
+    which writes checkpoints, and on no other trainer pod (two nodes would Multi-Attach)."""
+    trainer = copy.deepcopy(BASE_SPEC["trainer"])
+    trainer["overrides"] = {
+        "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}],
+        "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}],
+    }
+    pods = _pods(checkpoint={"path": "/ckpt/run1"}, trainer=trainer)
+    assert _names(pods["j-trainer-0"]) == ({"ckpt"}, {"ckpt"})
+    assert _names(pods["j-trainer-1"]) == (set(), set())
+    assert _names(pods["j-rollout-0"]) == (set(), set())
+
+
+def test_the_reference_jobs_datasets_claim_goes_on_trainer_pods_only() -> None:
+    """examples/multi-teacher-6gpu.yaml: the data is read by the driver, on the trainer; the
+    rollout and teacher pods mount the models and nothing else."""
+    from pathlib import Path
+
+    from kubedistill.api.validate import load_job
+
+    spec = load_job(Path(__file__).resolve().parent.parent / "examples/multi-teacher-6gpu.yaml").spec
+    pods = [o for o in render_children("j", "ml", spec) if o["kind"] == "Pod"]
+    assert len(pods) == 6
+    for pod in pods:
+        claims = {
+            v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v
+        }
+        trainer = pod["metadata"]["name"].startswith("j-trainer-")
+        assert ("datasets" in claims) is trainer, pod["metadata"]["name"]

@@ -34,8 +34,17 @@ async def test_every_rollout_request_carries_the_specs_sampling(tmp_path: Path) 
 def test_vllm_gets_them_as_sampling_params() -> None:
     from vllm import SamplingParams
 
-    s = Sampling(max_tokens=8, top_k=500, repetition_penalty=1.3, stop=["###"], stop_token_ids=[7, 9])
+    s = Sampling(
+        max_tokens=8,
+        temperature=0.35,
+        top_p=0.9,
+        top_k=500,
+        repetition_penalty=1.3,
+        stop=["###"],
+        stop_token_ids=[7, 9],
+    )
     params = SamplingParams(**sampling_params(s, 8, 100, None))
+    assert (params.temperature, params.top_p) == (0.35, 0.9)
     assert params.top_k == 100, "clamped to the vocabulary"
     assert params.repetition_penalty == 1.3 and params.stop == ["###"] and params.stop_token_ids == [7, 9]
     assert params.detokenize, "vLLM matches stop strings on the text"

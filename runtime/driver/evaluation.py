@@ -31,7 +31,7 @@ from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse,
 
 if TYPE_CHECKING:
     from kubedistill.api.progress import TrainerProgress
-    from kubedistill.api.spec import DistillationJobSpec, EvaluationSpec
+    from kubedistill.api.spec import DistillationJobSpec, EvaluationSpec, SamplingSpec
     from kubedistill.runtime.driver.data import Tokenizer
     from kubedistill.runtime.metrics import RoleMetrics
 
@@ -162,7 +162,7 @@ class Evaluator:
         spec: EvaluationSpec,
         items: Sequence[PromptItem],
         *,
-        default_max_tokens: int,
+        sampling: SamplingSpec,
         tokenizer: Tokenizer,
         rewards: RewardRegistry,
         generate: Generate,
@@ -174,7 +174,11 @@ class Evaluator:
             raise ValueError("spec.data.val: no held-out prompt fits spec.data.maxPromptLength")
         self.spec = spec
         self.items = list(items)
-        self.max_tokens = spec.max_tokens or default_max_tokens
+        self.sampling = sampling
+        """spec.rollout.sampling: its maxTokens where spec.evaluation sets none, and where a held-out
+        answer ends and how its tokens are drawn (stop, stopTokenIds, repetitionPenalty, topK, topP),
+        as in training; the temperature and the seeds are the evaluation's own."""
+        self.max_tokens = spec.max_tokens or sampling.max_tokens
         self.tokenizer = tokenizer
         self.rewards = rewards
         self.generate = generate
@@ -240,6 +244,11 @@ class Evaluator:
                 sampling=Sampling(
                     max_tokens=self.max_tokens,
                     temperature=self.spec.temperature,
+                    top_p=self.sampling.top_p,
+                    top_k=self.sampling.top_k or 0,
+                    repetition_penalty=self.sampling.repetition_penalty,
+                    stop=self.sampling.stop,
+                    stop_token_ids=self.sampling.stop_token_ids,
                     # Distinct per sample and evaluation, so several samples of a prompt differ.
                     seed=(step * 1_000_003 + item.uid * 7919 + index * 104_729) % (2**31),
                 ),

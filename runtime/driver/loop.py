@@ -203,7 +203,7 @@ class Driver:
         return Evaluator(
             self.spec.evaluation,
             val.first_items(self.spec.evaluation.prompts),
-            default_max_tokens=self.spec.rollout.sampling.max_tokens,
+            sampling=self.spec.rollout.sampling,
             tokenizer=self.tokenizer,
             rewards=RewardRegistry(strict=False),  # an unknown data_source gets no score, not an error
             generate=self._generate_until_answered,

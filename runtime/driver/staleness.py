@@ -173,7 +173,7 @@ class StalenessPolicy:
             group_size=spec.rollout.sampling.samples_per_prompt,
             mini_batch_size=spec.trainer.mini_batch_size,
             require_batches=a.require_batches,
-            staleness_threshold=a.staleness_threshold,
+            staleness_threshold=a.staleness_threshold or 0.0,
             trigger_parameter_sync_step=a.trigger_parameter_sync_step,
             oversample=a.oversample,
             partial_rollout=a.partial_rollout,

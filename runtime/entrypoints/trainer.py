@@ -154,9 +154,13 @@ def _build(
     from transformers import AutoTokenizer
 
     from kubedistill.runtime.driver.loop import Driver
+    from kubedistill.runtime.models.loading import check_job_vocabulary
     from kubedistill.runtime.trainer import Trainer
 
     spec = config.spec
+    # Teacher log-probs are compared token id by token id: refuse other tokenizers before any
+    # model loads (one line in status.message: "ValueError: student and teachers must share ...").
+    check_job_vocabulary(spec)
     trainer = Trainer(spec, metrics=metrics)
     tok_path = spec.student.tokenizer or spec.student.model
     tokenizer = AutoTokenizer.from_pretrained(

@@ -95,16 +95,21 @@ def vocabulary_difference(student_tok: PreTrainedTokenizerBase, teacher_tok: Pre
     return head  # unreachable in practice: different dicts differ at some token
 
 
-def check_shared_vocabulary(student: str | Path, teachers: Mapping[str, str | Path]) -> None:
+def check_shared_vocabulary(
+    student: str | Path, teachers: Mapping[str, str | Path], trust_remote_code: Mapping[str, bool] | None = None
+) -> None:
     """Raise ValueError if any teacher's tokenizer differs from the student's (names the teacher).
 
     ``student`` and the ``teachers`` values are tokenizer directories (usually the model
-    directories; spec.*.tokenizer when set).
+    directories; spec.*.tokenizer when set); ``trust_remote_code`` by teacher name, and "" for the
+    student.
     """
-    student_tok = load_tokenizer(student, what="student tokenizer")
+    trust = trust_remote_code or {}
+    student_tok = load_tokenizer(student, what="student tokenizer", trust_remote_code=trust.get("", False))
     problems = []
     for name, path in teachers.items():
-        diff = vocabulary_difference(student_tok, load_tokenizer(path, what=f"teacher {name!r} tokenizer"))
+        teacher_tok = load_tokenizer(path, what=f"teacher {name!r} tokenizer", trust_remote_code=trust.get(name, False))
+        diff = vocabulary_difference(student_tok, teacher_tok)
         if diff is not None:
             problems.append(f"teacher {name!r} ({path}): {diff}")
     if problems:
@@ -112,6 +117,8 @@ def check_shared_vocabulary(student: str | Path, teachers: Mapping[str, str | Pa
 
 
 def check_job_vocabulary(spec: DistillationJobSpec) -> None:
-    """check_shared_vocabulary for a DistillationJobSpec (tokenizer paths default to model paths)."""
+    """check_shared_vocabulary for a DistillationJobSpec (tokenizer paths default to model paths);
+    the trainer's rank 0 runs it when the job starts (runtime/entrypoints/trainer.py)."""
     student = spec.student.tokenizer or spec.student.model
-    check_shared_vocabulary(student, {t.name: t.tokenizer or t.model for t in spec.teachers})
+    trust = {"": spec.student.trust_remote_code, **{t.name: t.trust_remote_code for t in spec.teachers}}
+    check_shared_vocabulary(student, {t.name: t.tokenizer or t.model for t in spec.teachers}, trust)

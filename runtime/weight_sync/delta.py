@@ -16,9 +16,10 @@ within blocks of 65536 elements plus each block's count, and the values: 2 bytes
 exceeds densityThreshold goes whole. Positions are computed only for index and mask; a tensor whose
 sample (16-64 runs of 64 elements) shows it would go whole even at a low estimate of its density
 (`whole_by_sample`) goes whole uncounted. auto allows
-`index` only (`sparse_encodings`): past 1/16 changed, where a mask would win on bytes, the receiver's
-per-element unpack and scatter and the sender's positions cost more than the bytes saved (measured
-on CPU), so such a tensor goes whole, for no more than a full sync costs. The comparison runs
+`index` only (`sparse_encodings`) and a threshold of at most 1/16 (its default): past 1/16 changed,
+where a mask would win on bytes, the receiver's per-element unpack and scatter and the sender's
+positions cost more than the bytes saved (measured on CPU), so such a tensor goes whole, for no
+more than a full sync costs. The comparison runs
 where the trainer's weights are (a GPU's memory on GPU); the copy stays in host memory, pinned
 when it comes from a GPU (`to_host`), so the copies between the two overlap the host's work.
 The pieces are ordinary tensors of the manifest, so bucketing, double buffering and
@@ -77,15 +78,15 @@ SPARSE: tuple[Encoding, ...] = ("index", "mask")
 
 
 def sparse_encodings(mode: DeltaMode) -> tuple[Encoding, ...]:
-    """The partial encodings a mode may use: auto only `index`, whose work is per change (a
-    tensor a mask would suit, past 1/16 changed in bf16, goes whole: no slower than a full
+    """The partial encodings a mode may use: auto only `index`, whose work is per change (with
+    auto's threshold, at most 1/16, a tensor a mask would suit goes whole: no slower than a full
     sync); always both."""
     return ("index",) if mode is DeltaMode.auto else SPARSE
 
 
 def choose(n: int, k: int, value_bytes: int, threshold: float, sparse: Sequence[Encoding] = SPARSE) -> Encoding:
-    """The cheapest way to send k changed elements of n: fewest bytes, the whole tensor past
-    `threshold` (a changed fraction) or when the fewest bytes take an encoding not in `sparse`."""
+    """The cheapest way to send k changed elements of n: the whole tensor past `threshold` (a
+    changed fraction), else the fewest bytes among `sparse` and the whole tensor."""
     if k == 0:
         return "none"
     if k > threshold * n:
@@ -95,8 +96,7 @@ def choose(n: int, k: int, value_bytes: int, threshold: float, sparse: Sequence[
         "mask": math.ceil(n / 8) + k * value_bytes,
         "whole": n * value_bytes,
     }
-    best = min(costs, key=lambda e: costs[e])
-    return best if best in sparse else "whole"
+    return min((e for e in costs if e in sparse or e == "whole"), key=lambda e: costs[e])
 
 
 SAMPLE_RUN, SAMPLE_STRIDE, SAMPLE_RUNS = 64, 4096, (16, 64)

@@ -349,7 +349,7 @@ class WeightSender:
             t0 = time.perf_counter()
             pairs = iter(draw())
             first = list(itertools.islice(pairs, SAMPLE_BATCH))
-            dense = copy.dense_start(metas[: len(first)], first, setting.density_threshold, sparse)
+            dense = copy.dense_start(metas[: len(first)], first, setting.threshold, sparse)
             probe_seconds = time.perf_counter() - t0
             if dense:
                 how = "keep"
@@ -359,7 +359,7 @@ class WeightSender:
         tensors: Iterable[torch.Tensor]
         if how == "delta":
             assert copy is not None
-            pieces, parts, delta = copy.delta(metas, draw(), setting.density_threshold, sparse)
+            pieces, parts, delta = copy.delta(metas, draw(), setting.threshold, sparse)
             delta.encode_seconds += probe_seconds
             manifest = layout(pieces, budget, self.direct_bytes)
             manifest.delta = ManifestDelta(keep=keep, base=copy.base, targets=metas)
