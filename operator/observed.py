@@ -98,6 +98,9 @@ class PodView:
     volume_problem: str = ""
     """Why the scheduler cannot place the pod for want of a volume (a claim missing or unbound);
     empty otherwise."""
+    termination_message: str = ""
+    """The container's termination message once it has exited (trainer rank 0 writes its final
+    /status there: kubedistill.api.progress.termination_message)."""
     image_problem: tuple[str, str] | None = None
     """(the kubelet's reason, its message) while a container cannot get its image
     (IMAGE_PROBLEMS: ErrImagePull, ImagePullBackOff, ...); None otherwise."""
@@ -141,6 +144,7 @@ class PodView:
             disruption=_disruption(status),
             volume_problem=_volume_problem(status) if phase is PodPhase.pending else "",
             image_problem=_image_problem(status) if phase is PodPhase.pending else None,
+            termination_message=_termination_message(status) if phase in FINISHED else "",
         )
 
 
@@ -184,6 +188,14 @@ IMAGE_PROBLEMS = frozenset(
 )
 """The kubelet's waiting reasons of a container whose image it cannot get: the pod stays Pending
 until someone fixes the image (the kubelet retries a pull by itself, with backoff)."""
+
+
+def _termination_message(status: Mapping[str, Any]) -> str:
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term.get("message"):
+            return str(term["message"])
+    return ""
 
 
 def _image_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:

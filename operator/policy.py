@@ -393,6 +393,17 @@ def _blocked_by_volumes(p: Plan, observed: Observed, now: datetime) -> None:
     set_condition(p.status, ConditionType.created, False, "VolumeUnavailable", message, now)
 
 
+def final_report(pod: PodView) -> TrainerReport | None:
+    """The trainer's final /status from its pod's termination message; None when it left none
+    (an older trainer, a message that is not ours)."""
+    if not pod.termination_message:
+        return None
+    try:
+        return TrainerReport.of(json.loads(pod.termination_message), pod.attempt)
+    except (TypeError, ValueError):
+        return None
+
+
 def image_stuck(observed: Observed) -> tuple[str, str, str] | None:
     """(pod, the kubelet's reason, message) of the first pod whose container cannot get its image."""
     stuck = sorted((q.name, *q.image_problem) for q in observed.pods.values() if q.image_problem and not q.deleting)
@@ -432,7 +443,12 @@ def _run(
     done = running.succeeded_rank0(gang)
     if done is not None:
         # The trainer exits 0 right after its last step, usually before the next /status poll:
-        # the step it last reported may lag behind.
+        # its termination message holds its final /status (the last step and evaluation).
+        final = final_report(done)
+        if final is not None:
+            st.step, st.weight_version = final.step, final.weight_version
+            st.last_checkpoint = final.last_checkpoint or st.last_checkpoint
+            _evaluated(p, final.evaluation)
         st.step = max(st.step or 0, spec.trainer.total_steps)
         _finish(p, observed, Phase.succeeded, "TrainerSucceeded", f"trainer pod {done.name} completed", now)
         return

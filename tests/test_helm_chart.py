@@ -333,6 +333,9 @@ def test_operator_deployment_runs_one_locked_down_replica(docs_fixture: str, req
     # A read-only root still has a writable /tmp.
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    # kopf's identity from the pod's name: without POD_ID kopf asks the passwd database for the
+    # user's name and crashes where the UID has none (found on a real kubelet: tests/test_real_node.py).
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
 
 
 def _arg(args: list[str], flag: str) -> list[str]:

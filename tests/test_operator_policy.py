@@ -231,6 +231,50 @@ def test_backoff_limit_exhausted_fails_the_job() -> None:
     assert p.create == []
 
 
+def test_the_trainers_termination_message_gives_the_job_its_last_step_and_evaluation() -> None:
+    """The trainer exits right after its last step, before the operator's next GET /status: its
+    final /status reaches the job through the pod's termination message (found on a real kubelet,
+    tests/test_real_node.py, where the status kept the evaluation of step 30 of 60)."""
+    from kubedistill.api.progress import TrainerProgress, termination_message
+    from kubedistill.api.status import HeldOutEvaluation, HeldOutSource
+
+    job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"})
+    total = _spec(job).trainer.total_steps
+    final = TrainerProgress(step=total, total_steps=total, weight_version=total, last_checkpoint=f"/ckpt/step-{total}")
+    final.evaluation = HeldOutEvaluation(
+        step=total, weight_version=total, score=0.6, sources={"math": HeldOutSource(score=0.6)}
+    )
+    done = _with(_world(job), "j-trainer-0", phase=PodPhase.succeeded, termination_message=termination_message(final))
+    stale = TrainerReport(step=30, weight_version=30, last_checkpoint="/ckpt/step-30")
+    p = plan(job, done, T0, stale)
+    assert p.status.phase is Phase.succeeded
+    assert (p.status.step, p.status.last_checkpoint) == (total, f"/ckpt/step-{total}")
+    assert p.status.evaluation is not None and (p.status.evaluation.step, p.status.evaluation.score) == (total, 0.6)
+    assert ("Normal", "Evaluated") in [(e.type, e.reason) for e in p.events]
+    # Not ours, or none at all: the job still succeeds on what it saw.
+    for message in ("", "OOM", '{"step": "x"}'):
+        other = plan(job, _with(_world(job), "j-trainer-0", phase=PodPhase.succeeded, termination_message=message), T0)
+        assert other.status.phase is Phase.succeeded and other.status.step == total
+
+
+def test_a_termination_message_fits_the_kubelets_limit_dropping_the_least_needed_first() -> None:
+    from kubedistill.api.progress import TrainerProgress, termination_message
+    from kubedistill.api.status import HeldOutEvaluation, HeldOutSource
+
+    final = TrainerProgress(step=7, weight_version=7, rollout_servers=["http://r-0:8000"] * 50)
+    final.evaluation = HeldOutEvaluation(
+        step=7, score=0.5, sources={f"s{i}": HeldOutSource(score=0.5) for i in range(80)}
+    )
+    full = termination_message(final, limit=100_000)
+    assert json.loads(full)["rolloutServers"] and len(json.loads(full)["evaluation"]["sources"]) == 80
+    for limit in (4096, 700, 60):
+        text = termination_message(final, limit=limit)
+        assert len(text.encode()) <= limit, (limit, len(text))
+        doc = json.loads(text)
+        assert (doc["step"], doc["weightVersion"]) == (7, 7)
+    assert json.loads(termination_message(final, limit=4096))["evaluation"]["score"] == 0.5
+
+
 def test_trainer_rank0_success_completes_the_job_and_deletes_servers() -> None:
     job = _job({"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}, ttlSecondsAfterFinished=60)
     world = _with(_with(_world(job), "j-trainer-0", phase=PodPhase.succeeded), "j-trainer-1", phase=PodPhase.succeeded)

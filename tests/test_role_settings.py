@@ -139,3 +139,45 @@ def test_each_roles_replicas_and_gpus_make_its_pods_and_processes(tmp_path: Path
         ("trainer-0", 1), ("trainer-1", 1), ("trainer-2", 1), ("trainer-3", 1),
     ]  # fmt: skip
     assert len(config.endpoints.rollout) == 3 and len(config.endpoints.teachers["math"]) == 2
+
+
+def test_sigterm_ends_a_role_that_is_pid_1_as_it_ends_any_other_process(tmp_path: Path) -> None:
+    """In a container the role is PID 1, where the kernel drops a signal left at its default:
+    `kubectl delete pod` of a trainer would have trained on for the grace period (found on a real
+    kubelet, tests/test_real_node.py). Here the role's own setup runs as PID 1 of a new PID
+    namespace (unshare, as root: CI runs as root), and SIGTERM ends it at once, with 143."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kubedistill.runtime.entrypoints.roles import terminate_as_pid1
+
+    assert terminate_as_pid1(pid=4242) is False  # not PID 1: the default already terminates
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.fail("needs root and unshare (a new PID namespace): CI runs as root", pytrace=False)
+    ready = tmp_path / "ready"
+    code = (
+        "import sys, time, pathlib; from kubedistill.runtime.entrypoints.roles import terminate_as_pid1; "
+        f"assert terminate_as_pid1(); pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
+    )
+    for install in (False, True):
+        body = code if install else code.replace("assert terminate_as_pid1(); ", "")
+        proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", body])
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        ready.unlink()
+        inner = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        os.kill(int(inner[0]), signal.SIGTERM)
+        try:
+            code_ = proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            code_ = None
+            proc.kill()
+            proc.wait()
+        # Without the handler PID 1 ignores SIGTERM; with it, the role ends as a signal would.
+        assert code_ == (143 if install else None), (install, code_)

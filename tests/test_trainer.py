@@ -456,3 +456,18 @@ def test_proximal_pass_anchors_later_mini_batches_to_the_step_start(
         assert second.off_policy["isWeightMax"] > 1.0 + 1e-3
     # The trainer's own log-probs moved in both cases (lr 1e-2): the lag-0 diff shows it.
     assert second.off_policy["logprobDiffLag0AbsMean"] > 1e-3
+
+
+def test_the_final_status_goes_to_the_termination_log_only_where_the_kubelet_made_one(tmp_path: Path) -> None:
+    import json
+
+    from kubedistill.api.progress import TrainerProgress
+    from kubedistill.runtime.entrypoints.trainer import write_termination_message
+
+    status = TrainerProgress(step=12, total_steps=12, weight_version=12)
+    absent = tmp_path / "termination-log"
+    write_termination_message(status, absent)
+    assert not absent.exists()  # `kubedistill run`: no kubelet, no file made
+    absent.write_text("")  # what the kubelet mounts
+    write_termination_message(status, absent)
+    assert json.loads(absent.read_text())["step"] == 12

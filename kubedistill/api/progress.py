@@ -8,6 +8,7 @@ file named by HISTORY_ENV hold the same fields plus per-step extras (runtime/dri
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
@@ -15,6 +16,11 @@ from pydantic import ConfigDict
 
 from kubedistill.api.base import ApiModel
 from kubedistill.api.status import HeldOutEvaluation
+
+TERMINATION_LOG = "/dev/termination-log"
+"""Where a Kubernetes container's last words go (the kubelet's default terminationMessagePath):
+the kubelet copies the file, up to TERMINATION_LIMIT bytes, into the pod's status."""
+TERMINATION_LIMIT = 4096
 
 HISTORY_ENV = "KUBEDISTILL_HISTORY"
 """Set on trainer rank 0: the file it appends one JSON line to per train step."""
@@ -75,3 +81,23 @@ class TrainerProgress(ApiModel):
             raise ValueError(f"phase {phase!r} is not one of {PHASES}")
         self.phase = phase
         self.message = message
+
+
+def termination_message(progress: TrainerProgress, limit: int = TERMINATION_LIMIT) -> str:
+    """The trainer's final /status document as compact JSON of at most `limit` bytes, for the
+    container's termination message: the operator reads the last step and held-out evaluation
+    from the pod's status once the trainer has exited, where a last GET /status would have come
+    too late. What does not fit goes, least needed first: the rollout servers and the message,
+    then the evaluation's per-source results, then the evaluation."""
+    doc = progress.to_json()
+    for drop in ((), ("rolloutServers", "message"), ("evaluation.sources",), ("evaluation",)):
+        for key in drop:
+            head, _, tail = key.partition(".")
+            if tail and isinstance(doc.get(head), dict):
+                doc[head] = {k: v for k, v in doc[head].items() if k != tail}
+            else:
+                doc.pop(key, None)
+        text = json.dumps(doc, separators=(",", ":"))
+        if len(text.encode()) <= limit:
+            return text
+    return json.dumps({"step": progress.step, "weightVersion": progress.weight_version}, separators=(",", ":"))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def run_role(args: argparse.Namespace) -> int:
+    terminate_as_pid1()
     if args.role == "trainer":
         try:
             from kubedistill.runtime.entrypoints.trainer import run
@@ -56,6 +59,23 @@ def run_role(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"kubedistill role {args.role}: {e}", file=sys.stderr)
         return 2
+
+
+def terminate_as_pid1(pid: int | None = None) -> bool:
+    """In a container the role's process is PID 1, and the kernel drops a signal whose action is
+    the default at PID 1: the kubelet's SIGTERM (pod deleted, preempted, evicted) would do nothing
+    for the grace period, then SIGKILL. Give SIGTERM its default meaning there: end the process,
+    as a signal would (exit 128 + 15). Servers replace the handler with their graceful shutdown
+    (uvicorn's). Returns whether it installed the handler."""
+    if (os.getpid() if pid is None else pid) != 1 or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _terminated)
+    return True
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    logging.getLogger("kubedistill").warning("terminated by signal %d", signum)
+    finish_process(128 + signum)
 
 
 def finish_process(code: int) -> NoReturn:

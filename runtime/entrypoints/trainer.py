@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kubedistill.api.progress import TERMINATION_LOG, termination_message
+
 if TYPE_CHECKING:
     from kubedistill.api.progress import TrainerProgress
     from kubedistill.api.roleconfig import JobConfig
@@ -146,6 +148,17 @@ async def _run_driver(config: JobConfig, host: str, port: int, metrics: RoleMetr
         if trackers is not None:
             await asyncio.to_thread(trackers.close)
         await server.stop()
+        write_termination_message(status)
+
+
+def write_termination_message(status: TrainerProgress, path: Path = Path(TERMINATION_LOG)) -> None:
+    """On Kubernetes, the final /status as the container's termination message (the kubelet made
+    the file); elsewhere there is no such file, and nothing is written."""
+    if path.is_file():
+        try:
+            path.write_text(termination_message(status))
+        except OSError as e:
+            log.warning("could not write the termination message to %s: %s", path, e)
 
 
 def _build(
