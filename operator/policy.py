@@ -261,7 +261,9 @@ def plan(
         _conditions(p, None, observed, now)
         _phase_event(p, previous)
         return p
-    if report is not None:
+    if report is not None and previous not in TERMINAL:
+        # A finished job keeps what it finished with: the last poll of its trainer predates the
+        # final step and evaluation (from the trainer's termination message, _run).
         status.step = report.step
         status.weight_version = report.weight_version
         status.last_checkpoint = report.last_checkpoint or status.last_checkpoint

@@ -234,3 +234,15 @@ async def test_simulated_fully_async_run_respects_the_lag_bound(threshold: float
     assert buf.counters["dropped_stale"] == 0
     assert max(lags) == p.max_lag  # the bound is reached, not just respected
     assert buf.counters["consumed"] == steps * p.required
+
+
+def test_every_sample_state_is_exported_at_zero_before_its_first_sample() -> None:
+    """The dashboard's stale-drop panel divides two of these rates: a job that never drops a
+    sample must show 0, not "No data" (a labelled series exists only once a child is made)."""
+    from prometheus_client import generate_latest
+
+    metrics = RoleMetrics("j", "trainer", 0)
+    SampleBuffer(staleness_policy(), metrics)
+    text = generate_latest(metrics.registry).decode()
+    for state in ("generated", "consumed", "dropped_stale", "resumed"):
+        assert f'state="{state}"' in text and "kubedistill_samples_total" in text, state

@@ -245,12 +245,16 @@ def test_the_trainers_termination_message_gives_the_job_its_last_step_and_evalua
         step=total, weight_version=total, score=0.6, sources={"math": HeldOutSource(score=0.6)}
     )
     done = _with(_world(job), "j-trainer-0", phase=PodPhase.succeeded, termination_message=termination_message(final))
-    stale = TrainerReport(step=30, weight_version=30, last_checkpoint="/ckpt/step-30")
+    early = HeldOutEvaluation(step=30, weight_version=30, score=0.2, sources={"math": HeldOutSource(score=0.2)})
+    stale = TrainerReport(step=30, weight_version=30, last_checkpoint="/ckpt/step-30", evaluation=early)
     p = plan(job, done, T0, stale)
     assert p.status.phase is Phase.succeeded
     assert (p.status.step, p.status.last_checkpoint) == (total, f"/ckpt/step-{total}")
     assert p.status.evaluation is not None and (p.status.evaluation.step, p.status.evaluation.score) == (total, 0.6)
     assert ("Normal", "Evaluated") in [(e.type, e.reason) for e in p.events]
+    # Later passes keep it: the last poll (step 30) must not take the finished job back.
+    again = plan(_next(job, p), done, T0 + timedelta(seconds=5), stale)
+    assert (again.status.step, again.status.evaluation) == (total, p.status.evaluation) and not again.events
     # Not ours, or none at all: the job still succeeds on what it saw.
     for message in ("", "OOM", '{"step": "x"}'):
         other = plan(job, _with(_world(job), "j-trainer-0", phase=PodPhase.succeeded, termination_message=message), T0)

@@ -52,6 +52,12 @@ class SampleBuffer:
         self._arrivals = 0
         self._closed = False
         self._cond = asyncio.Condition()
+        if metrics is not None:
+            # Every state's series from the start, at 0: a job that never drops a stale sample
+            # shows a stale-drop rate of 0 on the dashboard, not "No data" (a series that does
+            # not exist until its first increment; found on a real Prometheus).
+            for state in COUNTERS:
+                metrics["samples"].labels(state=state)
 
     # ---- what the driver reads -------------------------------------------------------------
     @property
