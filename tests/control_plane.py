@@ -9,7 +9,7 @@ where KUBEDISTILL_REQUIRE_K8S=1 (CI) a missing or broken control plane fails ins
 
 Everything listens on free loopback ports and lives in one temporary folder; `stop()` ends
 every process it started. There is no kubelet: pods are admitted, stored and scheduled, never
-run (tests/node_agent.py plays the kubelet where a test needs one).
+run (tests/real_node.py starts a real kubelet beside it; tests/node_agent.py plays one quickly).
 """
 
 from __future__ import annotations
@@ -100,11 +100,31 @@ def _openssl(*args: str) -> None:
         raise ControlPlaneError(f"openssl {' '.join(args[:2])} failed: {r.stderr.strip()[-500:]}")
 
 
+CLIENT_EXT = (
+    "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
+)
+
+
+def _ca(pki: Path, prefix: str = "ca") -> tuple[str, ...]:
+    return ("-CA", str(pki / f"{prefix}.crt"), "-CAkey", str(pki / f"{prefix}.key"), "-CAcreateserial",
+            "-days", "3650", "-sha256")  # fmt: skip
+
+
+def sign(pki: Path, name: str, subject: str, ext: str, issuer: str = "ca") -> None:
+    """`name`.key and `name`.crt in `pki`, signed by the CA `issuer` with extensions `ext`."""
+    _openssl(
+        "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / f"{name}.key"),
+        "-subj", subject, "-out", str(pki / f"{name}.csr"),
+    )  # fmt: skip
+    (pki / f"{name}.ext").write_text(ext)
+    _openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), *_ca(pki, issuer), "-extfile", str(pki / f"{name}.ext"),
+             "-out", str(pki / f"{name}.crt"))  # fmt: skip
+
+
 def make_pki(pki: Path) -> None:
     """A CA, the API server's serving certificate (127.0.0.1 and the in-cluster names), client
     certificates for the admin and the two controllers, the service-account signing key."""
     pki.mkdir(parents=True, exist_ok=True)
-    ca = ("-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650", "-sha256")
     for prefix, cn in (("ca", "kubedistill-test-ca"), ("front-proxy-ca", "kubedistill-test-front-proxy-ca")):
         _openssl(
             "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / f"{prefix}.key"),
@@ -112,28 +132,15 @@ def make_pki(pki: Path) -> None:
             "-addext", "basicConstraints=critical,CA:TRUE",
             "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
         )  # fmt: skip
-
-    def sign(name: str, subject: str, ext: str, issuer: tuple[str, ...] = ca) -> None:
-        _openssl(
-            "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / f"{name}.key"),
-            "-subj", subject, "-out", str(pki / f"{name}.csr"),
-        )  # fmt: skip
-        (pki / f"{name}.ext").write_text(ext)
-        _openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), *issuer, "-extfile", str(pki / f"{name}.ext"),
-                 "-out", str(pki / f"{name}.crt"))  # fmt: skip
-
-    client = (
-        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
-    )
     names = "kubernetes,kubernetes.default,kubernetes.default.svc,kubernetes.default.svc.cluster.local,localhost"
-    san = ",".join([f"IP:127.0.0.1,IP:{SERVICE_IP}", *(f"DNS:{n}" for n in names.split(","))])
-    sign("apiserver", "/CN=kube-apiserver", client.replace("clientAuth", "serverAuth") + f"subjectAltName={san}\n")
-    sign("admin", "/O=system:masters/CN=admin", client)
-    sign("controller-manager", "/CN=system:kube-controller-manager", client)
-    sign("scheduler", "/CN=system:kube-scheduler", client)
-    front = ("-CA", str(pki / "front-proxy-ca.crt"), "-CAkey", str(pki / "front-proxy-ca.key"), "-CAcreateserial",
-             "-days", "3650", "-sha256")  # fmt: skip
-    sign("front-proxy-client", "/CN=front-proxy-client", client, front)
+    # 10.88.0.1: the API server's address on a real node's bridge (tests/real_node.py).
+    san = ",".join([f"IP:127.0.0.1,IP:{SERVICE_IP},IP:10.88.0.1", *(f"DNS:{n}" for n in names.split(","))])
+    server = CLIENT_EXT.replace("clientAuth", "serverAuth") + f"subjectAltName={san}\n"
+    sign(pki, "apiserver", "/CN=kube-apiserver", server)
+    sign(pki, "admin", "/O=system:masters/CN=admin", CLIENT_EXT)
+    sign(pki, "controller-manager", "/CN=system:kube-controller-manager", CLIENT_EXT)
+    sign(pki, "scheduler", "/CN=system:kube-scheduler", CLIENT_EXT)
+    sign(pki, "front-proxy-client", "/CN=front-proxy-client", CLIENT_EXT, issuer="front-proxy-ca")
     _openssl("genrsa", "-out", str(pki / "sa.key"), "2048")
     _openssl("rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
 
@@ -235,7 +242,8 @@ class ControlPlane:
         pki = self.pki
         self._spawn(
             "kube-apiserver",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
+            # Every address: pods on a real node (tests/real_node.py) reach it through the bridge.
+            "--bind-address=0.0.0.0", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
             f"--etcd-servers=http://127.0.0.1:{etcd_client}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={pki / 'tokens.csv'}",
@@ -248,6 +256,8 @@ class ControlPlane:
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
             "--allow-privileged=true", "--endpoint-reconciler-type=none", "--profiling=false", "-v=1",
+            # `kubectl logs` dials a node's kubelet by its address, not by a name no DNS here knows.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             # Off by default upstream, on in OpenShift and hardened clusters: an owner reference
             # with blockOwnerDeletion needs update on the owner's finalizers (the chart grants it).
             "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
@@ -308,6 +318,11 @@ class ControlPlane:
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.home / "logs" / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def client_cert(self, name: str, subject: str) -> None:
+        """A client certificate `name`.crt/.key in the PKI, signed by the cluster's CA (a kubelet's:
+        /O=system:nodes/CN=system:node:NAME)."""
+        sign(self.pki, name, subject, CLIENT_EXT)
 
     def _write_kubeconfig(self, path: Path, user: dict[str, Any], name: str) -> None:
         path.write_text(yaml.safe_dump(kubeconfig(self.server, self.ca_file, user, name)))

@@ -142,9 +142,12 @@ FIXTURES = {
     "gpu_smoke_dry_run": Files(
         _script("bench/gpu_smoke.sh", "--dry-run", "--workdir", "{out}", "--steps", "3"), cached=False
     ),
+    # The CPU flavour of the images (runtime, operator, pause) as OCI archives, for the real node
+    # (tests/test_real_node.py); buildah's layer cache and the archives make a rerun quick.
+    "node_images": Files(_script("scripts/build-images.sh", "--flavour", "cpu", "--out", "{out}/images"), cached=True),
 }
 """Fixture name -> how its files are made."""
-ORDER = ("gpu_check_dry_run", "gpu_smoke_dry_run", "smollm2", "mypy", "vl_twin_run", "k1pg_models")
+ORDER = ("gpu_check_dry_run", "gpu_smoke_dry_run", "smollm2", "mypy", "vl_twin_run", "k1pg_models", "node_images")
 """The jobs in the order the suite's modules need them."""
 
 _fresh: dict[str, Path] = {}

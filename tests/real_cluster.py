@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +77,10 @@ def operator_process(
         stop_process(proc, grace=15)
 
 
-def wait_for(check: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
-    """Poll `check()` until it returns something truthy; fail with its last value."""
+def wait_for(
+    check: Any, timeout: float, what: str, interval: float = 0.2, explain: Callable[[], str] = lambda: ""
+) -> Any:
+    """Poll `check()` until it returns something truthy; fail with its last value (and `explain()`)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -86,4 +88,4 @@ def wait_for(check: Any, timeout: float, what: str, interval: float = 0.2) -> An
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}\n{explain()}")

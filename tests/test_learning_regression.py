@@ -9,10 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-import early_checks
 from e2e_jobs import kubedistill_run
 
 STEPS = 20
@@ -53,13 +51,6 @@ def collapsing_job(base: Path, models: Path) -> Path:
     path = base / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
-
-
-@pytest.fixture
-def k1pg_models(request: pytest.FixtureRequest) -> Path:
-    """The quickstart's models with a teacher of 300 steps, peaked enough to have collapsed the
-    old loss, and a student of 200 (made in the background from collection on: tests/early_checks.py)."""
-    return early_checks.fixture_files(request.config, "k1pg_models")
 
 
 def test_k1_policy_gradient_one_step_off_does_not_collapse(tmp_path: Path, k1pg_models: Path) -> None:
