@@ -321,35 +321,32 @@ def _hold_unscheduled(p: Plan, spec: DistillationJobSpec, missing: Collection[Ga
     set_condition(p.status, ConditionType.created, False, "GangSchedulerMissing", message, now)
 
 
+def _hold_pods(p: Plan, reason: str, message: str, now: datetime) -> None:
+    """Create no pod of a job whose spec cannot work on Kubernetes: it is Blocked, says why in one
+    line and in the Created condition, and goes on once the spec changes (the next plan)."""
+    p.create = [o for o in p.create if o["kind"] != "Pod"]
+    p.status.phase = Phase.blocked
+    p.status.message = message[:4096]
+    set_condition(p.status, ConditionType.created, False, reason, message, now)
+
+
 def _hold_unresumable(p: Plan, spec: DistillationJobSpec, now: datetime) -> None:
     """With checkpoint.resume auto, a job whose checkpoints a gang restart would lose (an emptyDir
     or a relative path at checkpoint.path) would promise a resume it cannot do: its pods are held
     until spec.volumes or spec.volumeMounts change, and the job is Blocked and says why."""
-    if p.status.phase is Phase.blocked:
-        return
-    why = resume_problem(spec)
-    if why is None:
-        return
-    p.create = [o for o in p.create if o["kind"] != "Pod"]
-    message = f"checkpoint.resume is auto, but a gang restart could not resume: {why}"
-    p.status.phase = Phase.blocked
-    p.status.message = message[:4096]
-    set_condition(p.status, ConditionType.created, False, "CheckpointNotResumable", message, now)
+    why = resume_problem(spec) if p.status.phase is not Phase.blocked else None
+    if why is not None:
+        message = f"checkpoint.resume is auto, but a gang restart could not resume: {why}"
+        _hold_pods(p, "CheckpointNotResumable", message, now)
 
 
 def _hold_unwritable_trackers(p: Plan, spec: DistillationJobSpec, now: datetime) -> None:
     """A tracker directory on the pods' read-only root filesystem would fail at the trainer's first
     write, after the job had started: its pods are held until the spec changes, and the job is
     Blocked and says which field and where to put it."""
-    if p.status.phase is Phase.blocked:
-        return
-    why = unwritable_tracker_dir(spec)
-    if why is None:
-        return
-    p.create = [o for o in p.create if o["kind"] != "Pod"]
-    p.status.phase = Phase.blocked
-    p.status.message = why[:4096]
-    set_condition(p.status, ConditionType.created, False, "TrackerDirNotWritable", why, now)
+    why = unwritable_tracker_dir(spec) if p.status.phase is not Phase.blocked else None
+    if why is not None:
+        _hold_pods(p, "TrackerDirNotWritable", why, now)
 
 
 def _hold_refused(p: Plan, refusals: Mapping[RefusalKey, Refusal], now: datetime) -> None:

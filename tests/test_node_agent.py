@@ -177,13 +177,13 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def twin_namespace(plane: Any, name: str) -> str:
+def twin_namespace(plane: Any, name: str, labels: dict[str, str] | None = None) -> str:
     """A namespace of the real control plane where the twin can run pods. The control plane is
     MicroShift's build: its ServiceAccount admission adds the ConfigMap openshift-service-ca.crt
     (not optional) to every pod's kube-api-access volume, and the controller that publishes it is
     off (tests/control_plane.py); a kubelet holds such a pod in ContainerCreating. Publish it as
     that controller would (the service CA is the cluster's CA here)."""
-    plane.namespace(name)
+    plane.namespace(name, labels=labels)
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "openshift-service-ca.crt", "namespace": name}}
     plane.apply({**cm, "data": {"service-ca.crt": plane.ca_file.read_text()}})
     return name

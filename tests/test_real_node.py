@@ -51,6 +51,7 @@ from kubedistill.api.spec import CheckpointClaimSpec
 from mlflow_server import MlflowServer, free_port
 from real_cluster import CHART, CRD_NAME, wait_for
 from test_monitoring_queries import dashboard_queries
+from test_node_agent import twin_namespace
 
 SYSTEM_NS = "kd-system"
 JOBS_NS = "kd-jobs"
@@ -109,21 +110,8 @@ def node(control_plane: ControlPlane, images: dict[str, Path], request: pytest.F
     real.stop()
 
 
-def kubectl(plane: ControlPlane, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return plane.kubectl(*args, check=check)
-
-
 def get(plane: ControlPlane, *args: str) -> Any:
     return json.loads(plane.kubectl("get", *args, "-o", "json").stdout)
-
-
-def restricted_namespace(plane: ControlPlane, name: str) -> None:
-    """A namespace under Pod Security restricted. MicroShift's ServiceAccount admission adds the
-    ConfigMap openshift-service-ca.crt to every pod's token volume, and its publisher is off
-    (tests/control_plane.py): publish it, or the kubelet holds every pod in ContainerCreating."""
-    plane.namespace(name, labels=RESTRICTED)
-    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "openshift-service-ca.crt", "namespace": name}}
-    plane.apply({**cm, "data": {"service-ca.crt": plane.ca_file.read_text()}})
 
 
 def helm(plane: ControlPlane, home: Path, *args: str) -> str:
@@ -441,8 +429,8 @@ def installed(
     for part in ("teacher", "student", "student-init", "data"):
         shutil.copytree(k1pg_models / part, models / part)
     subprocess.run(["chmod", "-R", "a+rX", str(work)], check=True)
-    restricted_namespace(plane, SYSTEM_NS)
-    restricted_namespace(plane, JOBS_NS)
+    twin_namespace(plane, SYSTEM_NS, RESTRICTED)
+    twin_namespace(plane, JOBS_NS, RESTRICTED)
     plane.apply(
         [
             local_volume("kd-models", models, "1Gi", ["ReadOnlyMany"], (JOBS_NS, "models")),
@@ -512,11 +500,11 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
     notes: list[str] = []
 
     def explain() -> str:
-        pods = kubectl(plane, "get", "pods", "-n", JOBS_NS, "-o", "wide", check=False).stdout
-        described = kubectl(plane, "describe", "pods", "-n", JOBS_NS, check=False).stdout[-4000:]
-        logs = kubectl(plane, "logs", "-n", SYSTEM_NS, "deploy/kd-kubedistill", "--tail=30", check=False).stdout
-        trainer = kubectl(plane, "logs", "-n", JOBS_NS, f"{job}-trainer-0", "--tail=40", check=False)
-        st = kubectl(plane, "get", "distillationjobs", job, "-n", JOBS_NS, "-o", "jsonpath={.status}", check=False)
+        pods = plane.kubectl("get", "pods", "-n", JOBS_NS, "-o", "wide", check=False).stdout
+        described = plane.kubectl("describe", "pods", "-n", JOBS_NS, check=False).stdout[-4000:]
+        logs = plane.kubectl("logs", "-n", SYSTEM_NS, "deploy/kd-kubedistill", "--tail=30", check=False).stdout
+        trainer = plane.kubectl("logs", "-n", JOBS_NS, f"{job}-trainer-0", "--tail=40", check=False)
+        st = plane.kubectl("get", "distillationjobs", job, "-n", JOBS_NS, "-o", "jsonpath={.status}", check=False)
         return (
             f"story: {notes}\nstatus: {st.stdout[:3000]}\npods:\n{pods}\n{described}\n"
             f"--- operator ---\n{logs}\n--- trainer ---\n{trainer.stdout}{trainer.stderr}\n"
@@ -540,7 +528,7 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
             return last if last and last in {h["step"] for h in history(ckpt)} else None
 
         killed_after = wait_for(logged_checkpoint, 600, "a checkpoint on the claim, in the history", explain=explain)
-        kubectl(plane, "delete", "pod", f"{job}-trainer-0", "-n", JOBS_NS, "--wait=false")
+        plane.kubectl("delete", "pod", f"{job}-trainer-0", "-n", JOBS_NS, "--wait=false")
         assert killed_after < STEPS, "the job finished before trainer 0 could be deleted: raise STEPS"
         pods = get(plane, "pods", "-n", JOBS_NS, "-l", f"kubedistill.io/job={job}")["items"]
         assert {p["spec"]["nodeName"] for p in pods} == {rn.NODE_NAME}
@@ -564,7 +552,7 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
 
         # spec.suspend deletes every pod (phase Suspended); clearing it resumes from the claim.
         suspend = '{"spec": {"suspend": %s}}'
-        kubectl(plane, "patch", "distillationjobs", job, "-n", JOBS_NS, "--type=merge", "-p", suspend % "true")
+        plane.kubectl("patch", "distillationjobs", job, "-n", JOBS_NS, "--type=merge", "-p", suspend % "true")
 
         def suspended() -> Any:
             pods = get(plane, "pods", "-n", JOBS_NS, "-l", f"kubedistill.io/job={job}")["items"]
@@ -574,7 +562,7 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
         suspended_at = newest_checkpoint(ckpt)
         assert suspended_at < STEPS, "the job finished before it could be suspended: raise STEPS"
         notes.append(f"suspended after checkpoint step {suspended_at}")
-        kubectl(plane, "patch", "distillationjobs", job, "-n", JOBS_NS, "--type=merge", "-p", suspend % "false")
+        plane.kubectl("patch", "distillationjobs", job, "-n", JOBS_NS, "--type=merge", "-p", suspend % "false")
 
         def finished() -> Any:
             st = status()
@@ -597,7 +585,7 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
         assert scraped >= {f"{job}-trainer-0", f"{job}-rollout-0", f"{job}-teacher-arith-0"}, scraped
     finally:
         prometheus.stop()
-        kubectl(plane, "delete", "distillationjobs", job, "-n", JOBS_NS, "--wait=false", check=False)
+        plane.kubectl("delete", "distillationjobs", job, "-n", JOBS_NS, "--wait=false", check=False)
 
     # The job's held-out evaluation rose by at least 20 points: the status holds the last (from the
     # trainer's termination message), an event each one the operator saw, the history on the claim
@@ -696,7 +684,7 @@ def test_a_pod_without_its_image_blocks_the_job_until_the_image_is_there(
 
         wait_for(running, 420, "the job running once its image is there", explain=lambda: json.dumps(status()))
     finally:
-        kubectl(plane, "delete", "distillationjobs", job, "-n", JOBS_NS, "--wait=false", check=False)
+        plane.kubectl("delete", "distillationjobs", job, "-n", JOBS_NS, "--wait=false", check=False)
         node.ctr("images", "rm", later, check=False)
 
 
@@ -729,4 +717,4 @@ def test_a_trainer_killed_by_its_memory_limit_is_reported_as_oomkilled(installed
         restarts = [m for _, r, m in job_events(plane, job) if r == "GangRestart"]
         assert restarts and "OOMKilled" in restarts[0], restarts
     finally:
-        kubectl(plane, "delete", "distillationjobs", job, "-n", JOBS_NS, "--wait=false", check=False)
+        plane.kubectl("delete", "distillationjobs", job, "-n", JOBS_NS, "--wait=false", check=False)
