@@ -2,7 +2,7 @@
 teacher server's /score deliver, as a share of what their engine delivers on its own, on the
 same inputs and sampling, in one run.
 
-On SmolLM2-135M-Instruct (kubedistill/demo/smollm.py), `--requests` chat-rendered arithmetic prompts:
+On SmolLM2-135M-Instruct (tests/smollm.py), `--requests` chat-rendered arithmetic prompts:
   generate  /generate, all requests at once (temperature 1, ignore_eos, `--tokens` new tokens each,
             the sampled token's log-prob), against
               vllm: vLLM's own offline `LLM.generate` of the same prompts with the same
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     a.score_len = a.score_len or (128 if a.quick else 256)
     a.repeats = a.repeats or (1 if a.quick else 3)
     from kubedistill.api.roleconfig import JobConfig
-    from kubedistill.demo.smollm import smollm2_hf_dir
+    from smollm import smollm2_hf_dir
 
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)

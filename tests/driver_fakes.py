@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from batch_lists import to_lists
 from e2e_jobs import write_prompts
 from kubedistill.api.spec import DistillationJobSpec, PartialRolloutStrategy
 from kubedistill.runtime.driver.clients import ServerError
@@ -436,7 +437,7 @@ class FakeTrainer:
         t0 = time.perf_counter()
         time.sleep(self.step_seconds)
         compute = time.perf_counter() - t0
-        self.steps.append([b.to_lists() for b in batches])
+        self.steps.append([to_lists(b) for b in batches])
         return [FakeStepStats(seconds=compute, compute_seconds=compute / len(batches)) for _ in batches]
 
     def weight_metas(self) -> list[TensorMeta]:

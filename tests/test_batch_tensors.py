@@ -5,7 +5,6 @@ to every rank."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batch_lists import to_lists
 from kubedistill.api.losses import CONTRACTS, TEACHER_TOP_K
 from kubedistill.api.spec import LossMode
 from kubedistill.runtime.trainer import Trainer
@@ -20,6 +20,7 @@ from kubedistill.runtime.trainer import losses as L
 from kubedistill.runtime.trainer.microbatch import MicroBatch, collate, micro_batches
 from kubedistill.runtime.wire.batch import BatchBuffers, TensorBatch, TrainBatch
 from list_collate import list_collate
+from ports import free_port
 from trainer_cases import make_batch, make_spec
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +50,7 @@ def test_tensor_form_round_trips_the_lists() -> None:
     assert t.token_ids.dtype == torch.int64 and t.rollout_logprobs.dtype == torch.float32
     assert t.signals["teacher_topk_ids"].shape == (sum(t.response_lens), 3)
     assert set(t.widths) == {"teacher_topk_ids", "teacher_topk_logprobs"}
-    back = t.to_lists()
+    back = to_lists(t)
     assert back.token_ids == b.token_ids and back.prompt_lens == b.prompt_lens
     assert back.signals["teacher_topk_ids"] == b.signals["teacher_topk_ids"]
     for got, want in zip(back.signals["teacher_topk_logprobs"], b.signals["teacher_topk_logprobs"]):
@@ -57,7 +58,7 @@ def test_tensor_form_round_trips_the_lists() -> None:
     assert make_batch().to_tensors().widths == {}  # every row has k entries: no widths travel
     # Laid out in another order: the same samples, moved whole.
     order = [5, 3, 1, 0, 2, 4]
-    moved = parts.to_tensors(order).to_lists()
+    moved = to_lists(parts.to_tensors(order))
     assert moved.token_ids == [b.token_ids[i] for i in order]
     assert moved.signals["teacher_topk_ids"] == [b.signals["teacher_topk_ids"][i] for i in order]
     assert moved.weight_versions == [b.weight_versions[i] for i in order]
@@ -175,12 +176,6 @@ def test_tensor_path_gives_the_list_paths_losses_and_gradients(
         trainer.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def broadcast_worker(rank: int, world: int, port: int, out: str) -> None:
     """One rank: rank 0 sends ragged_batch() as the trainer does (header, then tensors); every
     rank saves what it holds afterwards."""
@@ -212,7 +207,7 @@ def broadcast_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_every_rank_receives_identical_tensors(tmp_path: Path) -> None:
-    port, out = _free_port(), tmp_path / "batch"
+    port, out = free_port(), tmp_path / "batch"
     env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(

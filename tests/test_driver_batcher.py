@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from batch_lists import to_lists
 from kubedistill.api.losses import CONTRACTS
 from kubedistill.api.spec import LossMode
 from kubedistill.runtime.driver.batcher import BatchRequirements, assemble, to_train_batch
@@ -40,7 +41,7 @@ def test_step_is_split_into_whole_group_minibatches() -> None:
     step = assemble(groups, REQ, trainer_version=4)
     assert [[s.group_id for s in mb] for mb in step.minibatches] == [[10, 10, 11, 11], [12, 12, 13, 13]]
     assert step.staleness() == [1, 1, 0, 0, 0, 0, 0, 0]
-    batches = [b.to_lists() for b in step.train_batches(REQ)]
+    batches = [to_lists(b) for b in step.train_batches(REQ)]
     assert [len(b.token_ids) for b in batches] == [4, 4]
     b = batches[0]
     assert b.token_ids[:2] == [[1, 2, 3, 5], [1, 2, 3, 5, 2]]
@@ -75,12 +76,12 @@ def test_distillation_only_batches_carry_no_rewards_and_small_vocab_topk_is_fine
     req = BatchRequirements(group_size=2, mini_batch_size=2, contract=FORWARD, top_k=4, rewards=False)
     g = scored_group(1, top_k=2)  # rows of 2 < topK 4: a vocabulary smaller than k
     g.samples[0].reward = None
-    b = to_train_batch(g.samples, req).to_lists()
+    b = to_lists(to_train_batch(g.samples, req))
     assert b.rewards is None and b.group_ids is None and "teacher_topk_ids" in b.signals
     rl_only = BatchRequirements(group_size=2, mini_batch_size=2, contract=None, rewards=True)
     g2 = scored_group(2)
     g2.samples[0].signals.clear()
-    b2 = to_train_batch(g2.samples, rl_only).to_lists()
+    b2 = to_lists(to_train_batch(g2.samples, rl_only))
     assert b2.signals == {} and b2.rewards == [0.0, 1.0]
 
 

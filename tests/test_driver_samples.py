@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from batch_lists import to_lists
 from kubedistill.api.losses import CONTRACTS, ROLLOUT_TOP_K
 from kubedistill.api.spec import LossMode
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
@@ -90,6 +91,28 @@ def test_teacher_scores_are_checked_against_the_response() -> None:
     # A score without top-k (k1, k3 ask for none) keeps no top-k rows, not even the last score's.
     s.set_scores("math", ScoreResponse(logprobs=[-0.75, -0.5], topk_ids=[[], []], topk_logprobs=[[], []]))
     assert s.signals == {"teacher_logprobs": [-0.75, -0.5]}
+
+
+def test_a_wire_answers_top_k_rows_are_kept_without_a_copy_and_other_rows_become_lists() -> None:
+    from kubedistill.runtime.wire.protocol import ScoreResponse
+
+    s = Sample(group_id=2, index=0, prompt_ids=[1, 2], max_tokens=4)
+    s.continuation()
+    s.extend(response("x", [7, 8], [-1.0, -1.0], 0, "stop"))
+    out = ScoreResponse.model_validate_json(
+        '{"logprobs": [-0.5, -0.25], "topk_ids": [[7, 3], [8, 3]], "topk_logprobs": [[-0.5, -1.0], [-0.25, -2.0]]}'
+    )
+    s.set_scores("math", out)
+    # The response model's own lists (of ints and floats): a 1.5k-token top-64 answer is 192k numbers.
+    assert s.signals["teacher_topk_ids"][1] is out.topk_ids[1]
+    assert s.signals["teacher_topk_logprobs"][0] is out.topk_logprobs[0]
+    # An in-process answer of tuples (a fake's) is stored as lists of ints and floats, as before.
+    s.set_scores("math", ScoreResponse.model_construct(
+        logprobs=(-0.5, -0.25), topk_ids=((7, 3), (8, 3)), topk_logprobs=((-0.5, -1), (-0.25, -2)), gather_logprobs=None
+    ))  # fmt: skip
+    assert s.signals["teacher_topk_ids"] == [[7, 3], [8, 3]]
+    assert s.signals["teacher_topk_logprobs"] == [[-0.5, -1.0], [-0.25, -2.0]]
+    assert all(type(x) is float for row in s.signals["teacher_topk_logprobs"] for x in row)
 
 
 def test_restart_forgets_tokens_and_scores() -> None:
@@ -198,7 +221,7 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
     s.set_scores("t", ScoreResponse(**scores, gather_logprobs=[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]))
     req = BatchRequirements(group_size=1, mini_batch_size=1, contract=CONTRACTS[LossMode.reverse_kl_top_k], top_k=2)
     assert req.rollout_top_k == 2 and req.gather_ids(s) == [[5, 6], [7, 5], [3, 4]]
-    batch = to_train_batch([s], req, trainer_version=1).to_lists()
+    batch = to_lists(to_train_batch([s], req, trainer_version=1))
     assert (batch.signal(ROLLOUT_TOP_K.ids), batch.signal(ROLLOUT_TOP_K.logprobs)) == (
         [[[5, 6], [7, 5], [3, 4]]],
         [[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]],

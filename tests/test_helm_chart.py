@@ -1,6 +1,6 @@
 """The Helm chart (helm/kubedistill): lint, render, validate every object, and check what the
 operator needs — one replica, Recreate, liveness, locked-down pod, least-privilege RBAC equal to
-operator/rbac.py, monitoring objects only where the Prometheus Operator's API exists.
+tests/operator_rbac.py, monitoring objects only where the Prometheus Operator's API exists.
 
 helm comes from scripts/install-helm.sh (run by scripts/install.sh) at .venv/tools/helm."""
 
@@ -377,7 +377,7 @@ def _norm(rules: list[dict[str, Any]]) -> list[tuple[tuple[str, ...], tuple[str,
 
 
 def test_rbac_is_namespaced_by_default(default_docs: list[dict[str, Any]]) -> None:
-    from kubedistill.operator import rbac
+    import operator_rbac as rbac
 
     expected = rbac.rules(all_namespaces=False)
     role = one(default_docs, "Role")
@@ -402,7 +402,7 @@ def test_rbac_one_role_per_watched_namespace(namespaced_docs: list[dict[str, Any
 
 
 def test_rbac_cluster_wide_by_value(full_docs: list[dict[str, Any]]) -> None:
-    from kubedistill.operator import rbac
+    import operator_rbac as rbac
 
     expected = rbac.rules(all_namespaces=True, gang_schedulers=["volcano", "coscheduling"])
     assert not by_kind(full_docs, "Role") and not by_kind(full_docs, "RoleBinding")
@@ -413,7 +413,7 @@ def test_rbac_cluster_wide_by_value(full_docs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("enabled", [[], ["volcano"], ["coscheduling"], ["volcano", "coscheduling"]])
 def test_pod_group_rbac_only_for_enabled_gang_schedulers(enabled: list[str]) -> None:
-    from kubedistill.operator import rbac
+    import operator_rbac as rbac
 
     docs = render(*[a for g in enabled for a in ("--set", f"gangSchedulers.{g}=true")])
     role = one(docs, "Role")

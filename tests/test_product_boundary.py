@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import re
+import tomllib
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from unittest.mock import MagicMock
 
@@ -13,11 +17,11 @@ from kubedistill.runtime.entrypoints.roles import add_commands
 from kubedistill.runtime.servers.rollout import build_rollout_app
 from server_fixtures import job_config
 
-DEBUG_ROUTES = {"/weights/checksums", "/weights/probe"}
+DEBUG_ROUTES = {"/weights/checksums"}
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_checksums_and_the_transport_probe_are_served_only_with_debug_endpoints(tmp_path: Path, debug: bool) -> None:
+def test_checksums_are_served_only_with_debug_endpoints(tmp_path: Path, debug: bool) -> None:
     config = job_config(
         tmp_path / "student",
         tmp_path / "teacher",
@@ -53,6 +57,7 @@ PACKAGE_DIRS = {
     "kubedistill.operator": ROOT / "operator",
     "kubedistill.runtime": ROOT / "runtime",
 }
+"""pyproject's package-dir: the product's packages and the folders they install from."""
 IMAGE_ENTRIES = [
     "kubedistill.cli",  # the images' ENTRYPOINT: `kubedistill role ...`, `kubedistill operator`
     "kubedistill.runtime.entrypoints.roles",
@@ -61,10 +66,11 @@ IMAGE_ENTRIES = [
     "kubedistill.runtime.servers.teacher",
     "kubedistill.operator.main",
 ]
+_TEST_AND_BENCH = {p.stem for p in (ROOT / "tests").glob("*.py")} | {p.stem for p in (ROOT / "bench").glob("*.py")}
 
 
-def _source(module: str) -> Path | None:
-    for package, folder in sorted(PACKAGE_DIRS.items(), key=lambda kv: -len(kv[0])):
+def _source(module: str, dirs: Mapping[str, Path] = PACKAGE_DIRS) -> Path | None:
+    for package, folder in sorted(dirs.items(), key=lambda kv: -len(kv[0])):
         if module == package or module.startswith(package + "."):
             rel = module.removeprefix(package).lstrip(".").replace(".", "/")
             base = folder / rel if rel else folder
@@ -74,11 +80,10 @@ def _source(module: str) -> Path | None:
     return None
 
 
-def _imports(path: Path) -> set[str]:
-    """Every kubedistill module the file names: import statements anywhere (lazy ones included),
-    and module names in strings (importlib.import_module)."""
-    import ast
-
+def _imports(path: Path, roots: Collection[str]) -> set[str]:
+    """Every module under `roots` the file names: import statements anywhere (lazy ones and
+    TYPE_CHECKING ones included), and kubedistill.* names in strings (importlib.import_module, `python -m`
+    argv, vLLM's worker_extension_cls)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -88,10 +93,48 @@ def _imports(path: Path) -> set[str]:
             out.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("kubedistill."):
             out.add(node.value.split(":")[0])
-    return {m for m in out if m.split(".")[0] == "kubedistill" or m.split(".")[0] in _TEST_AND_BENCH}
+    return {m for m in out if m.split(".")[0] in roots}
 
 
-_TEST_AND_BENCH = {p.stem for p in (ROOT / "tests").glob("*.py")} | {p.stem for p in (ROOT / "bench").glob("*.py")}
+def closure(entries: Iterable[str], dirs: Mapping[str, Path] = PACKAGE_DIRS, skip: Collection[str] = ()) -> set[str]:
+    """The modules of `dirs` that `entries` can import, lazily or not (never through `skip`), with
+    the packages above each (importing a module runs its packages' __init__ first)."""
+    roots = {package.split(".")[0] for package in dirs} | _TEST_AND_BENCH
+    seen: set[str] = set()
+    todo = list(entries)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = _source(module, dirs)
+        if path is not None:
+            todo += [m for m in _imports(path, roots) if m not in skip]
+            todo += [module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)]
+        elif "." in module:  # a name inside a module (from m import name, "m.Class" strings)
+            todo.append(module.rsplit(".", 1)[0])
+    return seen
+
+
+def modules_in(dirs: Mapping[str, Path] = PACKAGE_DIRS) -> set[str]:
+    """Every module the product's packages hold, by its installed name."""
+    out = set()
+    for package, folder in dirs.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            out.add(".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)]))
+    return out
+
+
+def product_entries() -> list[str]:
+    """Where the product starts: its console scripts (pyproject), and the modules the images'
+    Dockerfiles run (the runtime image's build runs kubedistill.runtime.torchvision_cpu). A role
+    started as `python -m kubedistill.cli ...` is named as a string in the module that starts it."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    entries = [target.split(":")[0] for target in scripts.values()]
+    for dockerfile in sorted((ROOT / "images").glob("*/Dockerfile")):
+        entries += [m for m in re.findall(r"kubedistill(?:\.\w+)+", dockerfile.read_text()) if _source(m)]
+    return entries
 
 
 def image_closure() -> set[str]:
@@ -99,20 +142,43 @@ def image_closure() -> set[str]:
     demo commands (kubedistill.cli.DEMO_COMMANDS), which load their package only when they run."""
     from kubedistill.cli import DEMO_COMMANDS
 
-    demo_entries = {module for module, _ in DEMO_COMMANDS.values()}
-    seen: set[str] = set()
-    todo = list(IMAGE_ENTRIES)
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        path = _source(module)
-        if path is not None:
-            todo += [m for m in _imports(path) if m not in demo_entries]
-        elif "." in module:  # a name inside a module (from m import name, "m.Class" strings)
-            todo.append(module.rsplit(".", 1)[0])
-    return seen
+    return closure(IMAGE_ENTRIES, skip={module for module, _ in DEMO_COMMANDS.values()})
+
+
+def _importers(module: str) -> list[str]:
+    """The test and bench files that import `module` (for the failure message)."""
+    files = sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")])
+    return [str(f.relative_to(ROOT)) for f in files if module in _imports(f, {"kubedistill"})]
+
+
+def test_every_product_module_is_reached_from_the_products_entry_points() -> None:
+    """Nothing in kubedistill/, operator/ or runtime/ exists only for tests or benches (issue 49):
+    a module the product never imports goes to tests/ or bench/, beside its users."""
+    reached = closure(product_entries())
+    assert {"kubedistill.runtime.engines.vllm_worker", "kubedistill.demo.quickstart"} <= reached
+    stray = {m: _importers(m) for m in sorted(modules_in() - reached)}
+    assert stray == {}, f"product modules no entry point reaches (module: the tests/benches importing it): {stray}"
+
+
+def test_the_reachability_check_finds_a_module_only_tests_import(tmp_path: Path) -> None:
+    """The check above on a tree of its own: lazy imports, packages and names in strings count as
+    reached; a module only a test imports does not."""
+    pkg = tmp_path / "kubedistill"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "cli.py": "def main():\n    from kubedistill.sub import lazy\n    start('kubedistill.named:run')\n",
+        "sub/__init__.py": "",
+        "sub/lazy.py": "",
+        "named.py": "",
+        "stray.py": "",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    (tmp_path / "test_x.py").write_text("from kubedistill import stray\n")
+    dirs = {"kubedistill": pkg}
+    reached = closure(["kubedistill.cli"], dirs)
+    assert modules_in(dirs) - reached == {"kubedistill.stray"}
 
 
 def test_the_runtime_image_imports_no_demo_test_or_bench_module() -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from batch_lists import to_lists
 from kubedistill.api.losses import CONTRACTS, TEACHER_TOP_K
 from kubedistill.api.spec import LossMode
 from kubedistill.runtime.trainer import Trainer
@@ -357,7 +358,7 @@ def test_images_reach_the_batch_through_the_students_processor(student: Path, pr
     assert header["images"] == [2, 2, 0, 0] and len(header["tensors"]) == 5  # ids, mu, teacher, pixels, grids
     assert to_train_batch(text.samples, req).header()["images"] is None
     assert len(to_train_batch(text.samples, req).header()["tensors"]) == 3  # a text batch: no image tensors
-    back = parts.to_tensors([2, 0, 3, 1]).to_lists()  # laid out in another order: images move with samples
+    back = to_lists(parts.to_tensors([2, 0, 3, 1]))  # laid out in another order: images move with samples
     assert back.images is not None and back.images[0] is None and back.images[2] is None
     assert np.array_equal(back.images[1].pixel_values, made[0].pixel_values)
 

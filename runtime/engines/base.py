@@ -255,10 +255,6 @@ class Engine(ABC):
         self.weight_group_state = "none"
 
     @abstractmethod
-    async def probe_transport(self, nbytes: int) -> None:
-        """Receive one raw broadcast of `nbytes` and join the closing all-reduce (benchmarks)."""
-
-    @abstractmethod
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
         """Pause generation (`pause` says what happens to requests in flight), receive the
         broadcast, load it (or discard it when load is False, to keep the group in step), report

@@ -217,7 +217,7 @@ class HFEngine(Engine):
         self._lora_mode, self._lora_base, self._adapter_params, self._adapter_layout = None, None, {}, None
         self._eos = frozenset(self._eos_ids())
         # Read once: every request is checked against it, and the config's attribute lookups
-        # cost ~20 us a call on the server's event loop.
+        # are not free on the server's event loop (docs/design.md, "Smaller measurements").
         self._vocab_size = int(model.config.get_text_config().vocab_size)
 
     def _load_vision(self, model: PreTrainedModel) -> None:
@@ -591,18 +591,6 @@ class HFEngine(Engine):
             raise
         self.weight_group_state = "ready"
 
-    async def probe_transport(self, nbytes: int) -> None:
-        group = self.group
-        if group is None:
-            raise RuntimeError("not in the weight-sync group")
-
-        def run() -> None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-            group.broadcast(buf).wait()
-            group.all_reduce_sum(0)
-
-        await asyncio.to_thread(run)
-
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
         group = self.group
         if group is None:
@@ -836,8 +824,8 @@ def _distributions(logits: torch.Tensor, rows: Sequence[_Request], index: Sequen
     if any(r.top_k for r in rows):
         probs = _top_k(probs, torch.tensor([r.top_k for r in rows], device=logits.device)[:, None])
     if any(r.top_p < 1.0 for r in rows):
-        # Sorting every row's whole vocabulary costs ~100 ms per step at 32 rows of a 49k
-        # vocabulary on one core (SmolLM2, bench/servers.py); top_p 1 keeps every token anyway.
+        # Sorting every row's whole vocabulary is a large share of a decode step (docs/design.md,
+        # "Servers against their engines"); top_p 1 keeps every token anyway.
         probs = _top_p(probs, torch.tensor([r.top_p for r in rows], device=logits.device)[:, None])
     return probs
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kubedistill.runtime.driver.multimodal import collapse_runs, reads_images
+from kubedistill.runtime.engines import vllm_compat
 from kubedistill.runtime.engines.base import Engine, InFlight, PauseMode
 from kubedistill.runtime.engines.images import (
     MAX_IMAGES_PER_PROMPT,
@@ -39,7 +40,8 @@ from kubedistill.runtime.wire.protocol import (
 if TYPE_CHECKING:
     from vllm import RequestOutput
     from vllm.lora.request import LoRARequest
-    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from kubedistill.runtime.engines.vllm_compat import AsyncLLM
 
 log = logging.getLogger("kubedistill.engines.vllm")
 
@@ -49,8 +51,7 @@ PAUSE_SETTLE_SECONDS = 0.02
 requests (vLLM's pause_generation sleeps as long); the version changes only after it."""
 TRANSFER_POLL_SECONDS = 0.05
 """How long one poll of a weight transfer waits in the worker for its end. (Sleeping between
-instant polls instead, backing off to 50 ms, saw the end up to 50 ms late: a fixed cost of every
-sync.)"""
+instant polls instead saw the end late, a fixed cost of every sync: docs/servers.md.)"""
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -306,18 +307,17 @@ class VLLMEngine(Engine):
         os.environ.update(engine_env(self.device, self.kv_cache_gib))
         if self.device == "cpu" and self.kwargs["distributed_executor_backend"] == "uni":
             # vLLM-CPU turns 'uni' into 'mp' unless this is 0 (AsyncLLM keeps its engine-core
-            # process either way): without it a third process starts (~12 s on 2 busy cores) and
-            # busy-polls after every step (docs/servers.md, The vLLM engine).
+            # process either way): without it a third process starts (docs/design.md, "Smaller
+            # measurements") and busy-polls after every step (docs/servers.md, The vLLM engine).
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm import AsyncEngineArgs
 
         self.kwargs["dtype"] = resolve_dtype(self.kwargs["dtype"], self.device)
         if reads_images(self.model_path) and "limit_mm_per_prompt" not in self.kwargs:
             # A vision-language model: images as the driver sends them at most, no videos.
             self.kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
         args = AsyncEngineArgs(**{k: v for k, v in self.kwargs.items() if v is not None})
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = vllm_compat.start_async_llm(args)
         cfg = self.llm.model_config
         self._max_len = int(cfg.max_model_len)
         self._vocab = int(cfg.get_vocab_size())
@@ -396,7 +396,7 @@ class VLLMEngine(Engine):
 
         token_ids = self.vllm_ids(req.token_ids, req.images, "token_ids")
         kwargs: dict[str, Any] = {"prompt_logprobs": req.top_k}
-        v2 = bool(self.llm.vllm_config.use_v2_model_runner)
+        v2 = vllm_compat.uses_v2_model_runner(self.llm)
         if req.gather_ids is not None:
             kwargs = gather_params(req.gather_ids, req.prompt_len, req.top_k, v2)
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, **kwargs)
@@ -464,9 +464,6 @@ class VLLMEngine(Engine):
             if outcome is not None:
                 return outcome
 
-    async def probe_transport(self, nbytes: int) -> None:
-        await self._run_transfer("kd_ws_probe_start", (nbytes,))
-
     async def receive_weights(self, manifest: Manifest, version: int, pause: PauseMode, load: bool) -> dict[str, float]:
         args: tuple[Any, ...] = (manifest.model_dump_json(), load)
         loading = None
@@ -500,12 +497,9 @@ class VLLMEngine(Engine):
         return stats
 
     async def _pause(self, mode: PauseMode) -> None:
-        """AsyncLLM.pause_generation (vLLM 0.32) without its closing sleep: receive_weights waits
-        that out while the transfer runs, not before it starts."""
-        clear_cache = mode != "keep"
-        if clear_cache:
-            await self.llm.renderer.clear_mm_cache_async()
-        await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+        """AsyncLLM.pause_generation without its closing sleep: receive_weights waits that out
+        while the transfer runs, not before it starts."""
+        await vllm_compat.pause_scheduler(self.llm, mode, clear_cache=mode != "keep")
 
     async def _drop_stale_caches(self) -> None:
         """After a weight load (complete or broken off), before generation resumes: forget what

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from vllm.config import ModelConfig, VllmConfig
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from kubedistill.runtime.engines import vllm_compat
 
+if TYPE_CHECKING:
+    from kubedistill.runtime.engines.vllm_compat import GPUModelRunner, ModelConfig, VllmConfig
     from kubedistill.runtime.weight_sync.group import WeightSyncGroup
     from kubedistill.runtime.weight_sync.lora import BaseWeights
     from kubedistill.runtime.wire.protocol import LoraAdapter, Manifest
@@ -88,13 +88,7 @@ class WeightSyncWorkerExtension:
         """Join in a thread: the rendezvous waits for the trainer, and the worker must keep serving."""
         from kubedistill.runtime.weight_sync.group import GroupAddress, WeightSyncGroup
 
-        tp_rank: int | None = None
-        try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            tp_rank = get_tensor_model_parallel_rank()
-        except (ImportError, AssertionError, AttributeError):
-            pass  # no TP group: sync_rank allows that only without tensor parallelism
+        tp_rank = vllm_compat.tensor_parallel_rank()  # None: sync_rank allows that only without TP
         tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
         rank, device = worker_member(base_rank, tp_rank, tp_size, backend, getattr(self, "device", None))
         addr = GroupAddress(host, port, rank, world_size, backend, timeout_seconds, epoch, device=device)
@@ -212,9 +206,6 @@ class WeightSyncWorkerExtension:
             self._kd_start("receive", lambda group: self._kd_receive_lora(group, manifest, load, register))
 
     def _kd_receive(self, group: WeightSyncGroup, manifest: Manifest, load: bool) -> dict[str, float]:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         from kubedistill.runtime.weight_sync.delta import to_host
         from kubedistill.runtime.weight_sync.transfer import close_receive, receive
 
@@ -242,9 +233,9 @@ class WeightSyncWorkerExtension:
 
         # Inside the engine's config context, as vLLM's own weight updates run: quantized layers
         # read it while they (re)process loaded weights.
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        with vllm_compat.current_vllm_config(self.vllm_config), torch.no_grad():
             if load:
-                initialize_layerwise_reload(model)
+                vllm_compat.begin_layer_reload(model)
             try:
                 stats = receive(group, manifest, consume)
             except BaseException:
@@ -253,7 +244,7 @@ class WeightSyncWorkerExtension:
                 raise
             t_fin = time.perf_counter()
             if load:
-                finalize_layerwise_reload(model, self.model_config)
+                vllm_compat.finalize_layer_reload(model, self.model_config)
                 self._kd_refresh_tied_lm_head(model)
             finalize_s = time.perf_counter() - t_fin
         closed = close_receive(group, stats, errors, load, finalize_s)
@@ -265,9 +256,6 @@ class WeightSyncWorkerExtension:
         """A delta: its pieces patch this worker's copy of the tensors it last loaded (unfused, HF
         names), then every tensor goes through the loader as in a full sync, so fused layers
         (qkv, gate_up) end exactly as a full sync of this version would leave them."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         from kubedistill.runtime.weight_sync.delta import Assembler
         from kubedistill.runtime.weight_sync.delta import apply as apply_patch
         from kubedistill.runtime.weight_sync.transfer import close_receive, receive
@@ -298,14 +286,14 @@ class WeightSyncWorkerExtension:
         if load and not errors and base is not None:
             try:
                 patches.check_done()
-                with set_current_vllm_config(self.vllm_config), torch.no_grad():
-                    initialize_layerwise_reload(model)
+                with vllm_compat.current_vllm_config(self.vllm_config), torch.no_grad():
+                    vllm_compat.begin_layer_reload(model)
                     try:
                         model.load_weights(weights=((t.name, base[t.name]) for t in manifest.delta.targets))
                     except BaseException:
                         self._kd_abandon_reload(model)
                         raise
-                    finalize_layerwise_reload(model, self.model_config)
+                    vllm_compat.finalize_layer_reload(model, self.model_config)
                     self._kd_refresh_tied_lm_head(model)
             except Exception as e:  # reported through the all-reduce, like a failed load
                 errors.append(f"{type(e).__name__}: {e}")
@@ -352,9 +340,6 @@ class WeightSyncWorkerExtension:
         """Load W0 + scale * B @ A for every adapted module through the layerwise reload, only
         for the layers the adapter touches, each completed with its other base tensors (see
         lora.reload_groups). W0 comes from the checkpoint on disk (lora.BaseWeights)."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         from kubedistill.runtime.engines.vllm_engine import checkpoint_tensors
         from kubedistill.runtime.weight_sync.lora import BaseWeights, adapted_modules, merge, reload_groups
 
@@ -380,37 +365,16 @@ class WeightSyncWorkerExtension:
                         a, b = tensors[m.a].to(device), tensors[m.b].to(device)
                         yield name, merge(base[name], a, b, lora.scale, dtype)
 
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            self._kd_begin_reload(model, [g.layer for g in groups])
+        with vllm_compat.current_vllm_config(self.vllm_config), torch.no_grad():
+            # Only the layers the adapter touches: the others stay as they are, where a reload of
+            # the whole model would log "Failed to load weights" for each layer not sent.
+            vllm_compat.begin_layer_reload(model, [g.layer for g in groups])
             try:
                 model.load_weights(weights=weights())
             except BaseException:
                 self._kd_abandon_reload(model)
                 raise
-            finalize_layerwise_reload(model, self.model_config)
-
-    def _kd_begin_reload(self, model: torch.nn.Module, layers: Sequence[str]) -> None:
-        """initialize_layerwise_reload for the named layers only (the whole model when one is not
-        found under that name): finalize then leaves every other layer as it is, where a reload
-        of the whole model would log "Failed to load weights" for each layer not sent."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info, initialize_online_processing
-        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
-        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
-
-        named = dict(model.named_modules())
-        if any(name not in named for name in layers):
-            initialize_layerwise_reload(model)
-            return
-        for name in layers:  # the body of initialize_layerwise_reload's loop, for these layers
-            layer = named[name]
-            info = get_layerwise_info(layer)
-            if info.can_load():
-                continue
-            info.kernel_tensors = get_layer_params_buffers(layer)
-            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
-            restore_layer_on_meta(layer, info)
-            initialize_online_processing(layer)
+            vllm_compat.finalize_layer_reload(model, self.model_config)
 
     def _kd_add_adapter(
         self, lora: LoraAdapter, tensors: dict[str, torch.Tensor], adapter_id: int, keep: Sequence[int]
@@ -420,34 +384,12 @@ class WeightSyncWorkerExtension:
         vLLM's LRU never has to evict one: a request naming an evicted adapter makes vLLM load
         it from its (made-up) path, which kills the engine. It is activated when a request first
         names it."""
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
-
-        workers = getattr(self.model_runner, "lora_manager", None)
-        if workers is None:
+        managers = vllm_compat.lora_managers(self.model_runner)
+        if managers is None:
             raise RuntimeError("this vLLM engine was started without LoRA (enable_lora); it cannot serve adapters")
-        manager = workers._adapter_manager
-        helper = PEFTHelper.from_dict(
-            {
-                "r": lora.rank,
-                "lora_alpha": lora.scale * lora.rank,
-                "target_modules": list(lora.target_modules),
-                "vllm_max_position_embeddings": workers.max_position_embeddings,
-            }
-        )
-        helper.vllm_lora_scaling_factor = lora.scale  # exactly the trainer's, not alpha / rank recomputed
-        helper.validate_legal(workers.lora_config)
-        model = manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        adapter = LoRAModel.from_lora_tensors(
-            adapter_id,
-            tensors,
-            helper,
-            device="cpu",
-            dtype=workers.lora_config.lora_dtype,
-            model_vocab_size=workers.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        workers, manager = managers
+        adapter = vllm_compat.lora_model(
+            workers, manager, adapter_id, tensors, rank=lora.rank, scale=lora.scale, target_modules=lora.target_modules
         )
         for old in set(manager.list_adapters()) - set(keep):
             manager.remove_adapter(old)
@@ -460,15 +402,6 @@ class WeightSyncWorkerExtension:
                 "(a module outside vLLM's LoRA support or the engine's lora target modules)"
             )
 
-    def kd_ws_probe_start(self, nbytes: int) -> None:
-        def probe(group: WeightSyncGroup) -> dict[str, float]:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-            group.broadcast(buf).wait()
-            group.all_reduce_sum(0)
-            return {"bytes": float(nbytes)}
-
-        self._kd_start("probe", probe)
-
     def _kd_abandon_reload(self, model: torch.nn.Module) -> None:
         """Leave a layerwise reload whose receive broke off (aborted, or the trainer died). Until
         finalized, every layer not yet complete sits on the meta device and the next forward kills
@@ -477,15 +410,7 @@ class WeightSyncWorkerExtension:
         that received nothing, so the partial ones are reset to that). The engine then serves
         whole layers, some of the new version, until the next sync: the re-formed group's first
         one, sent as soon as the trainer is back."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-        for layer in model.modules():
-            info = get_layerwise_info(layer)
-            if info.can_load() and info.load_numel > 0:
-                info.load_numel = 0
-                info.loaded_weights.clear()
-        finalize_layerwise_reload(model, self.model_config)
+        vllm_compat.abandon_layer_reload(model, self.model_config)
         self._kd_refresh_tied_lm_head(model)
 
     def _kd_refresh_tied_lm_head(self, model: torch.nn.Module) -> None:

@@ -174,7 +174,7 @@ def build_rollout_app(
     metrics: RoleMetrics | None = None,
     debug_endpoints: bool = False,
 ) -> FastAPI:
-    """`debug_endpoints`: also serve the checksum and transport-probe endpoints (_add_debug_routes)."""
+    """`debug_endpoints`: also serve the weight-checksum endpoint (_add_debug_routes)."""
     metrics = metrics or RoleMetrics(config.job, "rollout", identity.replica)
     syncs = _Syncs(engine, config.spec, metrics)
     placements: dict[str, WeightsGroupRequest] = {}  # per group epoch: the rank and world size the trainer gave
@@ -250,25 +250,10 @@ def build_rollout_app(
 
 
 def _add_debug_routes(app: FastAPI, syncs: _Syncs) -> None:
-    """Endpoints for checking a sync and measuring the transport (tests, benches, a sync checked by
-    hand), off in a job's pods: `kubedistill role rollout --debug-endpoints`."""
+    """Endpoints for checking a sync by hand (docs/troubleshooting.md; the tests and GPU checks
+    use them too), off in a job's pods unless asked for: `kubedistill role rollout --debug-endpoints`."""
 
     @app.get("/weights/checksums")
     async def checksums() -> dict[str, str]:
         """sha256 of every weight as the engine uses it (HF names): compare with the trainer's."""
         return await syncs.engine.weight_checksums()
-
-    @app.post("/weights/probe", response_model=None)
-    async def weights_probe(body: dict[str, Any]) -> JSONResponse | dict[str, Any]:
-        """Receive one raw broadcast of `bytes` bytes and discard it (bench/weight_sync.py)."""
-        nbytes = body.get("bytes")
-        if not isinstance(nbytes, int) or nbytes < 1:
-            return JSONResponse({"error": "bytes: a positive integer is required"}, status_code=422)
-        epoch = body.get("group_epoch")
-        refusal = await syncs.group_refusal(epoch if isinstance(epoch, str) else None)
-        if refusal is not None:
-            return refusal
-        if not await syncs.previous_done():
-            return JSONResponse({"error": "a weight sync is already in progress"}, status_code=503)
-        syncs.task = asyncio.create_task(syncs.engine.probe_transport(nbytes))
-        return {"accepted": True, "bytes": nbytes}

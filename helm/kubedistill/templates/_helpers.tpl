@@ -63,8 +63,8 @@ an absent kind are not rendered (an install would fail on them); NOTES.txt says 
 {{- end -}}
 
 {{/*
-The operator's RBAC rules: exactly the verbs kubedistill.operator uses. operator/rbac.py holds the
-same data (NAMESPACED, CLUSTER); tests/test_helm_chart.py checks that the chart renders exactly it.
+The operator's RBAC rules: exactly the verbs kubedistill.operator uses. tests/operator_rbac.py holds
+the same data (NAMESPACED, CLUSTER); tests/test_helm_chart.py checks that the chart renders exactly it.
 */}}
 {{- define "kubedistill.namespacedRules" -}}
 # The jobs: watch them, keep status, kopf's annotations and finalizer, TTL deletion.

