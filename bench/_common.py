@@ -148,7 +148,8 @@ class RolePinner:
                 if not pid_dir.name.isdigit():
                     continue
                 try:
-                    argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+                    # as ps reads it: a forked role's command line is one string (setproctitle)
+                    argv = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").split()
                 except OSError:
                     continue
                 words = [a.decode(errors="replace") for a in argv]

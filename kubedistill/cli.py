@@ -9,6 +9,14 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
+
+
+class Subcommands(Protocol):
+    """What `ArgumentParser.add_subparsers()` returns, as far as the subcommand modules use it
+    (its class is private to argparse)."""
+
+    def add_parser(self, name: str, *, help: str | None = ..., **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -84,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plugins() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
+def _plugins() -> list[Callable[[Subcommands], None]]:
     """Subcommands owned by the operator and runtime packages (each adds its own parsers)."""
     import importlib
 

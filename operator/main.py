@@ -8,12 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubedistill.cli import Subcommands
 
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: Subcommands) -> None:
     p = sub.add_parser("operator", help="run the DistillationJob operator (kopf)")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument(

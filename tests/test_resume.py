@@ -28,7 +28,7 @@ def _trainer_pid(config: Path) -> int | None:
         if not d.name.isdigit():
             continue
         try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
+            argv = (d / "cmdline").read_bytes().replace(b"\0", b" ").split()  # as ps: a forked role's is one string
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]

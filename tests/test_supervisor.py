@@ -26,7 +26,7 @@ from kubedistill.runtime.entrypoints.supervisor import (
     SupervisorStatus,
     decide,
 )
-from kubedistill.runtime.entrypoints.zygote import Zygote
+from server_fixtures import zygote_handle
 
 JOB = Supervised(("trainer-0", "trainer-1"), backoff_limit=2, active_deadline_seconds=None, started=1000.0)
 RUNNING: dict[str, Exit] = {"trainer-0": None, "trainer-1": None, "rollout-0": None, "teacher-arith-0": None}
@@ -172,7 +172,8 @@ def _parent(pid: int) -> int:
 def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool) -> None:
     """The same behaviour whether each process is spawned or forked from a zygote."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    zygote = Zygote(preload=("json",)) if forked else None
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # as the session's fork server has it
+    zygote = zygote_handle() if forked else None
     launcher = ProcessLauncher(tmp_path, gpu_ids=["0"], zygote=zygote)
 
     def _said(name: str) -> str:
@@ -191,7 +192,7 @@ def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: py
         time.sleep(0.05)
     assert launcher.poll() == {"a": 3, "b": None, "c": -signal.SIGKILL}
     b = launcher.running["b"].proc
-    assert _parent(b.pid) == (zygote.proc.pid if zygote else os.getpid())
+    assert (_parent(b.pid) == os.getpid()) != forked  # a forked one's parent is the fork server
     assert (tmp_path / "a.log").read_text() == "a 0\n"
     with pytest.raises(Exception, match="no GPU free for d"):  # a and b hold the one GPU
         launcher.start([_plan("d", "pass", gpus=1)])
@@ -206,4 +207,4 @@ def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: py
     launcher.close()
     assert launcher.poll() == {}
     if zygote is not None:
-        assert zygote.proc.poll() is not None  # closed with the launcher
+        assert zygote.gone  # closed with the launcher

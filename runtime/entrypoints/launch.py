@@ -22,7 +22,7 @@ from typing import Protocol
 
 from kubedistill.api.roleconfig import Identity
 from kubedistill.runtime.entrypoints.supervisor import Exit
-from kubedistill.runtime.entrypoints.zygote import Zygote, die_with_parent
+from kubedistill.runtime.entrypoints.zygote import LAUNCHER_VARIABLE, Zygote
 
 STOP_GRACE_SECONDS = 10.0
 """How long a stopped process has between SIGTERM and SIGKILL."""
@@ -92,14 +92,13 @@ class Child(Protocol):
 
 
 def spawn(argv: list[str], env: Mapping[str, str], log: FileIO) -> subprocess.Popen[bytes]:
-    """A role process in its own process group (stopped as a whole), ended by the kernel if the
-    process that started it dies (PDEATHSIG)."""
+    """A role process in its own process group (stopped as a whole), which ends itself if the
+    process that started it dies (LAUNCHER_VARIABLE: zygote.end_with_launcher)."""
     return subprocess.Popen(
         argv,
-        env={**os.environ, **env},
+        env={**os.environ, **env, LAUNCHER_VARIABLE: str(os.getpid())},
         stdout=log,
         stderr=subprocess.STDOUT,
-        preexec_fn=die_with_parent,
         start_new_session=True,
     )
 

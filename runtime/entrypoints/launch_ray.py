@@ -33,7 +33,7 @@ def _process_actor_class() -> Any:
 
     @ray.remote
     class RoleProcess:
-        """Runs one `kubedistill role` process; it dies with this actor (PDEATHSIG)."""
+        """Runs one `kubedistill role` process; it ends with this actor (launch.spawn)."""
 
         log: FileIO
         proc: subprocess.Popen[bytes]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from kubedistill.api.roleconfig import Identity, JobConfig
+    from kubedistill.cli import Subcommands
 
 ROLES = ("trainer", "rollout", "teacher")
 
@@ -27,7 +28,7 @@ def _index(text: str) -> int:
     return value
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: Subcommands) -> None:
     p = sub.add_parser("role", help="run one role of a job (trainer, rollout or teacher server)")
     p.add_argument("role", choices=ROLES, help="which role this process plays")
     p.add_argument("--config", default=None, help="job config (default /etc/kubedistill/config.json)")
@@ -39,14 +40,17 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--debug-endpoints",
         action="store_true",
         default=os.environ.get("KUBEDISTILL_DEBUG_ENDPOINTS") == "1",
-        help="rollout: also serve GET /weights/checksums and POST /weights/probe, to check a sync or "
-        "measure the transport (default: KUBEDISTILL_DEBUG_ENDPOINTS=1)",
+        help="rollout: also serve GET /weights/checksums, to check a sync by hand "
+        "(default: KUBEDISTILL_DEBUG_ENDPOINTS=1)",
     )
     p.set_defaults(func=run_role)
 
 
 def run_role(args: argparse.Namespace) -> int:
+    from kubedistill.runtime.entrypoints.zygote import end_with_launcher
+
     terminate_as_pid1()
+    end_with_launcher()  # spawned by `kubedistill run`: end with it
     if args.role == "trainer":
         try:
             from kubedistill.runtime.entrypoints.trainer import run

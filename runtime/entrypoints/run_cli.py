@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kubedistill.runtime.entrypoints.gpu_ids import visible_gpus
 from kubedistill.runtime.entrypoints.zygote import Zygote, forks_roles
+
+if TYPE_CHECKING:
+    from kubedistill.cli import Subcommands
 
 LAUNCHERS = ("processes", "ray")
 
@@ -35,7 +39,7 @@ def _run_command(args: argparse.Namespace) -> int:
     )
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: Subcommands) -> None:
     p = sub.add_parser("run", help="run every role of a job as local processes")
     p.add_argument("job", metavar="JOB.yaml")
     p.add_argument(

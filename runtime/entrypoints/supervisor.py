@@ -20,7 +20,7 @@ from kubedistill.api.progress import TrainerProgress
 @dataclass(frozen=True)
 class ActorLost:
     """The Ray actor hosting a process died: its worker process or its node went away, and the
-    process with it (PDEATHSIG). What the cluster would call a disruption: nothing the process did."""
+    process with it (launch.spawn). What the cluster would call a disruption: nothing the process did."""
 
     reason: str
     """CamelCase, as a disruption reason: NodePreempted (Ray drained the node to preempt it) or RayActorDied."""

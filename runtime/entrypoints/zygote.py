@@ -1,42 +1,48 @@
-"""A fork server for `kubedistill run`'s role processes (the launcher's side and the server's).
+"""A fork server for `kubedistill run`'s role processes, on the standard library's forkserver.
 
 A role process spends almost all of its start-up importing the same modules as the others:
 torch, transformers' modeling stack, our engines, servers and trainer (about 9 of its 10 CPU-s
-on 2 cores, 98 % of them common to the three roles). The zygote imports them once, while the
-launcher reads the job, and then forks each role from that warm image: a fork takes
-milliseconds, the imported pages are shared copy-on-write, and three roles on two cores no
-longer each redo the same imports. A forked role then runs `python -m <module> args` as a fresh
-process would: its own session, environment, working directory and log, the module run as
-`__main__`, and the interpreter's exit (threads joined, atexit handlers, flushes; the modules
-are not torn down).
+on 2 cores, 98 % of them common to the three roles). `multiprocessing`'s forkserver imports them
+once (`set_forkserver_preload`), in a fresh interpreter started while the launcher reads the job,
+and forks each role from that warm image: a fork takes milliseconds, the imported pages are
+shared copy-on-write, and three roles on two cores no longer each redo the same imports.
+
+A forked role then runs `python -m <module> args` (or `-c`) as a fresh process would: its own
+session, environment, working directory and log, its command line shown by `setproctitle` (so
+`ps` and `pgrep -f 'role trainer'` find it), the module run as `__main__`. It ends as any
+`multiprocessing` child does: its non-daemon threads joined, logging flushed, stdio flushed, then
+out without tearing down the modules (atexit handlers are not run; roles register none, and the
+trainer ends its ranks without them too: roles.finish_process).
 
 A role forks only where a fresh process would behave the same: its environment may differ from
 the zygote's only in variables that nothing preloaded reads at import (`fork_blockers`);
 anything else (a user's `TORCH_LOGS` or `HF_HOME`, say) starts it as a fresh process instead.
-The zygote never touches CUDA, so a forked role initializes its own GPUs.
+The fork server never touches CUDA, so a forked role initializes its own GPUs.
 
-Protocol, JSON lines on the zygote's stdin and stdout: a request {"argv", "env", "cwd", "log"}
-is answered {"pid": N}; whenever a child ends the zygote says {"exit": N, "code": C} (C as
-subprocess gives it: negative for a signal). The zygote ends at EOF on its stdin (the launcher
-closed it, or died), and its children then get SIGTERM (PDEATHSIG).
+A role ends (SIGTERM) when the launcher ends, however it ends, and a forked one also when its
+fork server ends (`end_with_launcher`, `_become`): `multiprocessing`'s parent sentinel and a pidfd
+(`os.pidfd_open`) do what PR_SET_PDEATHSIG did, with no race at start (a parent already gone is
+seen at once) and not tied to the thread that started the role.
+
+One fork server per process: multiprocessing keeps one, started by the first `Zygote`, with that
+one's preload and environment; it ends with the process (once the roles it forked are gone).
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import importlib
-import json
+import logging
+import multiprocessing
+import multiprocessing.connection
 import os
-import queue
-import selectors
+import runpy
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
 PRELOAD: tuple[str, ...] = (
     "torch",
@@ -61,14 +67,15 @@ vLLM stays out: it is imported by its servers only, and its import may look at t
 FORKABLE_PREFIXES = ("KUBEDISTILL_", "VLLM_", "NCCL_", "GLOO_", "CUDA_")
 """Variables read when used, never at import by what PRELOAD holds: ours, vLLM's (not
 preloaded), NCCL's and gloo's (read when a process group forms), CUDA's (read when a process
-initializes CUDA, which the zygote never does)."""
+initializes CUDA, which the fork server never does)."""
 FORKABLE_NAMES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 THREADS_VARIABLE = "OMP_NUM_THREADS"
 """Read by OpenMP at torch's import: a forked role applies it itself (torch.set_num_threads)."""
+LAUNCHER_VARIABLE = "KUBEDISTILL_LAUNCHER_PID"
+"""Set by the launcher on a role it spawns: the process whose end ends the role (end_with_launcher)."""
 
-REAP_SECONDS = 0.2
 READY_SECONDS = 600.0
-"""The longest a fork waits for the zygote's imports (a minute or two on a busy 2-core machine)."""
+"""The longest a fork waits for the fork server's imports (a minute or two on a busy 2-core machine)."""
 
 
 def fork_blockers(zygote_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
@@ -96,122 +103,173 @@ def python_entry(argv: Sequence[str]) -> tuple[str, str, list[str]] | None:
     return None
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL("libc.so.6", use_errno=True)
+# --- a role's end with its launcher ---------------------------------------------------------
 
 
-def die_with_parent() -> None:
-    """Be sent SIGTERM when the process that started this one ends (PR_SET_PDEATHSIG)."""
-    _libc().prctl(1, signal.SIGTERM)
+GONE = -1
+"""In place of a handle to watch: the process has ended already."""
+
+
+def _pidfd_of_parent(pid: int) -> int | None:
+    """A pidfd (readable once the process ends) of `pid`, this process's parent; GONE when it has
+    ended already (this process was handed to another parent, and `pid` may be reused); None
+    where the kernel has no pidfds (before Linux 5.3): nothing to watch."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return GONE
+    except OSError:
+        return None
+    if os.getppid() != pid:
+        os.close(fd)
+        return GONE
+    return fd
+
+
+def _end_when_any_ends(handles: Sequence[int | None]) -> None:
+    """SIGTERM this process (as the kernel's parent-death signal would) once any of `handles`
+    is ready (a pidfd of a process that ended, a pipe whose writer is gone); at once for GONE."""
+    if GONE in handles:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    ready = [h for h in handles if h is not None]
+    if not ready:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait(ready)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="end-with-launcher", daemon=True).start()
+
+
+def end_with_launcher() -> None:
+    """In a role that `kubedistill run` spawned (LAUNCHER_VARIABLE set): be sent SIGTERM when
+    the launcher ends. Elsewhere (a pod, a forked role, which `_become` set up) it does nothing.
+    The variable is removed, so that what this role starts does not watch the launcher too."""
+    pid = os.environ.pop(LAUNCHER_VARIABLE, "")
+    if pid.isdigit():
+        _end_when_any_ends([_pidfd_of_parent(int(pid))])
 
 
 # --- the launcher's side --------------------------------------------------------------------
 
 
 class Forked:
-    """A role forked by the zygote, polled and waited for like a subprocess.Popen."""
+    """A role forked by the fork server, polled and waited for like a subprocess.Popen."""
 
-    def __init__(self, pid: int, zygote: Zygote) -> None:
-        self.pid = pid
-        self.zygote = zygote
+    def __init__(self, process: BaseProcess) -> None:
+        self.process = process
+        self.pid: int = process.pid or 0
+        self.code: int | None = None
 
     def poll(self) -> int | None:
-        return self.zygote.exit_code(self.pid)
+        if self.code is None:
+            code = self.process.exitcode
+            # 255 is also what multiprocessing says for a role whose fork server died (it cannot
+            # know more): such a role still runs until it sees that and ends.
+            if code is None or (code == 255 and _running(self.pid)):
+                return None
+            self.code = code
+            self.process.close()  # its pipes
+        return self.code
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self.zygote.exit_code(self.pid, wait=timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            if self.process.exitcode is None:
+                self.process.join(left)
+            else:  # its fork server died (above): wait for the role itself
+                time.sleep(0.05 if left is None else min(0.05, left))
         return code
 
 
+_server_env: dict[str, str] | None = None
+"""The environment this process's fork server was started with (the first Zygote's)."""
+
+
+@dataclass
+class Request:
+    """What a forked child is to become."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    log: str
+
+
 class Zygote:
-    """The launcher's handle on a fork server: started at once, it imports PRELOAD in the
-    background; the first fork waits for that."""
+    """A handle on this process's fork server: the first one starts it at once, importing
+    `preload` in the background (the first fork waits for that); each handle ends what it forked
+    when closed."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
-        self.env = dict(os.environ)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, *preload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # a role's own log shows any import error it meets
-            env=self.env,
-            start_new_session=True,  # the terminal's Ctrl-C goes to the launcher, which stops the roles
-            preexec_fn=die_with_parent,
-        )
-        self._lock = threading.Lock()  # one request at a time: replies come in order
-        self._pids: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._ended = threading.Condition()
-        self._codes: dict[int, int] = {}
+        global _server_env
+        self.context = multiprocessing.get_context("forkserver")
+        if _server_env is None:
+            _server_env = dict(os.environ)
+            # The launcher's main module too (as multiprocessing does by default): a child would
+            # otherwise import it again.
+            self.context.set_forkserver_preload(["__main__", __name__, "setproctitle", *preload])
+        self.env = _server_env
+        self.forked: list[Forked] = []
         self.gone = False
-        threading.Thread(target=self._read, name="zygote-replies", daemon=True).start()
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        threading.Thread(target=self._wait_ready, name="zygote-ready", daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
+    def _wait_ready(self) -> None:
+        """Fork a child that does nothing: done once the fork server's imports are. The first
+        one starts the fork server (multiprocessing starts it on the first fork)."""
         try:
-            for line in self.proc.stdout:
-                reply: dict[str, Any] = json.loads(line)
-                if "pid" in reply:
-                    self._pids.put(int(reply["pid"]))
-                else:
-                    with self._ended:
-                        self._codes[int(reply["exit"])] = int(reply["code"])
-                        self._ended.notify_all()
+            probe = self.context.Process(target=_nothing, name="zygote-ready")
+            with self._lock:
+                probe.start()
+            probe.join()
+            probe.close()
+        except (OSError, EOFError):  # it could not start, or died importing: roles are spawned
+            self.gone = True
         finally:
-            with self._ended:
-                self.gone = True
-                self._ended.notify_all()
-            self._pids.put(None)
+            self._ready.set()
 
     def fork(self, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, log: str) -> Forked | None:
         """Fork `argv` (a `python -m` or `-c` command) with this environment, working
-        directory and log (appended to), its process named `name` (its comm, what top and pgrep
-        show); None when it cannot fork it (the caller spawns it). Waits for the zygote's
-        imports, up to READY_SECONDS: a zygote not ready by then is ended, and what it would
-        have forked is spawned."""
+        directory and log (appended to), its process named `name` (its comm, what top shows);
+        None when it cannot fork it (the caller spawns it). Waits for the fork server's imports,
+        up to READY_SECONDS: a fork server not ready by then is given up, and what it would have
+        forked is spawned."""
         if python_entry(argv) is None or fork_blockers(self.env, env) or self.gone:
             return None
-        request = json.dumps({"name": name, "argv": list(argv), "env": dict(env), "cwd": cwd, "log": log}) + "\n"
-        with self._lock:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(request.encode())
-                self.proc.stdin.flush()
-            except (BrokenPipeError, ValueError):  # the zygote ended (or was closed)
-                return None
-            try:
-                pid = self._pids.get(timeout=READY_SECONDS)
-            except queue.Empty:
-                self.proc.kill()  # its reader then marks it gone
-                return None
-        return None if pid is None else Forked(pid, self)
-
-    def exit_code(self, pid: int, wait: float | None = 0.0) -> int | None:
-        """How a forked role ended, waiting up to `wait` seconds (None: until it ends); None
-        while it runs."""
-        deadline = None if wait is None else time.monotonic() + wait
-        with self._ended:
-            self._ended.wait_for(lambda: pid in self._codes or self.gone, timeout=wait)
-            if pid in self._codes:
-                return self._codes[pid]
-            if not self.gone:
-                return None
-        # The zygote died first: its children were sent SIGTERM (PDEATHSIG) and someone else
-        # reaps them. The best this side can say, once the process is gone, is that SIGTERM.
-        while _running(pid):
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
-        return -signal.SIGTERM
+        if not self._ready.wait(READY_SECONDS):
+            self.gone = True
+        if self.gone:
+            return None
+        request = Request(name, list(argv), dict(env), cwd, log)
+        process = self.context.Process(target=_become, args=(request,), name=name)
+        try:
+            with self._lock:
+                process.start()
+        except (OSError, EOFError):  # the fork server died
+            self.gone = True
+            return None
+        child = Forked(process)
+        self.forked.append(child)
+        return child
 
     def close(self) -> None:
-        """End the zygote, at once: it holds nothing to save, and may still be importing (a job
-        refused after it started). Roles still running get SIGTERM (PDEATHSIG)."""
-        self.proc.kill()
-        self.proc.wait()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        """Fork nothing more, and end (SIGTERM) what this handle forked that still runs."""
+        self.gone = True
+        for child in self.forked:
+            if child.poll() is None:
+                try:
+                    os.kill(child.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        self.forked = [c for c in self.forked if c.code is None]
 
 
 def _running(pid: int) -> bool:
@@ -223,132 +281,70 @@ def _running(pid: int) -> bool:
         return False
 
 
-# --- the zygote's side ----------------------------------------------------------------------
+# --- the fork server's side -----------------------------------------------------------------
+
+_SERVER_PID = os.getpid()
+"""In a forked child: the fork server's pid (this module is preloaded there)."""
 
 
-def _become(request: dict[str, Any], replies: int, zygote: int) -> NoReturn:
-    """In a forked child: turn into the requested role process, run it and exit as `python -m`
-    would (`_exit`)."""
-    die_with_parent()
-    if os.getppid() != zygote:  # the zygote died before the line above: no signal will come
-        os.kill(os.getpid(), signal.SIGTERM)
+def _nothing() -> None:
+    """The readiness probe's child."""
+
+
+def _become(request: Request) -> None:
+    """In a child of the fork server: turn into the requested role process and run it; what it
+    raises ends it as it would end `python -m` (multiprocessing computes the exit status)."""
+    server = _SERVER_PID if _SERVER_PID != os.getpid() else os.getppid()
+    launcher = multiprocessing.parent_process()
+    _end_when_any_ends([_pidfd_of_parent(server), launcher.sentinel if launcher else None])
     os.setsid()
-    _libc().prctl(15, request["name"].encode()[:15])  # PR_SET_NAME
-    _show_command_line(request["argv"])
-    os.chdir(request["cwd"])
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # Before the environment changes: setproctitle finds the command line's memory through it.
+    # (Imported here: the parser of every `kubedistill` command imports this module, and the
+    # operator's image has no setproctitle.)
+    import setproctitle
+
+    setproctitle.setproctitle(" ".join(request.argv))
+    setproctitle.setthreadtitle(request.name)  # the process's comm, what top shows
+    os.chdir(request.cwd)
+    log = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    for fd in (log, null, replies):
-        os.close(fd)
+    os.close(log)
+    os.close(null)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(request.env)
+    # multiprocessing made its own start method the default here: a fresh process has the
+    # platform's (what torch's DataLoader or tqdm's lock use, unless told otherwise).
+    multiprocessing.set_start_method(None, force=True)
     threads = os.environ.get(THREADS_VARIABLE, "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
     if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
         sys.modules["numpy"].random.seed()
-    flag, target, args = python_entry(request["argv"]) or ("", "", [])
-    code = 0
+    flag, target, args = python_entry(request.argv) or ("", "", [])
+    sys.path[0] = os.getcwd() if flag == "-m" else ""  # as a fresh `python -m` or `-c` has it
     try:
         if flag == "-m":
-            import runpy
-
             sys.argv = [target, *args]
+            sys.modules.pop(target, None)  # not imported yet, as in a fresh process (the launcher's main may have)
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.argv = ["-c", *args]
             exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit as e:
-        code = _exit_status(e.code)
+    except SystemExit:
+        raise
     except BaseException:
         sys.excepthook(*sys.exc_info())
-        code = 1
-    _exit(code)
+        raise SystemExit(1) from None
+    finally:
+        _join_threads()
+        logging.shutdown()
 
 
-def _exit_status(code: object) -> int:
-    """The exit status `sys.exit(code)` gives, as the interpreter computes it."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _exit(code: int) -> NoReturn:
-    """The interpreter's exit steps that matter: non-daemon threads joined, atexit handlers run
-    (logging's flush among them), stdout and stderr flushed; then out, without tearing down the
-    ~3,300 modules the zygote imported, which costs a role about 2 CPU-s at the end of a job
-    (a fresh role pays it too). The trainer ends its ranks the same way (roles.finish_process)."""
-    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx does first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
-def _show_command_line(argv: Sequence[str]) -> None:
-    """Write `argv` over this process's original command line, so that ps, pgrep -f and
-    /proc/PID/cmdline show the role (`... role trainer --config ...`) and not the zygote. The
-    kernel reads the command line from the span of memory the process was started with
-    (arg_start..arg_end in /proc/self/stat); what does not fit there is cut off."""
-    with open("/proc/self/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # stat fields 48 and 49, counted from 1
-    text = b"\0".join(a.encode() for a in argv)[: end - start - 1]
-    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
-
-
-def _reap() -> list[tuple[int, int]]:
-    ended: list[tuple[int, int]] = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return ended
-        if pid == 0:
-            return ended
-        ended.append((pid, os.waitstatus_to_exitcode(status)))
-
-
-def serve(preload: Sequence[str]) -> None:
-    # Replies go out on a private copy of stdout; stdout itself becomes stderr, so that nothing
-    # an import prints can garble them.
-    replies = os.dup(1)
-    os.dup2(2, 1)
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # an optional part this build lacks: a role that needs it says so itself
-    pending, zygote = b"", os.getpid()
-    with selectors.DefaultSelector() as selector:
-        selector.register(0, selectors.EVENT_READ)
-        while True:
-            for pid, code in _reap():
-                os.write(replies, json.dumps({"exit": pid, "code": code}).encode() + b"\n")
-            if not selector.select(REAP_SECONDS):
-                continue
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                return  # the launcher is done (or gone): the children get SIGTERM as this exits
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    selector.close()
-                    _become(request, replies, zygote)
-                os.write(replies, json.dumps({"pid": pid}).encode() + b"\n")
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1:])
+def _join_threads() -> None:
+    """What the interpreter does first at exit: wait for every thread that is not a daemon."""
+    while rest := [t for t in threading.enumerate() if not t.daemon and t is not threading.current_thread()]:
+        for t in rest:
+            t.join()
