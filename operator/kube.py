@@ -7,8 +7,8 @@ concurrently without a thread per call. Credentials come from the kubernetes cli
 loaders do, and a 401 loads the credentials again, so rotated and revoked tokens recover.
 
 Not kubernetes_asyncio: prototyped for these calls (its typed APIs, plus CustomObjectsApi for
-PodGroups and the job), it cost 12-15 ms of operator CPU per job in bench/operator.py --jobs 100
-against 9-11 ms here, with a p95 no better (it walks every body into and out of its models), and
+PodGroups and the job), it cost more operator CPU per job in bench/operator.py --jobs 100 than
+this client, with a p95 no better (it walks every body into and out of its models), and
 would be a second copy of the credential loaders that kopf's login shares with this client.
 docs/operator.md#the-operators-kubernetes-client has the numbers.
 """

@@ -19,7 +19,7 @@ How it is activated: scripts/install.sh writes PTH_NAME into the venv's site-pac
 (PTH_LINE) that calls `install()` at every interpreter start (the engine's subprocesses and Ray
 workers too). Re-running the script rewrites the same file; `pip install` of torchvision or vLLM
 leaves it alone; without kubedistill installed the line does nothing. Standard library only: it
-runs at every start of the venv's Python (about 2 ms: no typing, no importlib.abc).
+runs at every start of the venv's Python, so it stays cheap: no typing, no importlib.abc.
 """
 
 from __future__ import annotations

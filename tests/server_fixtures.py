@@ -15,14 +15,14 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -30,12 +30,26 @@ import pytest
 from kubedistill.api.roleconfig import Endpoints, JobConfig
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.entrypoints.zygote import Forked, Zygote
+from ports import free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PortTaken(RuntimeError):
+    """A server exited because its port was taken between the pick and its bind."""
+
+
+T = TypeVar("T")
+
+
+def retry_on_port_taken(start: Callable[[], T], attempts: int = 3) -> T:
+    """`start()` (which picks its ports with free_port) again while a server it starts loses its
+    port to another process (ports.py says why that is rare)."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def kv_cache(engine: str) -> dict[str, int]:
@@ -101,7 +115,8 @@ PER_TEST = "PYTEST_CURRENT_TEST"
 
 
 def session_zygote() -> Zygote:
-    """The session's fork server, started on first use, ended with the session."""
+    """The session's fork server (multiprocessing's, one per process), started on first use,
+    ended with the session; what it forked is ended when the session ends."""
     global _zygote
     with _zygote_lock:
         if _zygote is None:
@@ -113,6 +128,12 @@ def session_zygote() -> Zygote:
                     os.environ[PER_TEST] = current
             atexit.register(_zygote.close)
         return _zygote
+
+
+def zygote_handle() -> Zygote:
+    """A handle of its own on the session's fork server: closing it ends only what it forked."""
+    session_zygote()  # the one fork server of this process starts without the per-test variable
+    return Zygote()
 
 
 class ForkedServer:
@@ -211,7 +232,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.url} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+                log = self.log()
+                failure = PortTaken if "address already in use" in log else RuntimeError
+                raise failure(f"{self.url} exited with {self.proc.returncode}:\n{log[-4000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -269,6 +292,19 @@ def start_servers(
     loss_mode: str = "k3",
 ) -> Servers:
     """Rollout replica i runs engines[i] (replicas may mix engines: same group, same broadcast)."""
+    return retry_on_port_taken(
+        lambda: _start_servers(base, tiny_models, engines, teacher_engine, partial_rollout, loss_mode)
+    )
+
+
+def _start_servers(
+    base: Path,
+    tiny_models: dict[str, Path],
+    engines: list[str],
+    teacher_engine: str,
+    partial_rollout: str | None,
+    loss_mode: str,
+) -> Servers:
     from kubedistill.runtime.weight_sync.sender import WeightSender
 
     base.mkdir(parents=True, exist_ok=True)

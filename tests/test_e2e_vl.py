@@ -33,15 +33,20 @@ log-prob of every sampled token equals the rollout engine's within 1e-4 (float32
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-import early_checks
 from e2e_jobs import ROOT, kubedistill_run
 from kubedistill.runtime.driver.staleness import StalenessPolicy
+
+# A whole job that needs nothing from the session: scripts/test.sh runs it in its second pytest
+# process (`-m standalone`), beside the main one.
+pytestmark = pytest.mark.standalone
 
 EXAMPLE = ROOT / "examples/multi-teacher-vl-cpu.yaml"
 STEPS = 6
@@ -71,8 +76,7 @@ def twin_job(base: Path) -> Path:
 
 def run_twin(base: Path) -> None:
     """Prepare the models and data under `base` and run the twin job there: its exit code and
-    output in base/result.json, its report in base/run/report.json. Run in the background from
-    collection on (tests/early_checks.py): it needs nothing from the session."""
+    output in base/result.json, its report in base/run/report.json."""
     import torch
 
     from kubedistill.demo.vl_prepare import QUICK, VL_DIR, prepare_vl
@@ -80,16 +84,24 @@ def run_twin(base: Path) -> None:
     torch.set_num_threads(1)
     prepare_vl(base / VL_DIR, recipe=QUICK, log=lambda *_: None)
     alternate_rows(base / VL_DIR / "data" / "train.parquet", QUICK.train_rows)
-    # Beside the suite's other modules it has about one core of the two.
+    # Beside the main pytest process it has about one core of the two.
     code, _, out = kubedistill_run(twin_job(base), base / "run", timeout=900)
     (base / "result.json").write_text(json.dumps({"code": code, "out": out[-20000:]}))
 
 
 @pytest.fixture(scope="module")
-def vl_run(request: pytest.FixtureRequest) -> dict[str, Any]:
+def vl_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """run_twin in a process of its own (one torch thread; its output in log.txt)."""
     from kubedistill.api.validate import load_job
 
-    base = early_checks.fixture_files(request.config, "vl_twin_run")
+    base = tmp_path_factory.mktemp("vl-twin")
+    code = (
+        "import sys, pathlib; sys.path.insert(0, 'tests'); import test_e2e_vl; "
+        "test_e2e_vl.run_twin(pathlib.Path(sys.argv[1]))"
+    )
+    with open(base / "log.txt", "w") as log:
+        r = subprocess.run([sys.executable, "-c", code, str(base)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    assert r.returncode == 0, f"run_twin failed:\n{(base / 'log.txt').read_text()[-3000:]}"
     result = json.loads((base / "result.json").read_text())
     job = base / "multi-teacher-vl-cpu.yaml"
     spec = load_job(job).spec

@@ -1,20 +1,30 @@
 """Every engine setting of spec.rollout.inference and spec.teachers[].inference, and the model's
 tokenizer and trustRemoteCode, reach the engine a server starts (engines/factory.make_engine,
-which the rollout and teacher servers both call): vLLM's engine arguments, or the hf engine's."""
+which the rollout and teacher servers both call): vLLM's engine arguments, or the hf engine's.
+Where a CPU shows what a setting does, it is watched at work too, here and in
+tests/test_servers_vllm.py (docs/fields.md, "Engine settings, observed at work")."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kubedistill.api.enums import VLLM_GPU_MEMORY_UTILIZATION
 from kubedistill.api.job import DistillationJob
+from kubedistill.api.roleconfig import Endpoints, JobConfig
 from kubedistill.api.spec import DistillationJobSpec, InferenceSpec, ModelSpec
+from kubedistill.runtime.engines.base import BadRequest
 from kubedistill.runtime.engines.factory import make_engine
 from kubedistill.runtime.entrypoints.local import fit_gpus, local_processes
+from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
 from operator_fixtures import BASE_SPEC, job_manifest
 
 MODEL = {"tokenizer": "/models/tok", "trustRemoteCode": True}
@@ -89,3 +99,92 @@ def test_a_shared_gpu_lowers_the_memory_fraction_of_vllm_servers_only(tmp_path: 
     shared = fit_gpus(config, procs, available=1)
     assert shared.spec.rollout.inference.gpu_memory_utilization == 0.3
     assert shared.spec.teachers[0].inference.gpu_memory_utilization == VLLM_GPU_MEMORY_UTILIZATION
+
+
+def _on_tiny(role: str, inference: dict[str, Any], tiny_models: dict[str, Path], **overrides: Any) -> Any:
+    """A cpu job whose `role` serves the tiny student (any causal LM can play either role) with
+    `inference` and the role's `overrides`: (spec, model, settings), as _server."""
+    raw = copy.deepcopy(BASE_SPEC)
+    raw["student"] = {"model": str(tiny_models["student"])}
+    if role == "rollout":
+        raw["rollout"] = {"replicas": 1, "inference": inference, "overrides": overrides}
+    else:
+        raw["teachers"][0].update(model=str(tiny_models["student"]), inference=inference, overrides=overrides)
+    spec = DistillationJobSpec.model_validate(raw)
+    model = spec.student if role == "rollout" else spec.teachers[0]
+    return spec, model, spec.rollout.inference if role == "rollout" else spec.teachers[0].inference
+
+
+LIVE_HF = {"engine": "hf", "maxModelLen": 64, "dtype": "bfloat16", "maxNumSeqs": 2}
+"""Each unlike the engine's default: auto (float32 on cpu), the model's 512 positions, 256."""
+
+
+@pytest.mark.parametrize("role", ["rollout", "teacher"])
+async def test_the_hf_engine_does_what_its_settings_say(role: str, tiny_models: dict[str, Path]) -> None:
+    """The hf engine a server makes from its role's spec, started and observed at work rather than
+    through its arguments; each check fails with its setting dropped. (vLLM's, observed on the
+    servers: tests/test_servers_vllm.py.)"""
+    engine = make_engine(*_on_tiny(role, LIVE_HF, tiny_models))
+    await engine.start()
+    try:
+
+        def gen(rid: str, prompt: int, max_tokens: int = 8) -> GenerateRequest:
+            sampling = Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            return GenerateRequest(request_id=rid, prompt_token_ids=[1, 5, 6, 7] * (prompt // 4), sampling=sampling)
+
+        # dtype: the weights the forwards run in.
+        assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}  # type: ignore[attr-defined]
+        # maxModelLen: a response stops at the context limit; what would not fit is refused.
+        assert len((await engine.generate(gen("edge", 60, max_tokens=20))).token_ids) == 4
+        with pytest.raises(BadRequest, match=r"\(max_model_len\) is 64"):
+            await engine.generate(gen("long", 64))
+        with pytest.raises(BadRequest, match=r"\(max_model_len\) is 64"):
+            await engine.score(ScoreRequest(token_ids=[1, 5] * 33, prompt_len=2, top_k=2))
+        # maxNumSeqs: five generations sent at once decode at most two rows a forward; five
+        # scorings take three forwards (2 + 2 + 1).
+        decodes, rows = engine.forwards["decode"], engine.decoded_rows  # type: ignore[attr-defined]
+        await asyncio.gather(*(engine.generate(gen(f"g{i}", 8)) for i in range(5)))
+        decodes, rows = engine.forwards["decode"] - decodes, engine.decoded_rows - rows  # type: ignore[attr-defined]
+        assert 1 < rows / decodes <= 2, (rows, decodes)
+        scores = engine.forwards["score"]  # type: ignore[attr-defined]
+        await asyncio.gather(
+            *(engine.score(ScoreRequest(token_ids=[1, 5, 6, 7, i], prompt_len=2, top_k=2)) for i in range(5))
+        )
+        assert engine.forwards["score"] - scores == 3  # type: ignore[attr-defined]
+    finally:
+        await engine.shutdown()
+
+
+# A role's server process up to the point it would serve: it prints its torch threads there.
+SERVE_PRINTS_THREADS = """
+import sys
+import torch
+import kubedistill.runtime.servers.http as http
+http.serve = lambda app, host, port: print(torch.get_num_threads(), flush=True)
+from kubedistill.cli import main
+main(["role", sys.argv[1], "--config", sys.argv[2], "--replica", "0", "--teacher", "math", "--port", "1"])
+"""
+
+
+@pytest.mark.parametrize("role", ["rollout", "teacher"])
+def test_a_servers_torch_threads_are_its_roles_cpu_threads(
+    role: str, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """overrides.cpuThreads in the server process itself (`kubedistill role`, as a pod or
+    `kubedistill run` starts it): its torch threads, whatever OMP_NUM_THREADS says. Observed with
+    the hf engine, whose forwards run on those threads; vLLM's engine core takes OMP_NUM_THREADS,
+    which the pod and the local process set from the same field (tests/test_role_settings.py)."""
+    spec, _, _ = _on_tiny(role, {"engine": "hf"}, tiny_models, cpuThreads=3)
+    config = tmp_path / "config.json"
+    endpoints = Endpoints(
+        trainer="http://127.0.0.1:1", master_addr="127.0.0.1", weight_sync_port=1, rollout=[], teachers={}
+    )
+    JobConfig(job="threads", spec=spec, endpoints=endpoints).dump(config)
+    out = subprocess.run(
+        [sys.executable, "-c", SERVE_PRINTS_THREADS, role, str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["3"], out.stdout + out.stderr[-3000:]

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import early_checks
 from kubedistill.api.spec import Device
 from kubedistill.runtime.engines.factory import hf_engine_device
 from kubedistill.runtime.engines.hf import member_address
@@ -38,13 +37,18 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.fixture
-def gpu_check_dry_run(request: pytest.FixtureRequest) -> Path:
-    """`bash bench/gpu_check.sh --dry-run`'s folder (report.json, work/, log.txt), run in the
-    background from collection on (tests/early_checks.py)."""
-    return early_checks.fixture_files(request.config, "gpu_check_dry_run", check=False)
+@pytest.fixture(scope="module")
+def gpu_check_dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`bash bench/gpu_check.sh --dry-run`'s folder (report.json, work/, log.txt: its output)."""
+    out = tmp_path_factory.mktemp("gpu-check-dry-run")
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    argv = ["bash", str(SCRIPT), "--dry-run", "--out", str(out / "report.json"), "--workdir", str(out / "work")]
+    with open(out / "log.txt", "w") as log:
+        subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    return out
 
 
+@pytest.mark.standalone
 def test_dry_run_passes_every_part_without_vllm_or_ray(gpu_check_dry_run: Path) -> None:
     tmp_path = gpu_check_dry_run
     log = (tmp_path / "log.txt").read_text()

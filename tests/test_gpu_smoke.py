@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import early_checks
 from kubedistill.api import DistillationJob
 from kubedistill.runtime.entrypoints.local import fit_gpus, local_processes
 
@@ -34,17 +33,12 @@ def test_the_script_parses_and_refuses_bad_arguments() -> None:
     assert bad.returncode == 2 and "--steps must be a positive integer" in bad.stderr
 
 
-@pytest.fixture
-def gpu_smoke_dry_run(request: pytest.FixtureRequest) -> Path:
-    """The workdir of `bash bench/gpu_smoke.sh --dry-run --steps 3` (its output in log.txt), run
-    in the background from collection on (tests/early_checks.py)."""
-    return early_checks.fixture_files(request.config, "gpu_smoke_dry_run")
-
-
-def test_dry_run_writes_a_valid_one_gpu_job(gpu_smoke_dry_run: Path) -> None:
-    tmp_path = gpu_smoke_dry_run
-    out = (tmp_path / "log.txt").read_text()
-    assert "dry run done" in out and "preflight" not in out
+@pytest.mark.standalone
+def test_dry_run_writes_a_valid_one_gpu_job(tmp_path: Path) -> None:
+    """The workdir of `bash bench/gpu_smoke.sh --dry-run --steps 3` holds a job for one GPU."""
+    r = _run("--dry-run", "--workdir", str(tmp_path), "--steps", "3")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "dry run done" in out and "preflight" not in out, out[-3000:]
     raw = yaml.safe_load((tmp_path / "job.yaml").read_text())
     job = DistillationJob.model_validate(raw)
     spec = job.spec

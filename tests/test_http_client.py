@@ -9,12 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
 
-from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, BlockingClient, ServerError, call, fetch, new_session
+from kubedistill.runtime.wire.http import (
+    TRANSPORT_ERRORS,
+    BlockingClient,
+    ServerError,
+    call,
+    fetch,
+    new_session,
+    until_healthy,
+)
 from kubedistill.runtime.wire.protocol import VersionResponse, WeightsGroupRequest
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -242,3 +251,61 @@ async def test_a_batch_whose_connection_closes_before_any_answer_goes_out_once_m
             *(c.generate(GenerateRequest(request_id=r, prompt_token_ids=[1])) for r in "abc"), return_exceptions=True
         )
     assert all(isinstance(o, TRANSPORT_ERRORS) for o in failed) and len(seen) == 2
+
+
+async def test_until_healthy_probes_until_an_answer_a_give_up_or_the_deadline() -> None:
+    tries: list[float] = []
+    now = 0.0
+
+    async def up_at_third() -> str:
+        tries.append(now)
+        if len(tries) < 3:
+            raise ServerError("http://s/health", 503, "loading")
+        return "ok"
+
+    assert await until_healthy(up_at_third, every=0.01) == "ok" and len(tries) == 3
+    tries.clear()
+    assert await until_healthy(up_at_third, every=0.01, give_up=lambda: len(tries) == 1) is None
+    assert len(tries) == 1
+
+    async def down() -> str:
+        nonlocal now
+        now += 1.0
+        raise ConnectionRefusedError("nothing listens")
+
+    with pytest.raises(ConnectionRefusedError):
+        await until_healthy(down, every=0.0, deadline=3.0, clock=lambda: now)
+    assert now == 4.0  # probed at 1, 2 and 3, which are not past the deadline; 4 is
+
+
+async def test_kubedistill_run_starts_a_wave_once_the_last_ones_servers_answer() -> None:
+    """Supervisor.wait_healthy (GPU sharing's waves): True once every server of the wave answers
+    /health, False as soon as one of its processes ended, True at the deadline all the same."""
+    from types import SimpleNamespace
+
+    from kubedistill.api.roleconfig import Role
+    from kubedistill.runtime.entrypoints.local import Supervisor
+
+    statuses = [503, 503, 200]
+
+    async def loading_then_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer(statuses.pop(0) if len(statuses) > 1 else statuses[0], b"{}")(reader, writer)
+
+    exits: dict[str, int | None] = {}
+    job = SimpleNamespace(job=SimpleNamespace(spec=SimpleNamespace(weight_sync=SimpleNamespace(timeout_seconds=2))))
+    with BlockingClient() as http:
+        supervisor = Supervisor(job, SimpleNamespace(poll=lambda: exits), {}, print, False, http)  # type: ignore[arg-type]
+
+        def wave(url: str) -> list[SimpleNamespace]:
+            port = int(url.rsplit(":", 1)[1])
+            return [SimpleNamespace(name="rollout-0", port=port, identity=SimpleNamespace(role=Role.rollout))]
+
+        async with serving(loading_then_up) as url:
+            assert await asyncio.to_thread(supervisor.wait_healthy, wave(url)) is True
+            assert statuses == [200]  # it waited through both 503s
+            exits["rollout-0"] = 1
+            assert await asyncio.to_thread(supervisor.wait_healthy, wave(url)) is False
+        exits.clear()
+        t0 = time.monotonic()
+        assert await asyncio.to_thread(supervisor.wait_healthy, wave(refused_url())) is True
+        assert 2 <= time.monotonic() - t0 < 10

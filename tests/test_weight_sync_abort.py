@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import os
 import signal
 import threading
@@ -179,17 +178,27 @@ def _poll_until_ended(ext: WeightSyncWorkerExtension, seconds: float) -> tuple[s
     return poll
 
 
+def _raw_receive(nbytes: int) -> Any:
+    """A transfer that waits on the group like a receive does: one raw broadcast of `nbytes`."""
+
+    def work(group: WeightSyncGroup) -> dict[str, float]:
+        group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=group.device)).wait()
+        return {"bytes": float(nbytes)}
+
+    return work
+
+
 def test_worker_abort_reaches_a_transfer_blocked_in_its_thread() -> None:
-    """The worker extension's own code (no vLLM needed for a probe): the transfer runs in a
+    """The worker extension's own code (no vLLM needed for a raw receive): the transfer runs in a
     thread, so the abort RPC is not queued behind it, and leaving afterwards is clean."""
     trainer, member = _gloo_pair()
     ext = WeightSyncWorkerExtension()
     ext._kd_group, ext._kd_state = member, "ready"
-    ext.kd_ws_probe_start(1024)
+    ext._kd_start("receive", _raw_receive(1024))  # the trainer never sends
     time.sleep(0.3)
     assert ext.kd_ws_task_poll() == ("running", None)
     with pytest.raises(RuntimeError, match="already running"):
-        ext.kd_ws_probe_start(1024)
+        ext._kd_start("receive", _raw_receive(1024))
     with pytest.raises(RuntimeError, match="transfer is running"):
         ext.kd_weight_checksums()
     ext.kd_ws_abort()
@@ -258,15 +267,13 @@ def test_vllm_server_leaves_a_silent_trainer_at_once(tiny_models, tmp_path: Path
     epoch must abort that receive and move on to joining within seconds, while the engine keeps
     serving; before, the leave RPC queued behind the receive until the group timeout (10 minutes
     here). (Re-forming with a new trainer afterwards: tests/test_servers_vllm.py.)"""
-    from test_weight_rejoin import lone_rollout, start_sender
+    from test_weight_rejoin import lone_rollout, sender_epoch, start_sender
 
     server, _, config, url, _ = lone_rollout(tiny_models, tmp_path, "vllm")
     old = None
     try:
-        old = start_sender(tiny_models, config)  # it joins once the server is up: both start at once
-        line = old.stdout.readline() if old.stdout is not None else ""
-        assert line, f"sender failed; server log:\n{server.log()[-3000:]}"
-        assert json.loads(line)["epoch"]
+        old = start_sender(tiny_models, config)
+        assert sender_epoch(old, server)
         os.kill(old.pid, signal.SIGSTOP)
 
         t0 = time.monotonic()

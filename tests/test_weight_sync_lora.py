@@ -37,7 +37,7 @@ from kubedistill.runtime.weight_sync.lora import (
 from kubedistill.runtime.weight_sync.manifest import tensor_checksum
 from kubedistill.runtime.weight_sync.sender import WeightSyncError, layout, tensor_meta
 from kubedistill.runtime.wire.protocol import LoraAdapter, Manifest, TensorMeta
-from server_fixtures import Server, free_port, job_config, stop_all
+from server_fixtures import Server, free_port, job_config, retry_on_port_taken, stop_all
 from test_servers_hf import PROMPT, hf_model, reference_logprobs
 
 torch.set_num_threads(1)
@@ -299,37 +299,45 @@ def lora_servers(
 
     mode = request.param
     base = tmp_path_factory.mktemp(f"lora-{mode}")
-    ports, wport = [free_port(), free_port()], free_port()
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    servers, cfg = [], None
-    for i, engine in enumerate(["vllm", "hf"]):
-        cfg = job_config(
-            tiny_models["student"],
-            tiny_models["teacher"],
-            engine=engine,
-            rollout_urls=urls,
-            teacher_urls=["http://127.0.0.1:1"],
-            weight_sync_port=wport,
-            partial_rollout="inflight" if mode == "adapter" else None,
-        )
-        # The hf engine follows each manifest's serve_as; the API refuses serveAs adapter with
-        # inference.engine hf (kubedistill/api/rules.py), so the hf replica's spec says merged.
-        cfg = cfg.model_copy(update={"spec": with_lora(cfg.spec, mode if engine == "vllm" else "merged")})
-        cfg.dump(base / f"rollout{i}.json")
-        servers.append(Server("rollout", base / f"rollout{i}.json", ports[i], replica=i))
-    assert cfg is not None
-    box: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: box.update(sender=WeightSender(cfg.spec, cfg.endpoints)), daemon=True)
-    t.start()
+
+    def start() -> tuple[list[str], list[Server], dict[str, Any]]:
+        ports, wport = [free_port(), free_port()], free_port()
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        servers, cfg = [], None
+        for i, engine in enumerate(["vllm", "hf"]):
+            cfg = job_config(
+                tiny_models["student"],
+                tiny_models["teacher"],
+                engine=engine,
+                rollout_urls=urls,
+                teacher_urls=["http://127.0.0.1:1"],
+                weight_sync_port=wport,
+                partial_rollout="inflight" if mode == "adapter" else None,
+            )
+            # The hf engine follows each manifest's serve_as; the API refuses serveAs adapter with
+            # inference.engine hf (kubedistill/api/rules.py), so the hf replica's spec says merged.
+            cfg = cfg.model_copy(update={"spec": with_lora(cfg.spec, mode if engine == "vllm" else "merged")})
+            cfg.dump(base / f"rollout{i}.json")
+            servers.append(Server("rollout", base / f"rollout{i}.json", ports[i], replica=i))
+        assert cfg is not None
+        box: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: box.update(sender=WeightSender(cfg.spec, cfg.endpoints)), daemon=True)
+        t.start()
+        try:
+            for s in servers:
+                s.wait_healthy()
+            t.join(timeout=600)
+            assert "sender" in box, "the weight-sync group did not form"
+        except BaseException:
+            stop_all(servers)
+            raise
+        return urls, servers, box
+
+    urls, servers, box = retry_on_port_taken(start)
     try:
-        for s in servers:
-            s.wait_healthy()
-        t.join(timeout=600)
-        assert "sender" in box, "the weight-sync group did not form"
         yield LoraServers(mode, urls, box["sender"], servers, tiny_models["student"])
     finally:
-        if "sender" in box:
-            box["sender"].close()
+        box["sender"].close()
         stop_all(servers)
 
 

@@ -4,7 +4,6 @@ run as a subprocess by tests/test_trainer_dist.py and tests/test_checkpoint.py."
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.runtime.entrypoints.roles import finish_process
 from kubedistill.runtime.wire.batch import BatchParts, TrainBatch
+from ports import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,16 +73,10 @@ def make_batch(seed: int = 0, n: int = 5, vocab: int = 16, k: int = 3) -> TrainB
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world: int, spec_json: str, tmp: Path, scenario: str) -> dict:
     spec_file, out = tmp / f"spec-{scenario}-{world}.json", tmp / f"out-{scenario}-{world}.pt"
     spec_file.write_text(spec_json)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(

@@ -1,7 +1,7 @@
 """Two-digit addition as a tiny verifiable task: prompt `07+45=`, answer `52` then <eos>.
 
-Char-level vocabulary (16 ids), so a 1 M-parameter teacher learns it to > 90 % greedy accuracy in
-a couple of CPU minutes and a smaller student can be distilled from it on-policy.
+Char-level vocabulary (16 ids), so a 1 M-parameter teacher learns it on a CPU in minutes
+(docs/quickstart.md, "Measured") and a smaller student can be distilled from it on-policy.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def train_supervised(
     seed: int = 0,
     on_step: Callable[[int, float], object] | None = None,
 ) -> None:
-    """AdamW with warm-up, then cosine decay to 0 (a constant LR plateaus around 91-95 % here) or,
+    """AdamW with warm-up, then cosine decay to 0 (a constant LR plateaus lower here) or,
     with `decay=False`, a constant LR. `on_step(step, loss)` runs after every step (1-based)."""
     rng = random.Random(seed)
 

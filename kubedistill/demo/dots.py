@@ -3,9 +3,8 @@
 A 64x64 white picture holds 1 to 4 black dots of one size, never touching each other or the border;
 the prompt is `<image>How many dots?` and the answer the digit, then <eos>. Every dot darkens the
 same number of pixels, so the count is a linear function of the picture: a tiny Qwen3-VL
-(kubedistill/demo/tiny_vl.py) learns it in a couple of CPU minutes. Measured on 2 cores with
-`train_supervised` (batch 32, lr 3e-3): a 2-layer build reaches 100 % held out after 600 steps,
-about 35 s; its loss sits at chance (~0.69) for the first ~400 steps, then falls.
+(kubedistill/demo/tiny_vl.py) learns it on a CPU in minutes (docs/design.md, "Vision-language
+students").
 
 Rows are in verl's multimodal format, as its Geometry3K preprocessing writes them: an `images`
 column of `{bytes: <PNG>}` and one `<image>` marker in the prompt text per image. `write_mixed`

@@ -48,10 +48,10 @@ class Supervised:
 
 TEACHER = ModelShape(num_layers=4, intermediate_size=512)
 STUDENT = ModelShape(num_layers=2, intermediate_size=256)
-# Cosine decay: a constant LR plateaus at 91-95 % (notes in docs/quickstart.md).
+# Cosine decay: a constant LR plateaus lower (docs/quickstart.md, "How the models are made").
 TEACHER_TRAINING = Supervised(steps=700, lr=2e-3, warmup=100, decay=True, betas=(0.9, 0.98), seed=0)
-# The student's warm start: ~30 % held-out accuracy, far from the teacher, so distillation has
-# something to show; from random weights 120 steps reached 1.6 %. Constant LR on purpose: a
+# The student's warm start: far from the teacher, so distillation has something to show; from
+# random weights a short job barely moves it (docs/quickstart.md). Constant LR on purpose: a
 # student taken at the end of a decayed schedule loses its annealing gain as soon as any optimiser
 # moves it again, a large early dip unrelated to distillation (docs/learning.md).
 STUDENT_WARM_START = Supervised(steps=300, lr=1e-3, warmup=50, decay=False, betas=(0.9, 0.999), seed=1)
@@ -121,8 +121,8 @@ def warm_start(out: Path, tok: PreTrainedTokenizerBase, cfg: Supervised = STUDEN
 
 def idle_cores(cores: int, load: float) -> int:
     """Threads for preparing or evaluating the models: the cores nothing else keeps busy (1-minute
-    load average), at least one. On an idle 2-core machine 2 threads train the teacher 1.5x faster,
-    but with other work running they spin against it and run 3-10x slower than 1 thread."""
+    load average), at least one: threads beyond them spin against the other work and slow the
+    training down (docs/quickstart.md, "How the models are made")."""
     return max(1, min(cores, round(cores - load)))
 
 

@@ -50,24 +50,20 @@ class VLRecipe:
     students"; bench/learning.py --task vl)."""
 
     vision_teacher_steps: int = 600
-    """dots.train_supervised steps (batch 32, lr 3e-3, cosine): 99.5 % held out (measured)."""
+    """dots.train_supervised steps (batch 32, lr 3e-3, cosine)."""
     vision_teacher_seed: int = 0
     text_teacher: quickstart.Supervised = dataclasses.replace(quickstart.TEACHER_TRAINING, steps=500)
-    """The quickstart teacher's shape and schedule, 500 steps instead of 700 (65 s instead of 90):
-    91.8 % held out with this tokenizer (measured)."""
+    """The quickstart teacher's shape and schedule, in fewer steps: enough with this tokenizer."""
     student_steps: int = 600
-    """Arithmetic steps of the student's warm start (batch 128, constant lr after warm-up): 70.2 %
-    held out (measured; 56 % after 500 steps, 87 % after 800)."""
+    """Arithmetic steps of the student's warm start (batch 128, constant lr after warm-up)."""
     student_lr: float = 1e-3
     student_seed: int = 1
     student_dots_steps: int = 0
     """Dots steps (batch 32) after the arithmetic ones: with 0 the student never saw the task."""
     student_vision_from_teacher: bool = True
     """Start the student's vision tower (`model.visual.*`) from the trained vision teacher's. A
-    random tower has to learn to see dots first: supervised training on dots alone sits at chance
-    for 100-400 steps of 32 pictures (dots.py), and on the benchmark's mix (32 pictures and 32 sums
-    a step, lr 1e-3) it was still at chance after 100 steps (measured); a pretrained tower leaves
-    the student only the task to learn, as for a real VL student."""
+    random tower has to learn to see dots first, for hundreds of supervised steps; a pretrained
+    tower leaves the student only the task to learn, as for a real VL student."""
     train_rows: int = 4000
     """Rows of each task in data/train.parquet (the mixed file holds twice as many)."""
     val_rows: int = 400
@@ -111,8 +107,7 @@ STUDENT_BATCH, DOTS_BATCH = 128, 32
 PROGRESS_EVERY = 100
 VISION_PREFIX = "model.visual."
 STUDENT_SHAPE = {"num_kv_heads": 2}
-"""Two KV heads: with tiny_vl's default one the warm start learns arithmetic far slower (15 %
-after 800 steps against 87 % with two)."""
+"""Two KV heads: with tiny_vl's default one the warm start learns arithmetic far slower."""
 
 
 def progress(log: Callable[[str], object], name: str, step: int, total: int, loss: float, t0: float) -> None:

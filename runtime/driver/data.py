@@ -234,7 +234,7 @@ class PromptSource:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and backend.truncation is None and backend.padding is None:
             # A fast tokenizer's own encoder: the same ids without transformers' wrapping of
-            # each call (19 us a quickstart prompt against 67 us, on the driver's event loop).
+            # each call, a cost on the driver's event loop (docs/design.md, "Compared with peers").
             return list(backend.encode(text, add_special_tokens=False).ids)
         return _token_ids(self.tokenizer(text, add_special_tokens=False))
 

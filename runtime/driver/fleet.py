@@ -17,6 +17,7 @@ from kubedistill.api.progress import TrainerProgress
 from kubedistill.runtime.driver.clients import RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.membership import RolloutMembership
 from kubedistill.runtime.driver.routing import AllEndpointsDown, EndpointPool
+from kubedistill.runtime.wire.http import until_healthy
 
 log = logging.getLogger("kubedistill.driver")
 
@@ -87,16 +88,15 @@ class Fleet:
         the next weight sync takes it into the group, and the pool after that sync."""
         assert self.servers is not None, "rollout servers are admitted while the driver runs"
         client = self.servers.rollout(url)
-        while self.rollouts.wanted(url):
-            try:
-                await client.health()
-            except Exception:
-                await asyncio.sleep(self.rollout_poll_seconds)
-                continue
-            self.rollout[url] = client
-            if self.rollouts.healthy(url):
-                log.info("rollout server %s is healthy: it joins the weight-sync group at the next sync", url)
+
+        def let_go() -> bool:
+            return not self.rollouts.wanted(url)
+
+        if await until_healthy(client.health, every=self.rollout_poll_seconds, give_up=let_go) is None:
             return
+        self.rollout[url] = client
+        if self.rollouts.healthy(url):
+            log.info("rollout server %s is healthy: it joins the weight-sync group at the next sync", url)
 
     def joined(self, urls: list[str], version: int) -> None:
         """The sync that re-formed the group with `urls` succeeded: they take requests now."""

@@ -133,7 +133,7 @@ def needs_sharding(world: int, compute: torch.dtype, params: set[torch.dtype]) -
     """Whether the model goes through FSDP2: with several ranks, or to compute in another dtype than
     its parameters (FSDP's mixed precision keeps fp32 masters). One rank computing in its
     parameters' dtype gets nothing from it, and pays its hooks, DTensor dispatch and per-tensor
-    AdamW every step (a 2-layer model's step on CPU: 1.6-2x as long); the step is the same."""
+    AdamW every step for the same step (docs/design.md, "Smaller measurements")."""
     return world > 1 or params != {compute}
 
 

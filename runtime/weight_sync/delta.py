@@ -102,13 +102,13 @@ def choose(n: int, k: int, value_bytes: int, threshold: float, sparse: Sequence[
 SAMPLE_RUN, SAMPLE_STRIDE, SAMPLE_RUNS = 64, 4096, (16, 64)
 """The density sample: 16 to 64 runs of 64 elements (whole cache lines), evenly spaced at least
 4096 apart, at most 4096 elements a tensor whatever its size. A count, not a fraction of the
-tensor: 1/64 of SmolLM2-135M (2.1M elements) cost 0.031 s of a 0.4 s sync, this 0.01-0.02 s."""
+tensor, so its cost does not grow with the model (docs/design.md, "Smaller measurements")."""
 
 
 SAMPLE_BATCH = 32
-"""Tensors sampled together, with one cast, compare and count: on CPU each torch call costs
-microseconds, and one by one the sample took 0.03-0.05 s of SmolLM2-135M's 272 tensors. Few
-enough that a trainer's gathered tensors are not all held at once."""
+"""Tensors sampled together, with one cast, compare and count: on CPU each torch call has a
+fixed cost, paid once a batch rather than once a tensor (docs/design.md, "Delta weight syncs").
+Few enough that a trainer's gathered tensors are not all held at once."""
 
 
 DENSE_START = 0.9
@@ -169,8 +169,8 @@ def whole_by_sample(
 
 class Scratch:
     """Flat work buffers reused from tensor to tensor and sync to sync: on CPU a fresh buffer of
-    many MB costs its page faults, more than the pass itself (measured on SmolLM2-135M: a cast
-    into new tensors 0.25 s, into a reused buffer 0.08 s)."""
+    many MB costs its page faults, more than the pass itself (docs/design.md, "Delta weight
+    syncs")."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
@@ -318,7 +318,7 @@ class SentCopy:
         their samples for DENSE_START of their elements or more. auto then sends the sync as a
         keep (a full sync that restarts the chain): the rest of a trainer that moved every weight
         goes whole too, and a delta of whole tensors costs a full sync plus its compare pass and
-        the receivers' patching (1.12x a full sync at lr 1e-4, SmolLM2-135M)."""
+        the receivers' patching (docs/design.md, "Delta weight syncs")."""
         items = self._against_copy(list(zip(metas, pairs, strict=True)))
         elements = sum(old.numel() for _, old, _ in items)
         whole = sum(
@@ -430,8 +430,8 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, scratch: Scratch) -> torch.Tensor
 def host_copy(source: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     """What a sync that starts a chain keeps of a tensor it sends: the sent tensor itself where
     the cast to the wire dtype made it new in host memory (a CPU trainer: nothing else holds it,
-    and a fresh copy would cost its page faults, 15 % of a SmolLM2-135M sync), else a copy in
-    host memory (`to_host`: the sent tensor is the trainer's own, or in GPU memory)."""
+    and a fresh copy would cost its page faults: docs/design.md, "Smaller measurements"), else
+    a copy in host memory (`to_host`: the sent tensor is the trainer's own, or in GPU memory)."""
     if (
         sent is not source
         and sent.device.type == "cpu"
