@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Build kubedistill's container images from images/*/Dockerfile, and save each as an OCI archive.
-#   scripts/build-images.sh [--flavour gpu|cpu] [--out DIR] [--verify]
+#   scripts/build-images.sh [--flavour gpu|cpu] [--out DIR] [--verify] [--with-examples]
 # gpu (default): images/runtime/Dockerfile FROM vLLM's CUDA image, images/operator/Dockerfile FROM
 #   python slim, both pulled from their registries (docker, or buildah where no docker daemon runs).
 # cpu: no registry needed: a Debian base made here with mmdebstrap (python3 and a venv at /opt/venv
 #   on PATH), imported into buildah, then the same two Dockerfiles FROM it (the runtime with the CPU
 #   build of vLLM), and a pod sandbox ("pause") image for containerd. This is what CI builds.
+# --with-examples also builds the example environment servers (examples/environments/*/Dockerfile,
+#   e.g. kubedistill-env-calculator), on the same base in the cpu flavour.
 # --verify runs each image's smoke checks in it (buildah only). Reruns are cached: buildah's layer
 # cache, the base made once per recipe, an archive written again only when its image changed.
 # The builder's pip configuration (index URLs, find-links, cert) reaches the builds as build args,
@@ -17,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "build-images: $*" >&2; exit 1; }
 
-flavour=gpu out=build/images verify=0
+flavour=gpu out=build/images verify=0 examples=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --flavour) flavour=${2:-}; shift 2 || die "--flavour needs gpu or cpu" ;;
@@ -25,8 +27,9 @@ while [ $# -gt 0 ]; do
     --out) out=${2:-}; shift 2 || die "--out needs a folder" ;;
     --out=*) out=${1#*=}; shift ;;
     --verify) verify=1; shift ;;
+    --with-examples) examples=1; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown option $1 (allowed: --flavour gpu|cpu, --out DIR, --verify)" ;;
+    *) die "unknown option $1 (allowed: --flavour gpu|cpu, --out DIR, --verify, --with-examples)" ;;
   esac
 done
 case "$flavour" in gpu | cpu) ;; *) die "--flavour must be gpu or cpu, not '$flavour'" ;; esac
@@ -118,17 +121,17 @@ work=$out/.work
 mkdir -p "$work"
 summary=()
 
-build() {  # build NAME DOCKERFILE TAG [BUILD ARGS...]
-  local name=$1 file=$2 tag=$3; shift 3
+build() {  # build NAME DOCKERFILE TAG [BUILD ARGS...]; the context is $context (default: the repository)
+  local name=$1 file=$2 tag=$3 ctx=${context:-.}; shift 3
   local start=$SECONDS
   echo "build-images: building $tag from $file" >&2
   if [ "$builder" = docker ]; then
-    DOCKER_BUILDKIT=1 docker build -f "$file" -t "$tag" "${build_args[@]}" "$@" . >&2
+    DOCKER_BUILDKIT=1 docker build -f "$file" -t "$tag" "${build_args[@]}" "$@" "$ctx" >&2
   else
     local pull=false
     [ "$flavour" = cpu ] && pull=never
     "${bah[@]}" bud --layers --force-rm --network host --pull="$pull" --format docker -f "$file" \
-      --ignorefile "$file.dockerignore" "${mounts[@]}" "${build_args[@]}" "$@" -t "$tag" . >&2 \
+      --ignorefile "$file.dockerignore" "${mounts[@]}" "${build_args[@]}" "$@" -t "$tag" "$ctx" >&2 \
       || die "building $tag failed (see above)"
   fi
   archive "$name" "$tag" "$start"
@@ -242,6 +245,15 @@ if [ "$flavour" = cpu ]; then
 else
   build kubedistill-runtime images/runtime/Dockerfile "$runtime_image"
   build kubedistill-operator images/operator/Dockerfile "$operator_image"
+fi
+if [ "$examples" = 1 ]; then
+  base_args=()
+  [ "$flavour" = cpu ] && base_args=(--build-arg "BASE_IMAGE=$base_image")
+  for dir in examples/environments/*/; do
+    [ -f "$dir/Dockerfile" ] || continue
+    env_name=$(basename "$dir")
+    context=$dir build "kubedistill-env-$env_name" "$dir/Dockerfile" "$registry/kubedistill-env-$env_name:$version" "${base_args[@]}"
+  done
 fi
 [ "$verify" = 0 ] || { [ "$builder" = buildah ] || die "--verify needs buildah"; verify; }
 printf '%s\n' "${summary[@]}"

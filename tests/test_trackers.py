@@ -234,3 +234,60 @@ async def test_a_runs_steps_and_evaluations_reach_the_tracker(tmp_path) -> None:
     events.Reload()
     assert [e.step for e in events.Scalars("train/phase_seconds/wait")] == [1, 2, 3, 4]
     assert [(e.step, e.value) for e in events.Scalars("eval/score")] == [(0, 0.5), (2, 0.5), (4, 0.5)]
+
+
+SIGTERMED_TRAINER = """
+import asyncio, os, signal, sys, time
+from pathlib import Path
+from kubedistill.api.progress import TrainerProgress
+from kubedistill.runtime.entrypoints import trainer
+from kubedistill.runtime.driver.history import HistoryWriter
+from kubedistill.runtime.trackers import Trackers
+
+class Slow:
+    name = "slow"
+    def log_line(self, line):
+        time.sleep(0.2)  # a tracker server slower than the steps: lines queue up
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{line['step']}\\n")
+    def close(self):
+        with open(sys.argv[1], "a") as f:
+            f.write("closed\\n")
+
+async def main():
+    trackers = Trackers([Slow()])
+    history = HistoryWriter(Path(sys.argv[1] + ".history"), sinks=[trackers.log_line])
+
+    class Driver:  # what the drain touches of the driver
+        def __init__(self):
+            self.history = history
+
+        def freeze(self):
+            with open(sys.argv[1] + ".frozen", "w"):
+                pass
+
+    trainer._drain_on_sigterm(Driver(), trackers, TrainerProgress(total_steps=10))
+    for step in range(1, 6):
+        history.write({"step": step})
+    os.kill(os.getpid(), signal.SIGTERM)
+    for step in range(6, 100):  # the training loop goes on until the signal ends it
+        await asyncio.sleep(0.1)
+        history.write({"step": step})
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigterm_sends_what_the_trackers_hold_then_exits_143(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    got = tmp_path / "sent"
+    argv = [sys.executable, "-c", SIGTERMED_TRAINER, str(got)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    assert got.read_text().split() == ["1", "2", "3", "4", "5", "closed"], proc.stderr
+    # Steps after the signal are recorded nowhere: the history and the trackers agree.
+    assert len(Path(f"{got}.history").read_text().splitlines()) == 5
+    assert Path(f"{got}.frozen").is_file()  # and the trainer started no more work (no checkpoint)
+    assert "terminated: sending what the trackers hold" in proc.stderr

@@ -28,6 +28,9 @@ class HistoryWriter:
     path: Path | None = None
     _lines: list[HistoryLine] = field(default_factory=list)
     sinks: list[Callable[[HistoryLine], None]] = field(default_factory=list)
+    closed: bool = False
+    """Set when the process is ending (SIGTERM): later steps are recorded nowhere, so the file
+    and the trackers agree on what this run trained (a resume trains those steps again)."""
 
     @classmethod
     def from_env(cls, sinks: list[Callable[[HistoryLine], None]] | None = None) -> HistoryWriter:
@@ -35,6 +38,8 @@ class HistoryWriter:
         return cls(Path(p) if p else None, sinks=list(sinks or []))
 
     def write(self, line: HistoryLine) -> None:
+        if self.closed:
+            return
         self._lines.append(line)
         for sink in self.sinks:
             sink(line)
