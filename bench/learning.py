@@ -33,6 +33,8 @@ fullyAsync with the highest held-out accuracy (mean over --seeds).
                                                            # mean accuracy worth comparing
     .venv/bin/python bench/learning.py --task vl  # the image task: a VL student, two teachers
                                                   # (bench/learning_vl.py)
+    .venv/bin/python bench/learning.py --task tools  # tool use: multi-turn OPD with a calculator
+                                                     # environment vs single-turn (bench/learning_tools.py)
 """
 
 from __future__ import annotations
@@ -256,10 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--task",
-        choices=["arith", "vl"],
+        choices=["arith", "vl", "tools"],
         default="arith",
         help="arith: the text student (this docstring); vl: the image task, a VL student distilled from a text "
-        "and a vision teacher (bench/learning_vl.py)",
+        "and a vision teacher (bench/learning_vl.py); tools: multi-turn OPD with a calculator environment "
+        "against single-turn OPD (bench/learning_tools.py)",
     )
     ap.add_argument("--quick", action="store_true", help="fewer steps and evaluation problems")
     ap.add_argument("--steps", type=int, help="train steps per run (default 100, quick 40)")
@@ -286,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--seeds",
         type=int,
-        default=1,
         help="rollout seeds (rollout.sampling.seed 0..N-1) per loss and mode; the summary gives the mean "
-        "final accuracy over them (one run's accuracy varies by ~5 points from seed to seed)",
+        "final accuracy over them (one run's accuracy varies by ~5 points from seed to seed); default 1, "
+        "the tool task 3",
     )
     ap.add_argument(
         "--lora",
@@ -329,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: tables, plot and markdown from the results saved in --workdir",
     )
     args = ap.parse_args(argv)
+    if args.task == "tools":
+        from learning_tools import main_tools
+
+        single_thread()
+        return main_tools(args, ap)
+    if args.seeds is None:
+        args.seeds = 1
     if args.task == "vl":
         from learning_vl import main_vl
 

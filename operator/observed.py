@@ -16,6 +16,7 @@ from kubedistill.api.status import Condition, ConditionStatus, ConditionType, Di
 from kubedistill.operator.render import (
     KEPT_CURRENT,
     LABEL_ATTEMPT,
+    LABEL_ENVIRONMENT,
     LABEL_JOB,
     LABEL_REPLICA,
     LABEL_ROLE,
@@ -104,10 +105,14 @@ class PodView:
     image_problem: tuple[str, str] | None = None
     """(the kubelet's reason, its message) while a container cannot get its image
     (IMAGE_PROBLEMS: ErrImagePull, ImagePullBackOff, ...); None otherwise."""
+    environment: str | None = None
+    """The environment's name (environment pods: kubedistill.io/environment)."""
 
     @property
     def group(self) -> str:
-        return group_name(self.role, self.teacher) if self.role is not None else ""
+        if self.role is None:
+            return ""
+        return group_name(self.role, self.environment if self.role is Role.environment else self.teacher)
 
     @property
     def finished(self) -> bool:
@@ -145,6 +150,7 @@ class PodView:
             volume_problem=_volume_problem(status) if phase is PodPhase.pending else "",
             image_problem=_image_problem(status) if phase is PodPhase.pending else None,
             termination_message=_termination_message(status) if phase in FINISHED else "",
+            environment=lbl.get(LABEL_ENVIRONMENT),
         )
 
 

@@ -13,7 +13,7 @@ Failure policy (docs/operator.md; the trainer gang's decision is kubedistill.api
     not against backoffLimit, with the Disrupted condition saying why;
   * with gangScheduler kueue the gang is the whole job (one Kueue pod group per attempt);
   * a gang scheduler whose API the cluster does not serve holds the pods back: Blocked;
-  * a failed rollout or teacher pod is deleted and recreated alone;
+  * a failed rollout, teacher or environment pod is deleted and recreated alone;
   * spec.rollout.replicas may change while the job runs (kubectl scale, an HPA): the ConfigMap is
     updated first (the trainer reads its endpoints as the rollout servers it should have), new
     rollout pods are created, and a rollout pod beyond the new count is deleted once the trainer
@@ -601,7 +601,11 @@ def _conditions(p: Plan, spec: DistillationJobSpec | None, observed: Observed, n
             set_condition(st, ConditionType.created, True, "ChildrenCreated", "every child of the job exists", now)
         else:
             set_condition(st, ConditionType.created, False, "Creating", "creating the job's children", now)
-    summary = f"trainer {st.ready.trainer}, rollout {st.ready.rollout}, teachers {st.ready.teachers} ready"
+    summary = f"trainer {st.ready.trainer}, rollout {st.ready.rollout}, teachers {st.ready.teachers}"
+    environments = [r for g, r in st.roles.items() if g.startswith(render.ENVIRONMENT_GROUP_PREFIX)]
+    if environments:
+        summary += f", environments {sum(r.ready for r in environments)}/{sum(r.desired for r in environments)}"
+    summary += " ready"
     ready_reason = "AllPodsReady" if all_ready else "PodsNotReady"
     stuck = image_stuck(observed) if not all_ready else None
     if stuck is not None:

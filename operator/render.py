@@ -4,8 +4,8 @@ The operator creates exactly these objects and `kubedistill render FILE` prints 
 user previews is what the cluster gets. Owner references are added by the operator (kopf.adopt)
 because they need the live object's uid.
 
-Naming (job names are at most 40 characters, teacher names at most 20, so every Service name
-and pod hostname stays a 63-character DNS label):
+Naming (job names are at most 40 characters, teacher and environment names at most 20, so every
+Service name and pod hostname stays a 63-character DNS label):
 
   ConfigMap      <job>-config                 key config.json (kubedistill.api.roleconfig.JobConfig)
   Service        <job>-trainer                headless, the trainer gang's rendezvous
@@ -15,6 +15,8 @@ and pod hostname stays a 63-character DNS label):
   Pod            <job>-trainer-<i>            hostname <job>-trainer-<i>, subdomain <job>-trainer
   Pod            <job>-rollout-<i>            hostname <job>-rollout-<i>, subdomain <job>-rollout
   Pod            <job>-teacher-<teacher>-<i>  hostname <teacher>-<i>,    subdomain <job>-t-<teacher>
+  Service        <job>-e-<env>                headless, one DNS name per environment pod (its own port)
+  Pod            <job>-env-<env>-<i>          hostname <env>-<i>,        subdomain <job>-e-<env>
   PodGroup       <job>                        gangScheduler volcano or coscheduling only
 """
 
@@ -53,6 +55,7 @@ LABEL_JOB = "kubedistill.io/job"
 LABEL_ROLE = "kubedistill.io/role"
 LABEL_REPLICA = "kubedistill.io/replica"
 LABEL_TEACHER = "kubedistill.io/teacher"
+LABEL_ENVIRONMENT = "kubedistill.io/environment"
 LABEL_ATTEMPT = "kubedistill.io/attempt"
 """Pods of the gang (the trainer pods; every pod with gangScheduler kueue): the gang attempt
 (status.restarts + status.disruptions when the pod was made)."""
@@ -68,7 +71,9 @@ ALL_REPLICAS = "all"
 CONFIG_KEY = "config.json"
 CONTAINER = "kubedistill"
 GPU_RESOURCE = "nvidia.com/gpu"
-SERVER_ROLES = (Role.rollout, Role.teacher)
+SERVER_ROLES = (Role.rollout, Role.teacher, Role.environment)
+"""Roles whose pods serve HTTP and are ready once /health answers; each is replaced alone when it
+fails (operator/running.py), never restarting the trainer gang."""
 
 RUNTIME_UID = 1000
 """The runtime image's user (images/runtime/Dockerfile)."""
@@ -114,35 +119,50 @@ class PodSlot:
     role: Role
     replica: int
     teacher: str | None = None
+    environment: str | None = None
+
+    @property
+    def name(self) -> str | None:
+        """The teacher's or environment's name; None for trainer and rollout pods."""
+        return self.environment if self.role is Role.environment else self.teacher
 
     @property
     def group(self) -> str:
-        return group_name(self.role, self.teacher)
+        return group_name(self.role, self.name)
 
     def pod_name(self, job: str) -> str:
         if self.role is Role.teacher:
             return f"{job}-teacher-{self.teacher}-{self.replica}"
+        if self.role is Role.environment:
+            return f"{job}-env-{self.environment}-{self.replica}"
         return f"{job}-{self.role.value}-{self.replica}"
 
     def hostname(self, job: str) -> str:
-        if self.role is Role.teacher:
-            return f"{self.teacher}-{self.replica}"
+        if self.role in NAMED_ROLES:
+            return f"{self.name}-{self.replica}"
         return self.pod_name(job)
 
     def subdomain(self, job: str) -> str:
-        return service_name(job, self.role, self.teacher)
+        return service_name(job, self.role, self.name)
 
 
+NAMED_ROLES = (Role.teacher, Role.environment)
+"""Roles with several named groups (spec.teachers[], spec.environments[])."""
 TEACHER_GROUP_PREFIX = f"{Role.teacher.value}/"
+ENVIRONMENT_GROUP_PREFIX = f"{Role.environment.value}/"
 
 
-def group_name(role: Role, teacher: str | None) -> str:
-    """Status key of a pod's role group: trainer, rollout or teacher/<name>."""
-    return f"{TEACHER_GROUP_PREFIX}{teacher}" if role is Role.teacher else role.value
+def group_name(role: Role, name: str | None) -> str:
+    """Status key of a pod's role group: trainer, rollout, teacher/<name> or environment/<name>."""
+    return f"{role.value}/{name}" if role in NAMED_ROLES else role.value
 
 
-def service_name(job: str, role: Role, teacher: str | None = None) -> str:
-    return f"{job}-t-{teacher}" if role is Role.teacher else f"{job}-{role.value}"
+def service_name(job: str, role: Role, name: str | None = None) -> str:
+    if role is Role.teacher:
+        return f"{job}-t-{name}"
+    if role is Role.environment:
+        return f"{job}-e-{name}"
+    return f"{job}-{role.value}"
 
 
 def config_map_name(job: str) -> str:
@@ -172,11 +192,14 @@ def pod_dns(job: str, namespace: str, slot: PodSlot) -> str:
 
 
 def slots(spec: DistillationJobSpec) -> list[PodSlot]:
-    """Every pod of the job, trainer first (rank order), then rollout, then each teacher."""
+    """Every pod of the job, trainer first (rank order), then rollout, then each teacher, then
+    each environment."""
     out = [PodSlot(Role.trainer, i) for i in range(spec.trainer.replicas)]
     out += [PodSlot(Role.rollout, i) for i in range(spec.rollout.replicas)]
     for t in spec.teachers:
         out += [PodSlot(Role.teacher, i, t.name) for i in range(t.replicas)]
+    for e in spec.environments:
+        out += [PodSlot(Role.environment, i, environment=e.name) for i in range(e.replicas)]
     return out
 
 
@@ -188,9 +211,15 @@ def groups(spec: DistillationJobSpec) -> dict[str, int]:
     return out
 
 
-def server_url(job: str, namespace: str, slot: PodSlot) -> str:
-    """The base URL of a pod's HTTP server, as the job's config (and so the trainer) names it."""
-    return f"http://{pod_dns(job, namespace, slot)}:{Ports.HTTP}"
+def server_url(job: str, namespace: str, slot: PodSlot, port: int = Ports.HTTP) -> str:
+    """The base URL of a pod's HTTP server, as the job's config (and so the trainer) names it
+    (an environment's listens on its own spec port)."""
+    return f"http://{pod_dns(job, namespace, slot)}:{port}"
+
+
+def http_port(spec: DistillationJobSpec, role: Role, name: str | None = None) -> int:
+    """The port a pod of `role` serves HTTP on: Ports.HTTP, or an environment's spec port."""
+    return spec.environment(name or "").port if role is Role.environment else Ports.HTTP
 
 
 def rollout_selector(job: str) -> str:
@@ -208,6 +237,13 @@ def endpoints(job: str, namespace: str, spec: DistillationJobSpec) -> Endpoints:
         master_addr=pod_dns(job, namespace, trainer0),
         rollout=[url(PodSlot(Role.rollout, i)) for i in range(spec.rollout.replicas)],
         teachers={t.name: [url(PodSlot(Role.teacher, i, t.name)) for i in range(t.replicas)] for t in spec.teachers},
+        environments={
+            e.name: [
+                server_url(job, namespace, PodSlot(Role.environment, i, environment=e.name), e.port)
+                for i in range(e.replicas)
+            ]
+            for e in spec.environments
+        },
     )
 
 
@@ -215,7 +251,9 @@ def job_config(job: str, namespace: str, spec: DistillationJobSpec) -> JobConfig
     return JobConfig(job=job, namespace=namespace, spec=spec, endpoints=endpoints(job, namespace, spec))
 
 
-def labels(job: str, role: Role | str, replica: int | str, teacher: str | None = None) -> dict[str, str]:
+def labels(job: str, role: Role | str, replica: int | str, name: str | None = None) -> dict[str, str]:
+    """A child's labels; `name`: the teacher's (kubedistill.io/teacher) or the environment's
+    (kubedistill.io/environment) of those roles' children."""
     out = {
         "app.kubernetes.io/name": "kubedistill",
         "app.kubernetes.io/managed-by": "kubedistill-operator",
@@ -223,8 +261,8 @@ def labels(job: str, role: Role | str, replica: int | str, teacher: str | None =
         LABEL_ROLE: role.value if isinstance(role, Role) else role,
         LABEL_REPLICA: str(replica),
     }
-    if teacher is not None:
-        out[LABEL_TEACHER] = teacher
+    if name is not None:
+        out[LABEL_ENVIRONMENT if role is Role.environment else LABEL_TEACHER] = name
     return out
 
 
@@ -242,20 +280,20 @@ def render_config_map(job: str, namespace: str, spec: DistillationJobSpec) -> di
     }
 
 
-def _service(job: str, namespace: str, role: Role, teacher: str | None) -> dict[str, Any]:
-    ports = [{"name": "http", "port": Ports.HTTP, "targetPort": "http", "protocol": "TCP"}]
+def _service(job: str, namespace: str, role: Role, name: str | None, port: int = Ports.HTTP) -> dict[str, Any]:
+    ports = [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]
     if role is Role.trainer:
         ports += [
             {"name": "dist", "port": Ports.DIST, "targetPort": "dist", "protocol": "TCP"},
             {"name": "weight-sync", "port": Ports.WEIGHT_SYNC, "targetPort": "weight-sync", "protocol": "TCP"},
         ]
     selector = {LABEL_JOB: job, LABEL_ROLE: role.value}
-    if teacher is not None:
-        selector[LABEL_TEACHER] = teacher
+    if name is not None:
+        selector[LABEL_ENVIRONMENT if role is Role.environment else LABEL_TEACHER] = name
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(service_name(job, role, teacher), namespace, labels(job, role, ALL_REPLICAS, teacher)),
+        "metadata": _meta(service_name(job, role, name), namespace, labels(job, role, ALL_REPLICAS, name)),
         "spec": {
             # Headless: each pod gets <hostname>.<service> and the ranks rendezvous before Ready.
             "clusterIP": "None",
@@ -269,6 +307,7 @@ def _service(job: str, namespace: str, role: Role, teacher: str | None) -> dict[
 def render_services(job: str, namespace: str, spec: DistillationJobSpec) -> list[dict[str, Any]]:
     out = [_service(job, namespace, Role.trainer, None), _service(job, namespace, Role.rollout, None)]
     out += [_service(job, namespace, Role.teacher, t.name) for t in spec.teachers]
+    out += [_service(job, namespace, Role.environment, e.name, e.port) for e in spec.environments]
     return out
 
 
@@ -299,7 +338,7 @@ def render_network_policy(job: str, namespace: str) -> dict[str, Any]:
 
 
 def _overrides(spec: DistillationJobSpec, slot: PodSlot) -> RoleOverrides:
-    return role_overrides(spec, slot.role, slot.teacher)
+    return role_overrides(spec, slot.role, slot.name)
 
 
 def _gpus(spec: DistillationJobSpec, slot: PodSlot) -> int:
@@ -307,6 +346,8 @@ def _gpus(spec: DistillationJobSpec, slot: PodSlot) -> int:
         return spec.gpus_of(spec.trainer.gpus_per_replica)
     if slot.role is Role.rollout:
         return spec.gpus_of(spec.rollout.gpus)
+    if slot.role is Role.environment:
+        return 0  # an environment server takes no GPU (its overrides.resources may ask for one)
     return spec.gpus_of(spec.teacher(slot.teacher or "").gpus)
 
 
@@ -317,7 +358,7 @@ def _env_entry(e: EnvVar) -> dict[str, Any]:
 def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> list[dict[str, Any]]:
     """role_env (what a local process gets too), what only a pod has, then the user's variables."""
     trainer0 = PodSlot(Role.trainer, 0)
-    identity = Identity(role=slot.role, replica=slot.replica, teacher=slot.teacher)
+    identity = Identity(role=slot.role, replica=slot.replica, teacher=slot.teacher, environment=slot.environment)
     shared = role_env(spec, job, namespace, identity, pod_dns(job, namespace, trainer0), Ports.DIST)
     env: dict[str, dict[str, Any]] = {k: {"name": k, "value": v} for k, v in shared.items()}
 
@@ -325,10 +366,19 @@ def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> 
         env[name] = {"name": name, "value": value}
 
     put("HOME", SCRATCH_DIR)
-    put("KUBEDISTILL_CONFIG", CONFIG_PATH)
-    put("KUBEDISTILL_TRAINER_SERVICE", f"{service_name(job, Role.trainer)}.{namespace}.svc")
-    put("KUBEDISTILL_ROLLOUT_SERVICE", f"{service_name(job, Role.rollout)}.{namespace}.svc")
+    if slot.role is Role.environment:
+        # The user's server, not a kubedistill role: its port ($(PORT) in its command) and the
+        # user's variables; it reads no config.
+        put("PORT", str(http_port(spec, slot.role, slot.name)))
+    else:
+        put("KUBEDISTILL_CONFIG", CONFIG_PATH)
+        put("KUBEDISTILL_TRAINER_SERVICE", f"{service_name(job, Role.trainer)}.{namespace}.svc")
+        put("KUBEDISTILL_ROLLOUT_SERVICE", f"{service_name(job, Role.rollout)}.{namespace}.svc")
     env["KUBEDISTILL_POD_IP"] = {"name": "KUBEDISTILL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    if slot.role is Role.environment:
+        for e in user_env(spec, slot.role, slot.name):
+            env[e.name] = _env_entry(e)
+        return list(env.values())
     if slot.role is Role.trainer:
         # One pod = one node of the gang; it runs max(gpus, 1) ranks starting at RANK (torchrun
         # gives each of several its own RANK and LOCAL_RANK: role_command).
@@ -338,7 +388,7 @@ def _env(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot) -> 
         put("LOCAL_WORLD_SIZE", str(per_pod))
     put("MASTER_ADDR", pod_dns(job, namespace, trainer0))
     put("MASTER_PORT", str(Ports.DIST))
-    for e in user_env(spec, slot.role, slot.teacher):
+    for e in user_env(spec, slot.role, slot.name):
         env[e.name] = _env_entry(e)
     return list(env.values())
 
@@ -405,12 +455,12 @@ def merged(base: dict[str, Any], over: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlot, attempt: int = 0) -> dict[str, Any]:
-    lbl = labels(job, slot.role, slot.replica, slot.teacher)
+    lbl = labels(job, slot.role, slot.replica, slot.name)
     if in_gang(spec, slot.role):
         lbl[LABEL_ATTEMPT] = str(attempt)
     scratch = scratch_volumes(job, spec, slot.role, slot.replica)
-    volumes, mounts = user_volumes(spec, slot.role, slot.replica, slot.teacher)
-    ports = [{"name": "http", "containerPort": Ports.HTTP, "protocol": "TCP"}]
+    volumes, mounts = user_volumes(spec, slot.role, slot.replica, slot.name)
+    ports = [{"name": "http", "containerPort": http_port(spec, slot.role, slot.name), "protocol": "TCP"}]
     if slot.role is Role.trainer:
         ports += [
             {"name": "dist", "containerPort": Ports.DIST, "protocol": "TCP"},
@@ -432,6 +482,15 @@ def render_pod(job: str, namespace: str, spec: DistillationJobSpec, slot: PodSlo
         "resources": _resources(spec, slot),
         "securityContext": merged(CONTAINER_SECURITY_CONTEXT, spec.container_security_context),
     }
+    if slot.role is Role.environment:
+        # The user's server in the user's image (spec.image unless its own); its command, else the
+        # image's entrypoint. Kubernetes replaces $(PORT) in it with the variable _env sets.
+        environment = spec.environment(slot.environment or "")
+        container["image"] = environment.image or spec.image
+        if environment.command:
+            container["command"] = list(environment.command)
+        else:
+            del container["command"]
     if slot.role in SERVER_ROLES:
         # Servers load a model before they answer; the trainer is ready once it runs.
         container["readinessProbe"] = {
@@ -484,7 +543,9 @@ def _scheduling(
         lbl[KUEUE_QUEUE_LABEL] = sched.queue or ""
         lbl[KUEUE_GROUP_LABEL] = kueue_group_name(job, attempt)
         annotations[KUEUE_TOTAL_ANNOTATION] = str(len(slots(spec)))
-        annotations[KUEUE_ROLE_HASH_ANNOTATION] = slot.role.value if slot.teacher is None else f"t-{slot.teacher}"
+        annotations[KUEUE_ROLE_HASH_ANNOTATION] = (
+            slot.role.value if slot.name is None else f"{'e' if slot.role is Role.environment else 't'}-{slot.name}"
+        )
     elif sched.gang_scheduler is GangScheduler.volcano:
         annotations[VOLCANO_GROUP_ANNOTATION] = pod_group_name(job)
         scheduler = scheduler or VOLCANO_SCHEDULER
@@ -583,6 +644,7 @@ def static_refs(job: str, spec: DistillationJobSpec) -> list[tuple[str, str]]:
     out = [("ConfigMap", config_map_name(job))]
     out += [("Service", service_name(job, Role.trainer)), ("Service", service_name(job, Role.rollout))]
     out += [("Service", service_name(job, Role.teacher, t.name)) for t in spec.teachers]
+    out += [("Service", service_name(job, Role.environment, e.name)) for e in spec.environments]
     out.append(("NetworkPolicy", job))
     if provisions_checkpoint_claim(spec):
         out.append(("PersistentVolumeClaim", checkpoint_claim_name(job)))

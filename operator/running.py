@@ -164,7 +164,8 @@ def _disruption_of(name: str, observed: Observed, attempt: int) -> str:
 def replacements(
     spec: DistillationJobSpec, live: list[PodView], deleting: Collection[ChildRef]
 ) -> list[tuple[ChildRef, Event]]:
-    """Failed rollout and teacher pods, deleted alone (creates makes them again, unless surplus)."""
+    """Failed rollout, teacher and environment pods, deleted alone (creates makes them again, unless
+    surplus)."""
     out: list[tuple[ChildRef, Event]] = []
     for q in live:
         ref = ChildRef("Pod", q.name)
@@ -304,7 +305,7 @@ def _trainers_in(trainers: list[PodView | None], attempt: int, phases: tuple[Pod
 
 
 def _every_group_ready(desired: list[render.PodSlot], pods: list[PodView | None]) -> bool:
-    """Every role group (trainer, rollout, each teacher) has at least one ready pod."""
+    """Every role group (trainer, rollout, each teacher and environment) has at least one ready pod."""
     ready: dict[str, bool] = {}
     for s, q in zip(desired, pods):
         ready[s.group] = ready.get(s.group, False) or (q is not None and not q.deleting and q.ready)

@@ -37,7 +37,10 @@ def writes_checkpoints(role: Role, replica: int) -> bool:
 
 
 def reads(spec: DistillationJobSpec, role: Role, teacher: str | None) -> list[str]:
-    """The paths a pod of `role` reads from user volumes, besides the checkpoint path."""
+    """The paths a pod of `role` reads from user volumes, besides the checkpoint path (an
+    environment's server reads none that the spec names)."""
+    if role is Role.environment:
+        return []
     model = spec.teacher(teacher or "") if role is Role.teacher else spec.student
     paths = [str(p) for p in (model.model, model.tokenizer) if p is not None]
     if role is Role.trainer:  # rank 0's driver reads the data (the other ranks keep it anyway)

@@ -94,6 +94,36 @@ METRICS: list[MetricDef] = [
         roles=T,
     ),
     MetricDef(
+        "env_turns",
+        Histogram,
+        "Student turns per multi-turn trace, by environment.",
+        ("environment",),
+        (1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+        roles=T,
+    ),
+    MetricDef(
+        "env_call_seconds",
+        Histogram,
+        "Wall time of one environment call (open an episode, or a step), by environment.",
+        ("environment",),
+        SECONDS_BUCKETS,
+        roles=T,
+    ),
+    MetricDef(
+        "env_errors",
+        Counter,
+        "Traces an environment ended early, by environment and reason (timeout, malformed, gone, http_<code>).",
+        ("environment", "reason"),
+        roles=T,
+    ),
+    MetricDef(
+        "loss_tokens",
+        Counter,
+        "Response tokens of multi-turn traces by kind: student (carry loss) or observation (do not).",
+        ("kind",),
+        roles=T,
+    ),
+    MetricDef(
         "requests", Counter, "HTTP requests served, by endpoint and status code.", ("endpoint", "code"), roles=SERVERS
     ),
     MetricDef("requests_in_flight", Gauge, "Requests being served right now.", roles=SERVERS),

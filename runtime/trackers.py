@@ -48,6 +48,9 @@ TRAIN_KEYS = {
     "syncSeconds": "sync_seconds",
     "syncBytes": "sync_bytes",
     "syncDensity": "sync_density",
+    "turnsMean": "turns_mean",
+    "lossTokenShare": "loss_token_share",
+    "envErrors": "env_errors",
 }
 """The history line's scalars a tracker receives, and their names there (under train/)."""
 

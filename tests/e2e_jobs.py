@@ -62,7 +62,9 @@ def job_yaml(
     max_num_seqs: int | None = None,
     lora: dict[str, Any] | None = None,
     delta: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
+    """`extra`: spec fields merged over the rest (dicts key by key)."""
     data = write_prompts(base / "data" / "train.jsonl")
     inference = _inference(engine, max_model_len, max_num_seqs)
     spec: dict[str, Any] = {
@@ -103,10 +105,19 @@ def job_yaml(
         spec["trainer"]["lora"] = lora
     if delta is not None:
         spec["weightSync"]["delta"] = {"mode": delta}
+    _merge(spec, extra or {})
     job = {"apiVersion": "kubedistill.io/v1alpha1", "kind": "DistillationJob", "metadata": {"name": name}, "spec": spec}
     path = base / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
+
+
+def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def _inference(engine: str, max_model_len: int, max_num_seqs: int | None) -> dict[str, Any]:

@@ -70,9 +70,10 @@ def test_crd_schema_is_structural() -> None:
         ".spec.teachers[].overrides.env[].valueFrom",
         ".spec.rollout.overrides.env[].valueFrom",
         ".spec.trainer.overrides.env[].valueFrom",
+        ".spec.environments[].overrides.env[].valueFrom",
         *(
             f".spec.{role}.overrides.{field}[]"
-            for role in ("teachers[]", "rollout", "trainer")
+            for role in ("teachers[]", "rollout", "trainer", "environments[]")
             for field in ("volumes", "volumeMounts")
         ),
     }

@@ -361,3 +361,91 @@ async def test_each_train_step_gets_require_batches_mini_batches(tmp_path, mode,
     assert all(len(b.token_ids) == 4 for step in r.trainer.steps for b in step)
     assert r.driver.staleness_policy.required == 4 * require_batches
     assert len(set(trained_groups(r))) == steps * require_batches * 2
+
+
+# ---- multi-turn traces -------------------------------------------------------------------------
+class _Step:
+    def __init__(self, text: str, done: bool, reward: float | None = None):
+        self.observation_text, self.done, self.reward = text, done, reward
+
+
+class _Episode:
+    """Answers the first action with an observation, and ends the episode at the second."""
+
+    def __init__(self, log: list[str]):
+        self.log, self.steps = log, 0
+
+    async def step(self, text: str) -> _Step:
+        self.log.append(text)
+        self.steps += 1
+        await asyncio.sleep(0.002)
+        return _Step("=12", done=self.steps >= 2, reward=0.5 if self.steps >= 2 else None)
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_fully_async_job_trains_traces_with_their_observations_masked(tmp_path) -> None:
+    from kubedistill.api.spec import DistillationJobSpec
+
+    base = job_spec(tmp_path, mode="fullyAsync", steps=4, max_tokens=3, asyncspec={"stalenessThreshold": 2.0})
+    doc = base.model_dump(by_alias=True, mode="json", exclude_none=True)
+    doc["environments"] = [{"name": "calc", "command": ["serve"]}]
+    doc["rollout"]["multiTurn"] = {"maxTurns": 3, "maxTraceTokens": 12}
+    spec = DistillationJobSpec.model_validate(doc)
+    actions: list[str] = []
+    opened: list[tuple[str, int | None]] = []
+
+    class Replica:
+        base_url, checks = "http://calc-0:8000", 0
+
+        async def health(self) -> None:
+            Replica.checks += 1
+            if Replica.checks < 3:  # still starting: the driver waits for it
+                raise ConnectionRefusedError
+
+    class Environments:
+        async def open(self, name: str, seed: int | None) -> _Episode:
+            assert Replica.checks >= 3, "an episode opened before the environment answered /health"
+            opened.append((name, seed))
+            return _Episode(actions)
+
+        def replicas(self) -> list[Any]:
+            return [Replica()]
+
+    r = rig(spec, environments=Environments())
+    await r.run()
+    assert len(r.trainer.steps) == 4 and opened and {name for name, _ in opened} == {"calc"}
+    for step in r.trainer.steps:
+        for b in step:
+            assert b.loss_masks is not None
+            for ids, prompt_len, mask in zip(b.token_ids, b.prompt_lens, b.loss_masks, strict=True):
+                response = ids[prompt_len:]
+                # Two turns of 3 tokens around the observation "=12" (3 tokens), which carries no loss.
+                assert len(response) == 9 and mask == [True] * 3 + [False] * 3 + [True] * 3
+                assert response[3:6] == [11, 1, 2]  # "=12" in the fake tokenizer's alphabet
+    # The teacher scored each whole trace in one request; the history reports the traces.
+    scored = [req for servers in r.cluster.teachers.values() for t in servers for req in t.scored]
+    assert scored and all(len(req.token_ids) - req.prompt_len == 9 for req in scored)
+    line = r.driver.history.lines[-1]
+    assert line["turnsMean"] == 2 and line["lossTokenShare"] == pytest.approx(6 / 9) and line["envErrors"] == 0
+    assert line["rewardMean"] == 0.5  # the environment's reward, summed over the trace
+
+
+async def test_a_frozen_driver_starts_no_more_trainer_work(tmp_path) -> None:
+    """After SIGTERM's freeze, no train step or checkpoint runs: the history and the checkpoints
+    end where the process stopped recording."""
+    every_step = {"path": str(tmp_path / "ckpt"), "exportHf": False, "everySteps": 1}
+    r = rig(job_spec(tmp_path, mode="sync", steps=50, max_tokens=2, checkpoint=every_step))
+    run = asyncio.create_task(r.run(timeout=30))
+    try:
+        await until(lambda: len(r.trainer.checkpoints) >= 2, "two checkpoints")
+        r.driver.freeze()
+        await asyncio.sleep(0.3)  # the trainer work already running ends
+        steps, checkpoints = len(r.trainer.steps), len(r.trainer.checkpoints)
+        await asyncio.sleep(0.5)
+        assert (len(r.trainer.steps), len(r.trainer.checkpoints)) == (steps, checkpoints) and steps < 50
+    finally:
+        r.driver.frozen.set()
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)

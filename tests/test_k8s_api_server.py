@@ -278,6 +278,30 @@ def test_example_passes_server_dry_run_with_the_model_defaults(
     assert DistillationJob.model_validate(stored).spec == DistillationJob.model_validate(read_manifest(path)).spec
 
 
+def test_a_job_with_environments_passes_server_dry_run_with_the_model_defaults(
+    api: ControlPlane, namespaces: dict[str, str], tmp_path: Path
+) -> None:
+    """Every CEL rule on spec.environments and spec.rollout.multiTurn holds for a job that uses
+    them: two environments, one matched and one serving the other rows (no example has any)."""
+    spec = {
+        "student": {"model": "/models/student"},
+        "teachers": [{"name": "t", "model": "/models/teacher"}],
+        "environments": [
+            {"name": "calc", "image": "registry.example/calc:1", "port": 9000, "match": {"dataSource": ["calc"]}},
+            {"name": "chat", "command": ["python", "-m", "chat_env", "--port", "$(PORT)"], "replicas": 2},
+        ],
+        "rollout": {"multiTurn": {"maxTurns": 6, "maxTraceTokens": 4096, "observationRole": "user"}},
+        "scheduling": {"gangScheduler": "volcano", "minMember": 5},
+        "data": {"train": ["/data/train.jsonl"]},
+    }
+    path = tmp_path / "environments.yaml"
+    doc = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DistillationJob", "metadata": {"name": "env"}, "spec": spec}
+    path.write_text(json.dumps(doc))
+    assert validate_file(path) == []
+    r = api.kubectl("apply", "--dry-run=server", "-n", namespaces["dry-run"], "-f", str(path), "-o", "json")
+    assert DistillationJob.model_validate(json.loads(r.stdout)).spec == DistillationJob.model_validate(doc).spec
+
+
 @dataclass(frozen=True)
 class Server:
     """The API server refuses the manifest."""
@@ -312,6 +336,11 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "delta-always-with-lora.yaml": CEL,
     # spec.teachers is a map list keyed by name: the server also refuses the second item itself.
     "duplicate-teacher-names.yaml": Server("cel", ("Duplicate value",), ("spec.teachers[1]",)),
+    # spec.environments is a map list keyed by name too.
+    "duplicate-environment-names.yaml": Server("cel", ("Duplicate value",), ("spec.environments[1]",)),
+    "environment-without-image-or-command.yaml": CEL,
+    "environments-over-kueue-shapes.yaml": CEL,
+    "environments-without-multi-turn.yaml": CEL,
     "fully-async-without-async.yaml": CEL,
     "gpus-on-cpu.yaml": CEL,
     "grpo-with-one-sample.yaml": CEL,
@@ -324,6 +353,7 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "kv-cache-on-hf.yaml": CEL,
     "lora-all-linear-with-other-modules.yaml": CEL,
     "mini-batch-not-multiple-of-n.yaml": CEL,
+    "multi-turn-without-environments.yaml": CEL,
     "missing-student.yaml": Server("schema", ("spec.student: Required value",)),
     # The server's own object-name check refuses it too, beside the CEL rule.
     "name-not-dns.yaml": Server("cel", ('metadata.name: Invalid value: "My_Job": a lowercase RFC 1123 subdomain',)),
@@ -334,6 +364,7 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "out-of-range.yaml": Server(
         "schema", ("spec.rollout.sampling.temperature in body should be greater than or equal to 0",)
     ),
+    "overlapping-environment-match.yaml": CEL,
     "overlapping-teacher-match.yaml": CEL,
     "partial-rollout-in-sync-mode.yaml": CEL,
     "quoted-number.yaml": Server("schema", ('spec.trainer.totalSteps in body must be of type integer: "string"',)),
@@ -344,7 +375,9 @@ BROKEN: dict[str, Server | ValidateOnly] = {
     "staleness-threshold-in-one-step-off.yaml": CEL,
     "staleness-threshold-zero-in-one-step-off.yaml": CEL,
     "tensor-parallel-over-gpus.yaml": CEL,
+    "trace-budget-under-one-turn.yaml": CEL,
     "trigger-parameter-sync-step-in-sync.yaml": CEL,
+    "two-environments-without-match.yaml": CEL,
     "unknown-default-teacher.yaml": CEL,
     "unknown-field.yaml": Server("decoding", ('strict decoding error: unknown field "spec.trainer.minibatchSize"',)),
     "unreachable-teacher.yaml": CEL,
@@ -501,6 +534,16 @@ def _base(name: str = "examples/quickstart-cpu.yaml") -> dict[str, Any]:
     return doc
 
 
+def _base_for(path: str) -> dict[str, Any]:
+    """_base(), with an environment and multi-turn rollouts where `path` is a field of theirs
+    (neither is valid without the other; no example has them)."""
+    doc = _base()
+    if path.startswith((".spec.environments", ".spec.rollout.multiTurn")):
+        doc["spec"]["environments"] = [{"name": "calc", "command": ["calc"]}]
+        doc["spec"]["rollout"]["multiTurn"] = {}
+    return doc
+
+
 # Integer spec fields the CRD left without a maximum before they were bounded by MAX_SAFE_INT.
 ONCE_UNBOUNDED = [
     ".spec.trainer.totalSteps",
@@ -566,7 +609,7 @@ def test_server_and_pydantic_agree_on_integer_field(
     namespace = namespaces["bounds"]
     verdicts: list[tuple[int, bool, bool, bool, str]] = []
     for value in _probe_values(node):
-        doc = _base()
+        doc = _base_for(path)
         if path.startswith(".status."):
             # A condition needs its keys (type is the list's map key) around the probed field.
             items = [{"type": "Ready", "status": "True"}] if path.startswith(".status.conditions[]") else []
@@ -655,12 +698,15 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 def _updates_base() -> dict[str, Any]:
     """quickstart-cpu without partial rollouts, so that changing spec.mode alone leaves a valid
-    spec (partial rollouts need fullyAsync)."""
+    spec (partial rollouts need fullyAsync), and with an environment and multi-turn rollouts,
+    which are valid only together (so the stored job has them to change)."""
     doc = _base()
     # Neither may oneStepOff's fixed staleness be set, nor a strategy for partial rollouts.
     doc["spec"]["async"].update(partialRollout=False)
     doc["spec"]["async"].pop("stalenessThreshold", None)
     doc["spec"]["async"].pop("partialRolloutStrategy", None)
+    doc["spec"]["environments"] = [{"name": "calc", "command": ["calc"]}]
+    doc["spec"]["rollout"]["multiTurn"] = {"maxTurns": 4}
     return doc
 
 
@@ -684,6 +730,7 @@ IMMUTABLE_CHANGES: dict[str, dict[str, Any]] = {
     "device": {"device": "cuda"},
     "student": {"student": {"model": "/models/another-student"}},
     "teachers": {"teachers": [{"name": "arith", "model": "/models/another-teacher"}]},
+    "environments": {"environments": [{"name": "calc", "command": ["calc"], "replicas": 2}]},
     "routing": {"routing": {"key": "source"}},
     "trainer": {"trainer": {"totalSteps": 300}},
     "algorithm": {"algorithm": {"clipRatio": 0.3}},
@@ -696,6 +743,7 @@ IMMUTABLE_CHANGES: dict[str, dict[str, Any]] = {
     "rollout.inference": {"rollout": {"inference": {"maxNumSeqs": 8}}},
     "rollout.sampling": {"rollout": {"sampling": {"maxTokens": 16}}},
     "rollout.overrides": {"rollout": {"overrides": {"cpuThreads": 2}}},
+    "rollout.multiTurn": {"rollout": {"multiTurn": {"maxTurns": 5}}},
 }
 ONLY_REPLICAS = "only spec.rollout.replicas may change on a running job; delete and recreate the job to change it"
 
@@ -705,7 +753,11 @@ def _immutable_message(field: str) -> str:
         return IMMUTABLE_MESSAGE
     key = field.removeprefix("rollout.")
     # gpus has no default: the stored job lacks it, so adding it is what the server refuses.
-    if RolloutSpec.model_fields[key].default is None:
+    stored = _updates_base()["spec"]["rollout"]
+    if (
+        next(i for n, i in RolloutSpec.model_fields.items() if (i.alias or n) == key).default is None
+        and key not in stored
+    ):
         return f"spec.rollout.{key} cannot be added or removed: {ONLY_REPLICAS}"
     return f"spec.rollout.{key} is immutable: {ONLY_REPLICAS}"
 

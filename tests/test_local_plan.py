@@ -277,3 +277,12 @@ def test_servers_sharing_a_gpu_start_one_after_the_other_and_the_rest_at_once() 
     assert start_waves(plan(1)) == [["teacher-math-0", "rollout-0", "rollout-1", "trainer-0"]]
     # One GPU for all (a quarter each): the trainer with the first server, then each server alone.
     assert start_waves(plan(0.25)) == [["teacher-math-0", "trainer-0"], ["rollout-0"], ["rollout-1"]]
+    # Environment servers first, on their own: the trainer starts once they answer /health.
+    calc = [Started(name="env-calc-0", role=Role.environment, num_gpus=0)]
+    assert start_waves(calc + plan(0)) == [["env-calc-0"], ["teacher-math-0", "rollout-0", "rollout-1", "trainer-0"]]
+    assert start_waves(calc + plan(0.25)) == [
+        ["env-calc-0"],
+        ["teacher-math-0", "trainer-0"],
+        ["rollout-0"],
+        ["rollout-1"],
+    ]

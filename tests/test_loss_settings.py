@@ -80,6 +80,7 @@ class _Batch:
     def __init__(self, mu: list[float], teacher: list[float]) -> None:
         self.rollout_logprobs = torch.tensor(mu)
         self._teacher = torch.tensor(teacher)
+        self.loss_mask = None  # a single-turn batch
 
     def signal(self, name: Signal) -> torch.Tensor | None:
         return self._teacher if name is Signal.teacher_logprobs else None

@@ -14,10 +14,12 @@ from kmock import method
 
 from kubedistill.operator.metrics import OperatorMetrics
 from operator_fixtures import (
+    BASE_SPEC,
     NS,
     Cluster,
     FastEmulator,
     eventually,
+    expected_children,
     job_manifest,
     more_passes,
     prepare_emulator,
@@ -262,6 +264,46 @@ async def test_server_failure_replaces_only_that_pod(kmock: Any, cluster: Cluste
         assert deletes == [f"/api/v1/namespaces/{NS}/pods/eps-teacher-math-0"]
         st = await job_status(cluster, "eps")
         assert st["restarts"] == 0
+        assert await events(kmock, "ServerReplaced")
+
+
+async def test_environment_pods_run_beside_the_job_and_a_failed_one_is_replaced_alone(
+    kmock: Any, cluster: Cluster
+) -> None:
+    spec = {
+        **BASE_SPEC,
+        "environments": [{"name": "calc", "command": ["python", "-m", "calc_env", "--port", "$(PORT)"], "port": 9000}],
+        "rollout": {**BASE_SPEC["rollout"], "multiTurn": {}},
+    }
+    async with running_operator(str(kmock.url), resync_seconds=0.3):
+        await cluster.create_job(job_manifest("envs", spec))
+        want = expected_children("envs", spec)
+        assert {("Pod", "envs-env-calc-0"), ("Service", "envs-e-calc")} <= want
+
+        async def made() -> Any:
+            return await cluster.children("envs") == want
+
+        await eventually(made, what="children of envs")
+        pod = (await cluster.pods("envs"))["envs-env-calc-0"]
+        assert pod.spec.containers[0].command == ["python", "-m", "calc_env", "--port", "$(PORT)"]
+        cm = await cluster.call(cluster.core.read_namespaced_config_map, "envs-config", NS)
+        assert json.loads(cm.data["config.json"])["endpoints"]["environments"] == {
+            "calc": [f"http://calc-0.envs-e-calc.{NS}.svc:9000"]
+        }
+        await cluster.run_all("envs")
+        st = await phase_is(cluster, "envs", "Running")
+        assert st["roles"]["environment/calc"] == {"desired": 1, "ready": 1, "failed": 0}
+        before = len(list(kmock))
+        await cluster.fail_pod("envs-env-calc-0")
+
+        async def replaced() -> Any:
+            p = (await cluster.pods("envs")).get("envs-env-calc-0")
+            return p is not None and (p.status is None or p.status.phase != "Failed")
+
+        await eventually(replaced, what="environment pod replaced")
+        deletes = [r.url.path for r in list(kmock)[before:] if r.method is method.DELETE]
+        assert deletes == [f"/api/v1/namespaces/{NS}/pods/envs-env-calc-0"]  # the gang is not touched
+        assert (await job_status(cluster, "envs"))["restarts"] == 0
         assert await events(kmock, "ServerReplaced")
 
 

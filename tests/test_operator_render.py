@@ -22,7 +22,6 @@ from kubedistill.api.validate import load_job
 from kubedistill.operator import main as operator_main
 from kubedistill.operator.kube import RESOURCES, UNWATCHED
 from kubedistill.operator.metrics import METRICS, OperatorMetrics
-from kubedistill.operator.rbac import CLUSTER, GANG_SCHEDULER_RULES, NAMESPACED, rules
 from kubedistill.operator.render import (
     POD_GROUP_API,
     SCRATCH_DIR,
@@ -33,6 +32,7 @@ from kubedistill.operator.render import (
     static_refs,
 )
 from kubedistill.runtime.metrics import METRICS as RUNTIME_METRICS
+from operator_rbac import CLUSTER, GANG_SCHEDULER_RULES, NAMESPACED, rules
 from pod_security import restricted_violations
 from podgroup_schemas import pod_group_errors
 

@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 import yaml
 
-import early_checks
+import fixture_files
 import real_node as rn
 from control_plane import CONTROLLERS, SCHEDULER, ControlPlane, required, stop_process
 from k8s_offline import tool
@@ -85,14 +85,16 @@ def unavailable(why: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def images(request: pytest.FixtureRequest) -> dict[str, Path]:
-    """The CPU flavour's archives (runtime, operator, pause), built in the background from the
-    start of the session (tests/early_checks.py: scripts/build-images.sh, cached between runs)."""
+def images() -> dict[str, Path]:
+    """The CPU flavour's archives (runtime, operator, pause, the calculator environment example):
+    scripts/build-images.sh --with-examples, cached
+    between runs (tests/fixture_files.py; scripts/test.sh builds them in its `images` stage)."""
     why = rn.preflight()
     if why is not None:
         unavailable(why)
-    out = early_checks.fixture_files(request.config, "node_images")
-    archives = {name: out / "images" / f"kubedistill-{name}.tar" for name in ("runtime", "operator", "pause")}
+    out = fixture_files.files("node_images")
+    names = ("runtime", "operator", "pause", "env-calculator")
+    archives = {name: out / "images" / f"kubedistill-{name}.tar" for name in names}
     missing = [str(p) for p in archives.values() if not p.is_file()]
     assert not missing, f"scripts/build-images.sh left no {missing}"
     return archives
@@ -399,6 +401,23 @@ def evaluations(events: list[tuple[str, str, str]]) -> list[tuple[int, float]]:
     return sorted(set(out))
 
 
+def checkpoint_claim(plane: ControlPlane, work: Path, job: str) -> Path:
+    """The job's checkpoint claim (the name the operator gives it), bound to a directory here."""
+    ckpt = work / f"ckpt-{job}"
+    ckpt.mkdir()
+    os.chown(ckpt, 1000, 1000)  # the runtime image's user writes checkpoints
+    # As large as the claim the operator makes for the job (its default size).
+    size = CheckpointClaimSpec().size
+    plane.apply(local_volume(f"kd-ckpt-{job}", ckpt, size, ["ReadWriteOnce"], (JOBS_NS, f"{job}-checkpoint")))
+    return ckpt
+
+
+def held_out_scores(ckpt: Path) -> list[tuple[int, float]]:
+    """(step, score) of every evaluation the trainer made, from the history on the claim (the
+    operator's polls may miss the first of a fast job)."""
+    return [(e["step"], e["score"]) for h in history(ckpt) for e in h.get("evaluations") or []]
+
+
 @dataclass
 class Installed:
     """The chart installed on the real node, the models claim in the jobs' namespace."""
@@ -409,6 +428,8 @@ class Installed:
     runtime: str
     """The runtime image's name."""
     mlflow: MlflowServer
+    images: dict[str, Path]
+    """The archives the node imported, by name."""
 
 
 @pytest.fixture(scope="module")
@@ -459,7 +480,7 @@ def installed(
     assert op_pod["spec"]["nodeName"] == rn.NODE_NAME
     mounts = [m["mountPath"] for m in op_pod["spec"]["containers"][0]["volumeMounts"]]
     assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts  # the kubelet's projected token
-    yield Installed(plane, work, models, image_name(images["runtime"]), mlflow)
+    yield Installed(plane, work, models, image_name(images["runtime"]), mlflow, images)
     mlflow.stop()
     helm(plane, work / "helm", "uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "120s")
     plane.kubectl("delete", "namespace", JOBS_NS, SYSTEM_NS, "--wait=false", check=False)
@@ -480,12 +501,7 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
     prometheus = Prometheus(plane, monitors, work / "prometheus")
 
     job = "opd"
-    ckpt = work / "ckpt"
-    ckpt.mkdir()
-    os.chown(ckpt, 1000, 1000)  # the runtime image's user writes checkpoints
-    # As large as the claim the operator makes for the job (its default size).
-    size = CheckpointClaimSpec().size
-    plane.apply(local_volume("kd-ckpt-opd", ckpt, size, ["ReadWriteOnce"], (JOBS_NS, f"{job}-checkpoint")))
+    ckpt = checkpoint_claim(plane, work, job)
     tracking = mlflow.uri()
     manifest = job_manifest(
         job,
@@ -494,9 +510,17 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
             "trackers": {
                 "tensorboard": {"logDir": "/ckpt/tb"},
                 "mlflow": {"trackingUri": tracking, "experiment": "real-node"},
-            }
+            },
+            # Its samples are traces against the calculator environment (its own image and pods,
+            # reached through its headless Service). The quickstart's student answers without
+            # calling the tool, so a trace ends after one turn (the environment says done);
+            # tests/test_e2e_modes.py runs traces of several turns.
+            "environments": [
+                {"name": "calc", "image": image_name(installed.images["env-calculator"]), "observationKey": "result"}
+            ],
         },
     )
+    manifest["spec"]["rollout"]["multiTurn"] = {"maxTurns": 2}
     notes: list[str] = []
 
     def explain() -> str:
@@ -532,6 +556,8 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
         assert killed_after < STEPS, "the job finished before trainer 0 could be deleted: raise STEPS"
         pods = get(plane, "pods", "-n", JOBS_NS, "-l", f"kubedistill.io/job={job}")["items"]
         assert {p["spec"]["nodeName"] for p in pods} == {rn.NODE_NAME}
+        roles = {p["metadata"]["labels"]["kubedistill.io/role"] for p in pods}
+        assert roles == {"trainer", "rollout", "teacher", "environment"}, roles
         for p in pods:
             sc = p["spec"]["containers"][0]["securityContext"]
             assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"], sc
@@ -591,7 +617,7 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
     # trainer's termination message), an event each one the operator saw, the history on the claim
     # every one the trainer made (the operator's polls may miss the first of a fast job).
     events = job_events(plane, job)
-    made = [(e["step"], e["score"]) for h in history(ckpt) for e in h.get("evaluations") or []]
+    made = held_out_scores(ckpt)
     assert made[0][0] == 0 and made[-1][0] == STEPS, made
     final = st["evaluation"]
     assert (final["step"], final["score"]) == made[-1], (final, made)
@@ -609,6 +635,8 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
     assert parts[1][0]["step"] > killed_after and parts[2][0]["step"] == suspended_at + 1
     kept = [h for i, p in enumerate(parts) for h in p if i + 1 == len(parts) or h["step"] < parts[i + 1][0]["step"]]
     assert [h["step"] for h in kept] == list(range(1, STEPS + 1))
+    # Every trace opened an episode on the environment's pod and ended without an error.
+    assert all(h["turnsMean"] >= 1 and h["envErrors"] == 0 for h in lines), [h.get("envErrors") for h in lines]
 
     # The student exported on the claim loads and differs from where it started.
     import torch
@@ -618,9 +646,9 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
     init = dict(AutoModelForCausalLM.from_pretrained(str(models / "student-init")).named_parameters())
     assert out.keys() == init.keys() and any(not torch.equal(out[k], init[k]) for k in out)
 
-    # TensorBoard: event files on the claim, one per trainer run; the last run (which ended on its
-    # own, its trackers drained) wrote every step it trained. Runs ended by SIGTERM lose the lines
-    # still queued for the trackers' worker thread.
+    # TensorBoard: event files on the claim, one per trainer run, holding every step each run
+    # trained: the two runs ended by SIGTERM (the deletion, the suspension) sent what their
+    # trackers held before exiting.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     files = sorted((ckpt / "tb").rglob("events.out.tfevents.*"))
@@ -631,8 +659,8 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
         acc.Reload()
         if "train/loss_total" in acc.Tags()["scalars"]:
             steps |= {e.step for e in acc.Scalars("train/loss_total")}
-    last_run = {h["step"] for h in parts[2]}
-    assert last_run <= steps, sorted(last_run - steps)
+    trained = {h["step"] for h in lines}
+    assert trained <= steps, sorted(trained - steps)
 
     # MLflow: the trainer pod's runs on the test's server, with the last step and the evaluation.
     from mlflow import MlflowClient
@@ -643,7 +671,37 @@ def test_the_chart_and_a_job_run_in_real_pods(installed: Installed, node: rn.Rea
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 3, [r.info for r in runs]
     logged = {m.step for r in runs for m in client.get_metric_history(r.info.run_id, "train/loss_total")}
-    assert STEPS in logged
+    assert trained <= logged, sorted(trained - logged)
+
+
+def test_the_rollout_on_vllm_cpu_in_a_pod(installed: Installed) -> None:
+    """The same job with its rollout server on vLLM-CPU (the engine GPU jobs run): it succeeds,
+    and its held-out score rises as the hf job's does."""
+    plane, work = installed.plane, installed.work
+    job = "opd-vllm"
+    ckpt = checkpoint_claim(plane, work, job)
+    manifest = job_manifest(job, installed.runtime, {})
+    vllm = {"engine": "vllm", "maxModelLen": 64, "dtype": "float32", "kvCacheGiB": 1}
+    manifest["spec"]["rollout"]["inference"] = vllm
+    manifest["spec"]["evaluation"]["everySteps"] = STEPS
+    plane.apply(manifest)
+    try:
+
+        def finished() -> Any:
+            st = dict(get(plane, "distillationjobs", job, "-n", JOBS_NS).get("status") or {})
+            assert st.get("phase") != "Failed", st
+            return st if st.get("phase") == "Succeeded" else None
+
+        def logs() -> str:
+            return plane.kubectl("logs", "-n", JOBS_NS, f"{job}-rollout-0", "--tail=40", check=False).stdout
+
+        st = wait_for(finished, 900, "the vLLM-CPU job Succeeded", explain=logs)
+    finally:
+        plane.kubectl("delete", "distillationjobs", job, "-n", JOBS_NS, "--wait=false", check=False)
+    made = held_out_scores(ckpt)
+    assert [s for s, _ in made] == [0, STEPS], made
+    assert (st["step"], st["evaluation"]["score"]) == (STEPS, made[-1][1]), st
+    assert made[-1][1] - made[0][1] >= 0.20, made
 
 
 def test_a_pod_without_its_image_blocks_the_job_until_the_image_is_there(

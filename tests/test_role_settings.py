@@ -1,7 +1,8 @@
-"""Each role's replicas, GPUs and overrides (spec.trainer, spec.rollout, spec.teachers[]) shape
-that role's pods and local processes, and no other role's; the job-wide pod settings reach every
-pod. The same code serves every role (kubedistill.api.roleconfig.role_overrides), so each field
-is shown for the trainer, the rollout servers and a teacher alike."""
+"""Each role's replicas, GPUs and overrides (spec.trainer, spec.rollout, spec.teachers[],
+spec.environments[]) shape that role's pods and local processes, and no other role's; the
+job-wide pod settings reach every pod. The same code serves every role
+(kubedistill.api.roleconfig.role_overrides), so each field is shown for the trainer, the rollout
+servers, a teacher and an environment alike."""
 
 from __future__ import annotations
 
@@ -29,14 +30,31 @@ OVERRIDES: dict[str, Any] = {
     "volumes": [CACHE],
     "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
 }
-# The pod and the local process of each role in BASE_SPEC (teacher "math").
-POD = {Role.trainer: "j-trainer-0", Role.rollout: "j-rollout-0", Role.teacher: "j-teacher-math-0"}
-PROCESS = {Role.trainer: "trainer-0", Role.rollout: "rollout-0", Role.teacher: "teacher-math-0"}
+# The pod and the local process of each role in SPEC (teacher "math", environment "calc").
+POD = {
+    Role.trainer: "j-trainer-0",
+    Role.rollout: "j-rollout-0",
+    Role.teacher: "j-teacher-math-0",
+    Role.environment: "j-env-calc-0",
+}
+PROCESS = {
+    Role.trainer: "trainer-0",
+    Role.rollout: "rollout-0",
+    Role.teacher: "teacher-math-0",
+    Role.environment: "env-calc-0",
+}
+SPEC: dict[str, Any] = {
+    **copy.deepcopy(BASE_SPEC),
+    "environments": [{"name": "calc", "command": ["python", "-m", "calc_env", "--port", "$(PORT)"]}],
+    "rollout": {**BASE_SPEC["rollout"], "multiTurn": {}},
+}
+"""BASE_SPEC with an environment server (multi-turn rollouts)."""
 
 
 def _job(role: Role, overrides: dict[str, Any]) -> DistillationJob:
-    spec = copy.deepcopy(BASE_SPEC)
-    target = spec["teachers"][0] if role is Role.teacher else spec[role.value]
+    spec = copy.deepcopy(SPEC)
+    named = {Role.teacher: spec["teachers"], Role.environment: spec["environments"]}
+    target = named[role][0] if role in named else spec[role.value]
     target["overrides"] = overrides
     return DistillationJob.model_validate(job_manifest("j", spec))
 
@@ -86,7 +104,7 @@ def test_a_roles_value_from_is_refused_by_a_local_run(role: Role, tmp_path: Path
 
 
 def test_the_job_wide_pod_settings_reach_every_pod() -> None:
-    spec = copy.deepcopy(BASE_SPEC)
+    spec = copy.deepcopy(SPEC)
     spec.update(
         image="registry.example/kd:1",
         imagePullPolicy="Always",

@@ -133,6 +133,16 @@ class GangScheduler(str, Enum):
     coscheduling = "coscheduling"
 
 
+class EnvironmentProtocol(str, Enum):
+    openenv = "openenv"
+    """OpenEnv's HTTP protocol: POST /reset, POST /step, GET /health (openenv-core's servers)."""
+
+
+class ObservationRole(str, Enum):
+    tool = "tool"
+    user = "user"
+
+
 KUEUE_MAX_TEACHERS = 6
 """Kueue admits a plain pod group of at most 8 pod shapes: trainer, rollout and one per teacher."""
 VLLM_GPU_MEMORY_UTILIZATION = 0.85

@@ -49,6 +49,50 @@ spec:
 `dropout` above 0 is
 allowed, but the trainer's log-probs then differ from the rollout engine's, which never drops.
 """,
+    "spec.environments[]": """
+An OpenEnv environment server for multi-turn rollouts
+([design.md](design.md#multi-turn-rollouts-with-environments)), serving the rows whose
+`data_source` is `calculator`; `spec.rollout.multiTurn` is required with it:
+
+```yaml
+spec:
+  environments:
+  - name: calc
+    image: registry.example/calc-env:1
+    command: [uvicorn, calc_env.server:app, --host, 0.0.0.0, --port, $(PORT)]
+    replicas: 2
+    match:
+      dataSource: [calculator]
+  rollout:
+    multiTurn:
+      maxTurns: 6
+      maxTraceTokens: 2048
+```
+
+**Where it runs.** On Kubernetes each replica is a pod `<job>-env-<name>-<i>` behind the headless
+Service `<job>-e-<name>`, listening on `port`, with a readiness probe on `GET /health` (OpenEnv's
+servers answer it); a failed one is replaced alone, as a rollout or teacher pod is, and never
+restarts the trainer gang. It runs `image` (else `spec.image`) with the pod security context
+every pod of the job has (Pod Security "restricted": a non-root user, a read-only root filesystem
+with `HOME` and `/tmp` on a writable emptyDir; relax it with `spec.securityContext` and
+`spec.containerSecurityContext` if the image needs more). `kubedistill run` runs `command` as a
+local process per replica, in its working directory (`image` is not used), each on a free port,
+before every other process, which start once each replica answers `GET /health`; a replica that
+exits ends the run, as a server's does. The driver finds the servers in
+`config.json`'s `endpoints.environments` (name → one URL per replica).
+
+**The port.** Each replica gets the variable `PORT`: `port` on Kubernetes, its own free port
+under `kubedistill run`. `$(PORT)` in `command` (and `$(NAME)` of any variable the role sets, its
+`env` included) is replaced by the value, as Kubernetes replaces references in a container's
+command (`$$` is a literal `$`; a reference to an unset variable stays as written). A command
+that listens on a fixed port works on Kubernetes but not for several local replicas: use `$(PORT)`.
+
+**Rows.** Each row goes to the environment whose `match.dataSource` holds its `spec.routing.key`
+value, else to the one environment without `match`. `kubedistill validate` reads the data files
+that are on its machine (relative paths against its working directory, as `kubedistill run` reads
+them; `.jsonl`, and `.parquet` where pyarrow is installed) and refuses, one line each, a row whose
+value no environment serves and an environment no row of `spec.data.train` routes to.
+""",
 }
 
 

@@ -37,6 +37,9 @@ class Role(str, Enum):
     trainer = "trainer"
     rollout = "rollout"
     teacher = "teacher"
+    environment = "environment"
+    """An environment server (spec.environments[]): the user's image and command, not a
+    `kubedistill role` process."""
 
 
 class Endpoints(ApiModel):
@@ -54,6 +57,9 @@ class Endpoints(ApiModel):
     """Base URL of every rollout server, by replica index."""
     teachers: dict[str, list[str]]
     """Base URLs of every teacher's servers, by teacher name then replica index."""
+    environments: dict[str, list[str]] = Field(default_factory=dict)
+    """Base URLs of every environment's servers (spec.environments), by environment name then
+    replica index; empty without environments."""
 
 
 class JobConfig(ApiModel):
@@ -87,6 +93,9 @@ class Identity(ApiModel):
     """Index within the role (trainer rank for the trainer)."""
     teacher: str | None = None
     """Teacher name (teacher role only)."""
+    environment: str | None = None
+    """Environment name (environment role only: `kubedistill run`'s process of an environment
+    server, which runs the user's command, not `kubedistill role`)."""
 
     @classmethod
     def from_env(cls, role: Role, replica: int | None = None, teacher: str | None = None) -> Identity:
@@ -123,18 +132,25 @@ def trainer_world_size(spec: DistillationJobSpec) -> int:
     return spec.trainer.replicas * max(spec.gpus_of(spec.trainer.gpus_per_replica), 1)
 
 
-def role_overrides(spec: DistillationJobSpec, role: Role, teacher: str | None = None) -> RoleOverrides:
-    """The spec's per-role settings for one role (a teacher's by name)."""
+def role_overrides(spec: DistillationJobSpec, role: Role, name: str | None = None) -> RoleOverrides:
+    """The spec's per-role settings for one role (a teacher's or an environment's by `name`)."""
     if role is Role.trainer:
         return spec.trainer.overrides
     if role is Role.rollout:
         return spec.rollout.overrides
-    return spec.teacher(teacher or "").overrides
+    if role is Role.environment:
+        return spec.environment(name or "").overrides
+    return spec.teacher(name or "").overrides
 
 
-def user_env(spec: DistillationJobSpec, role: Role, teacher: str | None = None) -> list[EnvVar]:
+def user_env(spec: DistillationJobSpec, role: Role, name: str | None = None) -> list[EnvVar]:
     """The user's variables for one role: the job's, then the role's (a later one wins)."""
-    return [*spec.env, *role_overrides(spec, role, teacher).env]
+    return [*spec.env, *role_overrides(spec, role, name).env]
+
+
+def member_name(identity: Identity) -> str | None:
+    """The teacher's or environment's name of a process of those roles; None for the others."""
+    return identity.environment if identity.role is Role.environment else identity.teacher
 
 
 def role_env(
@@ -163,11 +179,15 @@ def role_env(
         inference = None
     elif identity.role is Role.rollout:
         inference = spec.rollout.inference
+    elif identity.role is Role.environment:
+        assert identity.environment is not None, "an environment process needs its environment name"
+        env["KUBEDISTILL_ENVIRONMENT"] = identity.environment
+        inference = None
     else:
         assert identity.teacher is not None, "a teacher process needs its teacher name"
         env["KUBEDISTILL_TEACHER"] = identity.teacher
         inference = spec.teacher(identity.teacher).inference
-    overrides = role_overrides(spec, identity.role, identity.teacher)
+    overrides = role_overrides(spec, identity.role, member_name(identity))
     if overrides.cpu_threads is not None:
         env["OMP_NUM_THREADS"] = str(overrides.cpu_threads)
     if inference is not None and spec.device is Device.cpu and inference.kv_cache_gib is not None:

@@ -76,6 +76,18 @@ def _disjoint(spec: DistillationJobSpec) -> bool:
     return True
 
 
+def _environments_disjoint(spec: DistillationJobSpec) -> bool:
+    seen: set[str] = set()
+    for e in spec.environments:
+        if e.match is None:
+            continue
+        values = set(e.match.data_source)
+        if values & seen:
+            return False
+        seen |= values
+    return True
+
+
 def _reachable(spec: DistillationJobSpec) -> bool:
     if len(spec.teachers) == 1:
         return True
@@ -88,16 +100,40 @@ def _gpu_cel(field: str) -> str:
 
 MAX_TEACHERS = 8
 """spec.teachers' maxItems: CEL has no sum over a list, so the job's pod count is written out."""
+MAX_ENVIRONMENTS = 8
+"""spec.environments' maxItems, likewise."""
 
 
 def pod_count(spec: DistillationJobSpec) -> int:
-    """Every pod of the job: trainer, rollout and teacher replicas."""
-    return spec.trainer.replicas + spec.rollout.replicas + sum(t.replicas for t in spec.teachers)
+    """Every pod of the job: trainer, rollout, teacher and environment replicas."""
+    return (
+        spec.trainer.replicas
+        + spec.rollout.replicas
+        + sum(t.replicas for t in spec.teachers)
+        + sum(e.replicas for e in spec.environments)
+    )
 
 
 def _pod_count_cel() -> str:
     teachers = " + ".join(f"(size(self.teachers) > {i} ? self.teachers[{i}].replicas : 0)" for i in range(MAX_TEACHERS))
-    return f"self.trainer.replicas + self.rollout.replicas + {teachers}"
+    environments = " + ".join(
+        f"(has(self.environments) && size(self.environments) > {i} ? self.environments[{i}].replicas : 0)"
+        for i in range(MAX_ENVIRONMENTS)
+    )
+    return f"self.trainer.replicas + self.rollout.replicas + {teachers} + {environments}"
+
+
+ENVIRONMENTS = "self.environments"
+"""spec.environments in CEL; absent (no default) when empty."""
+
+
+def _environments_cel(condition: str) -> str:
+    """`condition` over spec.environments, true when there are none."""
+    return f"!has({ENVIRONMENTS}) || {condition}"
+
+
+def _has_environments_cel() -> str:
+    return f"has({ENVIRONMENTS}) && size({ENVIRONMENTS}) > 0"
 
 
 def _evaluation_on_syncs(spec: DistillationJobSpec) -> bool:
@@ -506,7 +542,7 @@ SPEC_RULES: list[Rule] = [
     Rule(
         "spec",
         f"!has(self.scheduling.minMember) || self.scheduling.minMember <= {_pod_count_cel()}",
-        "must not exceed the job's pods (trainer, rollout and teacher replicas)",
+        "must not exceed the job's pods (trainer, rollout, teacher and environment replicas)",
         ".scheduling.minMember",
         lambda s: s.scheduling.min_member is None or s.scheduling.min_member <= pod_count(s),
     ),
@@ -524,6 +560,78 @@ SPEC_RULES: list[Rule] = [
         " shapes: trainer, rollout and one per teacher)",
         ".teachers",
         lambda s: not _gang(s, GangScheduler.kueue) or len(s.teachers) <= KUEUE_MAX_TEACHERS,
+    ),
+    Rule(
+        "spec",
+        f"self.scheduling.gangScheduler != 'kueue' || !({_has_environments_cel()})"
+        f" || size(self.teachers) + size({ENVIRONMENTS}) <= {KUEUE_MAX_TEACHERS}",
+        f"at most {KUEUE_MAX_TEACHERS} teachers and environments together with gangScheduler kueue (a Kueue pod"
+        " group has at most 8 pod shapes: trainer, rollout and one per teacher and environment)",
+        ".environments",
+        lambda s: (
+            not _gang(s, GangScheduler.kueue)
+            or not s.environments
+            or len(s.teachers) + len(s.environments) <= KUEUE_MAX_TEACHERS
+        ),
+    ),
+    # spec.environments and spec.rollout.multiTurn (docs/design.md#multi-turn-rollouts-with-environments).
+    Rule(
+        "spec",
+        f"!({_has_environments_cel()}) || has(self.rollout.multiTurn)",
+        "need spec.rollout.multiTurn (environments answer the turns of multi-turn rollouts)",
+        ".environments",
+        lambda s: not s.environments or s.rollout.multi_turn is not None,
+    ),
+    Rule(
+        "spec",
+        f"!has(self.rollout.multiTurn) || ({_has_environments_cel()})",
+        "needs spec.environments (an environment answers each turn)",
+        ".rollout.multiTurn",
+        lambda s: s.rollout.multi_turn is None or bool(s.environments),
+    ),
+    Rule(
+        "spec",
+        _environments_cel(f"{ENVIRONMENTS}.all(e, {ENVIRONMENTS}.exists_one(f, f.name == e.name))"),
+        "environment names must be unique",
+        ".environments",
+        lambda s: len({e.name for e in s.environments}) == len(s.environments),
+    ),
+    Rule(
+        "spec",
+        _environments_cel(f"{ENVIRONMENTS}.all(e, has(e.match) || {ENVIRONMENTS}.exists_one(f, !has(f.match)))"),
+        "at most one environment may omit match (it serves every row no other environment's match covers)",
+        ".environments",
+        lambda s: sum(e.match is None for e in s.environments) <= 1,
+    ),
+    Rule(
+        "spec",
+        _environments_cel(
+            f"{ENVIRONMENTS}.all(a, {ENVIRONMENTS}.all(b, a.name == b.name || !has(a.match) || !has(b.match)"
+            " || !a.match.dataSource.exists(v, v in b.match.dataSource)))"
+        ),
+        "environments' match.dataSource values must be disjoint (each value routes to one environment)",
+        ".environments",
+        _environments_disjoint,
+    ),
+    Rule(
+        "spec",
+        _environments_cel(f"{ENVIRONMENTS}.all(e, has(e.image) || (has(e.command) && size(e.command) > 0))"),
+        "every environment without its own image needs command (spec.image, the kubedistill runtime, serves"
+        " no environment by itself)",
+        ".environments",
+        lambda s: all(e.image is not None or e.command for e in s.environments),
+    ),
+    Rule(
+        "spec",
+        "!has(self.rollout.multiTurn) || !has(self.rollout.multiTurn.maxTraceTokens)"
+        " || self.rollout.multiTurn.maxTraceTokens >= self.rollout.sampling.maxTokens",
+        "must be at least spec.rollout.sampling.maxTokens (the budget of one turn)",
+        ".rollout.multiTurn.maxTraceTokens",
+        lambda s: (
+            s.rollout.multi_turn is None
+            or s.rollout.multi_turn.max_trace_tokens is None
+            or s.rollout.multi_turn.max_trace_tokens >= s.rollout.sampling.max_tokens
+        ),
     ),
     Rule(
         "spec",
@@ -568,6 +676,7 @@ IMMUTABLE_SPEC_FIELDS: list[str] = [
     "device",
     "student",
     "teachers",
+    "environments",
     "routing",
     "trainer",
     "algorithm",

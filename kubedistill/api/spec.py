@@ -26,6 +26,7 @@ from kubedistill.api.enums import (
     Device,
     DType,
     Engine,
+    EnvironmentProtocol,
     GangScheduler,
     ImportanceLevel,
     ImportanceMode,
@@ -35,6 +36,7 @@ from kubedistill.api.enums import (
     LossMode,
     LrSchedule,
     Mode,
+    ObservationRole,
     PartialRolloutStrategy,
     ProximalPolicy,
     PullPolicy,
@@ -61,6 +63,9 @@ __all__ = [
     "DistillationSpec",
     "Engine",
     "EnvVar",
+    "EnvironmentMatch",
+    "EnvironmentProtocol",
+    "EnvironmentSpec",
     "EvaluationSpec",
     "GangScheduler",
     "ImportanceCorrectionSpec",
@@ -76,7 +81,9 @@ __all__ = [
     "LrSchedule",
     "Mode",
     "ModelSpec",
+    "MultiTurnSpec",
     "Name",
+    "ObservationRole",
     "OffPolicySpec",
     "OptimSpec",
     "PartialRolloutStrategy",
@@ -159,7 +166,8 @@ class InferenceSpec(ApiModel):
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """vLLM tensor-parallel degree; must not exceed the replica's GPU count."""
     gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = VLLM_GPU_MEMORY_UTILIZATION
-    """Fraction of GPU memory vLLM may use (engine vllm only)."""
+    """Fraction of GPU memory vLLM may use (engine vllm only). On device cpu without kvCacheGiB,
+    vLLM-CPU reads it as its share of the host's memory for the KV cache."""
     max_model_len: Annotated[int, Field(ge=16, le=1048576)] | None = None
     """Maximum prompt + response tokens. Unset: the model's own limit."""
     dtype: DType = DType.auto
@@ -207,6 +215,53 @@ class TeacherSpec(ModelSpec):
     """Pod settings for this teacher's pods."""
 
 
+class EnvironmentMatch(ApiModel):
+    """Which rows an environment serves, by the value of the routing key (spec.routing.key)."""
+
+    data_source: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(min_length=1, max_length=32)
+    """Routing-key values (e.g. data_source names) whose rows this environment serves."""
+
+
+class EnvironmentSpec(ApiModel):
+    """One environment server (docs/design.md#multi-turn-rollouts-with-environments): the
+    student acts, the environment answers with an observation, until it says done. Its own pods
+    and headless Service on Kubernetes, local processes under `kubedistill run`; rows are routed to
+    it by spec.routing.key as to teachers."""
+
+    name: Annotated[str, Field(min_length=1, max_length=20, pattern=DNS_LABEL)]
+    """Environment name: lowercase DNS label, unique among the environments (used in pod and
+    service names, and as the key of config.json's endpoints.environments)."""
+    image: Name | None = None
+    """Container image of the server's pods. Unset: spec.image (then command is required: the
+    runtime image serves no environment by itself). Not used by `kubedistill run`."""
+    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(default_factory=list, max_length=128)
+    """The server's command line, e.g. [uvicorn, calc_env.server:app, --host, 0.0.0.0, --port,
+    $(PORT)]. $(PORT) (and $(NAME) of any variable the role sets) is replaced as Kubernetes
+    replaces it in a container's command: by the port (spec port on Kubernetes, a free port per
+    replica under `kubedistill run`, which also sets PORT). Empty: the image's own entrypoint
+    (Kubernetes only; `kubedistill run` needs a command)."""
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    """Port the server listens on in its pod (the Service's and the readiness probe's)."""
+    replicas: Annotated[int, Field(ge=1, le=256)] = 1
+    """Number of server pods (local processes under `kubedistill run`); the driver spreads
+    episodes over them."""
+    match: EnvironmentMatch | None = None
+    """Rows this environment serves. Omit on at most one environment: it serves every row no
+    other environment's match covers."""
+    protocol: EnvironmentProtocol = EnvironmentProtocol.openenv
+    """How the driver speaks to it: openenv (POST /reset, POST /step, GET /health)."""
+    action_key: Annotated[str, Field(min_length=1, max_length=128)] = "message"
+    """Field of the OpenEnv action that carries the student's turn (its decoded text)."""
+    observation_key: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    """Field of the observation rendered back to the student. Unset: the observation's JSON
+    without done, reward and metadata."""
+    timeout_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
+    """Timeout of one reset or step call; a call past it ends the trace (finish_reason env_error)."""
+    overrides: RoleOverrides = Field(default_factory=RoleOverrides)
+    """Pod settings for this environment's pods (env, cpuThreads and resources reach its local
+    processes too, as for every role)."""
+
+
 class RoutingSpec(ApiModel):
     """How finished samples are routed to teachers."""
 
@@ -244,6 +299,19 @@ class SamplingSpec(ApiModel):
     """Base sampling seed (per request seeds derive from it). Unset: nondeterministic."""
 
 
+class MultiTurnSpec(ApiModel):
+    """Multi-turn rollouts against spec.environments: each sample is a trace of student turns and
+    environment observations (docs/design.md#multi-turn-rollouts-with-environments)."""
+
+    max_turns: Annotated[int, Field(ge=1, le=64)] = 4
+    """Student turns per trace at most; the trace ends earlier when the environment says done."""
+    max_trace_tokens: Annotated[int, Field(ge=1, le=1048576)] | None = None
+    """Response tokens of the whole trace, student turns and observations together (sampling.maxTokens
+    stays the budget of one turn; at least that). Unset: maxTurns x sampling.maxTokens."""
+    observation_role: ObservationRole = ObservationRole.tool
+    """The chat-template role an observation is rendered as: tool or user."""
+
+
 class RolloutSpec(ApiModel):
     """The rollout servers: the student model serving generation."""
 
@@ -255,6 +323,9 @@ class RolloutSpec(ApiModel):
     """Engine settings of the rollout servers."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling parameters."""
+    multi_turn: MultiTurnSpec | None = None
+    """Multi-turn rollouts against spec.environments (required with them, refused without).
+    Unset: one response per prompt."""
     overrides: RoleOverrides = Field(default_factory=RoleOverrides)
     """Pod settings for the rollout pods."""
 
@@ -636,7 +707,7 @@ class SchedulingSpec(ApiModel):
     min_member: Annotated[int, Field(ge=1, le=300000)] | None = None
     """volcano and coscheduling: pods that must be placed together before any starts. Unset: every
     pod of the job. The PodGroup's minResources sums the requests of the first minMember pods
-    (trainer first, then rollout, then teachers)."""
+    (trainer first, then rollout, then teachers, then environments)."""
     schedule_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] | None = None
     """coscheduling: how long the plugin waits for the whole group before it gives up on a
     placement attempt. Unset: the plugin's default."""
@@ -658,7 +729,10 @@ class DistillationJobSpec(ApiModel):
     teachers: list[TeacherSpec] = Field(min_length=1, max_length=8, json_schema_extra=keyed_by("name"))
     """Teacher models; samples are routed to them by spec.routing."""
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
-    """Routing of samples to teachers."""
+    """Routing of samples to teachers (and of rows to environments)."""
+    environments: list[EnvironmentSpec] = Field(default_factory=list, max_length=8, json_schema_extra=keyed_by("name"))
+    """Environment servers of multi-turn rollouts (needs spec.rollout.multiTurn); rows are routed
+    to them by spec.routing.key. Empty: single-turn rollouts."""
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     """Rollout (generation) servers."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
@@ -747,6 +821,32 @@ class DistillationJobSpec(ApiModel):
             if t.name == name:
                 return t
         raise KeyError(name)
+
+    def environment(self, name: str) -> EnvironmentSpec:
+        for e in self.environments:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def environment_for(self, route_value: Any) -> EnvironmentSpec:
+        """The environment that serves a row whose routing-key value is ``route_value``: the one
+        whose match covers it, else the one without match."""
+        for e in self.environments:
+            if e.match is not None and str(route_value) in e.match.data_source:
+                return e
+        for e in self.environments:
+            if e.match is None:
+                return e
+        raise LookupError(f"no environment matches {self.routing.key}={route_value!r}")
+
+    @property
+    def max_trace_tokens(self) -> int:
+        """Response tokens of one trace (rollout.multiTurn.maxTraceTokens, default maxTurns x
+        sampling.maxTokens); sampling.maxTokens without multiTurn."""
+        mt, max_tokens = self.rollout.multi_turn, self.rollout.sampling.max_tokens
+        if mt is None:
+            return max_tokens
+        return mt.max_trace_tokens if mt.max_trace_tokens is not None else mt.max_turns * max_tokens
 
     def teacher_for(self, route_value: Any) -> TeacherSpec:
         """The teacher that scores a sample whose routing-key value is ``route_value``."""

@@ -16,7 +16,7 @@ from pydantic_core import ErrorDetails
 
 from kubedistill.api import kubeyaml
 from kubedistill.api.job import API_VERSION, KIND, DistillationJob
-from kubedistill.api.spec import SamplingSpec
+from kubedistill.api.spec import DistillationJobSpec, SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -169,11 +169,92 @@ def load_documents(path: Path) -> tuple[list[Any], list[Problem]]:
     return docs, []
 
 
-def validate_file(path: Path) -> list[Problem]:
+def _route_values(path: Path, key: str) -> list[tuple[int, str]] | None:
+    """(row number from 1, routing-key value) of each row of a .jsonl or .parquet data file that
+    has the key; None when the file is not here or cannot be read (the driver reports a bad file
+    when the job starts)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".json"):
+            out = []
+            with path.open() as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        row = json.loads(line)
+                        if isinstance(row, dict) and row.get(key) is not None:
+                            out.append((n, str(row[key])))
+            return out
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq  # the runtime's; without it parquet rows go unchecked here
+
+            column = pq.read_table(path, columns=[key]).column(key).to_pylist()
+            return [(n, str(v)) for n, v in enumerate(column, 1) if v is not None]
+    except (OSError, ValueError, KeyError, ImportError):
+        return None
+    return None
+
+
+def row_problems(spec: DistillationJobSpec, where: str, base: Path) -> list[Problem]:
+    """Problems of the job's data rows that the spec alone cannot show, for the data files that
+    are on this machine (relative paths against `base`, as `kubedistill run` reads them): a row
+    whose routing-key value no environment serves, and an environment no row of spec.data.train
+    routes to. Empty without spec.environments."""
+    if not spec.environments:
+        return []
+    key = spec.routing.key
+    out: list[Problem] = []
+    served: set[str] = set()
+    complete = True
+    for section, files in (("train", spec.data.train), ("val", spec.data.val)):
+        for i, name in enumerate(files):
+            file = Path(name) if Path(name).is_absolute() else base / name
+            values = _route_values(file, key) if file.is_file() else None
+            if values is None:
+                complete = complete and section != "train"
+                continue
+            unrouted: dict[str, int] = {}
+            for n, value in values:
+                try:
+                    environment = spec.environment_for(value).name
+                except LookupError:
+                    unrouted.setdefault(value, n)
+                    continue
+                if section == "train":
+                    served.add(environment)
+            for value, n in unrouted.items():
+                out.append(
+                    Problem(
+                        where,
+                        f"spec.data.{section}[{i}]",
+                        f"row {n}: {key} {value!r} routes to no environment (no spec.environments[].match.dataSource"
+                        " holds it, and every environment has a match)",
+                    )
+                )
+    if complete:
+        for j, e in enumerate(spec.environments):
+            if e.name not in served:
+                which = f"match.dataSource {e.match.data_source}" if e.match else "no match: every other row"
+                out.append(
+                    Problem(
+                        where,
+                        f"spec.environments[{j}]",
+                        f"no row of spec.data.train routes to environment {e.name!r} ({which})",
+                    )
+                )
+    return out
+
+
+def validate_file(path: Path, data_base: Path | None = None) -> list[Problem]:
+    """Problems of every document of a manifest file; for a valid job with environments also its
+    data rows' (row_problems, data paths relative to `data_base`, default the working directory)."""
     docs, problems = load_documents(path)
     for i, doc in enumerate(docs):
         where = str(path) if len(docs) == 1 else f"{path} (document {i + 1})"
-        problems.extend(problems_of(doc, where))
+        found = problems_of(doc, where)
+        if not found and doc["spec"].get("environments"):
+            spec = DistillationJobSpec.model_validate(doc["spec"])
+            found = row_problems(spec, where, data_base or Path.cwd())
+        problems.extend(found)
     return problems
 
 

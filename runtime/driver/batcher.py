@@ -189,6 +189,7 @@ def sample_arrays(s: Sample, req: BatchRequirements, images: SampleImages | None
             signals,
             response_ids=s.response_ids,
             weight_version=s.min_version,
+            loss_mask=s.loss_mask(),
         )
     if images is not None:
         a.images = images

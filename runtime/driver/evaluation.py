@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from kubedistill.api.status import HeldOutEvaluation, HeldOutSource
 from kubedistill.runtime.driver.data import PromptItem
+from kubedistill.runtime.driver.episodes import Episodes, TraceRestart
 from kubedistill.runtime.driver.rewards import RewardRegistry
+from kubedistill.runtime.driver.samples import Sample, call_seed
 from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, Sampling, ScoreRequest, ScoreResponse
 
 if TYPE_CHECKING:
@@ -169,7 +171,10 @@ class Evaluator:
         score: Score | None,
         on_result: Callable[[EvalResult], None],
         clock: Callable[[], float] = time.monotonic,
+        episodes: Episodes | None = None,
     ):
+        """`episodes`: a multi-turn job's traces (spec.rollout.multiTurn): each held-out answer is
+        a trace against the row's environment, as in training, and scored on it."""
         if not items:
             raise ValueError("spec.data.val: no held-out prompt fits spec.data.maxPromptLength")
         self.spec = spec
@@ -185,6 +190,7 @@ class Evaluator:
         self.score = score if spec.score_with_teachers else None
         self.on_result = on_result
         self.clock = clock
+        self.episodes = episodes
         self._task: asyncio.Task[None] | None = None
         self.results: list[EvalResult] = []
         self._prompts: dict[str, int] = {}
@@ -232,28 +238,36 @@ class Evaluator:
         )
         self.on_result(result)
 
+    def _request(
+        self, rid: str, prompt: list[int], prefix: list[int], max_tokens: int, seed: int, images: Any
+    ) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            prefix_token_ids=prefix,
+            images=images,
+            sampling=Sampling(
+                max_tokens=max_tokens,
+                temperature=self.spec.temperature,
+                top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k or 0,
+                repetition_penalty=self.sampling.repetition_penalty,
+                stop=self.sampling.stop,
+                stop_token_ids=self.sampling.stop_token_ids,
+                seed=seed,
+            ),
+        )
+
     async def _sample(self, item: PromptItem, index: int, step: int, version: int) -> HeldOutSample:
+        if self.episodes is not None:
+            return await self._trace(item, index, step, version, self.episodes)
         images = item.images_base64()
         attempt = 0
         while True:
             attempt += 1
-            req = GenerateRequest(
-                request_id=f"eval-{step}-{item.uid}-{index}-{attempt}",
-                prompt_token_ids=list(item.prompt_ids),
-                images=images,
-                sampling=Sampling(
-                    max_tokens=self.max_tokens,
-                    temperature=self.spec.temperature,
-                    top_p=self.sampling.top_p,
-                    top_k=self.sampling.top_k or 0,
-                    repetition_penalty=self.sampling.repetition_penalty,
-                    stop=self.sampling.stop,
-                    stop_token_ids=self.sampling.stop_token_ids,
-                    # Distinct per sample and evaluation, so several samples of a prompt differ.
-                    seed=(step * 1_000_003 + item.uid * 7919 + index * 104_729) % (2**31),
-                ),
-            )
-            out = await self.generate(req)
+            # Distinct seeds per sample and evaluation, so several samples of a prompt differ.
+            rid, seed = f"eval-{step}-{item.uid}-{index}-{attempt}", call_seed(step, item.uid, index)
+            out = await self.generate(self._request(rid, list(item.prompt_ids), [], self.max_tokens, seed, images))
             # An abort (a server drained mid-request) ends a response early: draw it again.
             if out.finish_reason != "abort":
                 break
@@ -272,6 +286,47 @@ class Evaluator:
             teacher, scored = await self.score(item.route_value, item.data_source, sreq)
             ratio = sum(s - t for s, t in zip(out.logprobs, scored.logprobs, strict=True))
         return HeldOutSample(item.data_source, teacher, reward, len(out.token_ids), ratio)
+
+    async def _trace(self, item: PromptItem, index: int, step: int, version: int, episodes: Episodes) -> HeldOutSample:
+        """A held-out trace: turns against the row's environment, as in training. Its length and
+        reverse KL count the student's own tokens only."""
+        s = Sample(
+            group_id=item.uid,
+            index=index,
+            prompt_ids=list(item.prompt_ids),
+            max_tokens=episodes.trace_tokens,
+            data_source=item.data_source,
+            route_value=item.route_value,
+            ground_truth=item.ground_truth,
+            reward_fn=item.reward_fn,
+        )
+
+        async def turn(s: Sample) -> None:
+            while not s.finished:
+                c = s.continuation()
+                rid, seed = f"eval-{step}-{c.request_id}", call_seed(step, item.uid, index, s.requests)
+                out = await self.generate(
+                    self._request(rid, c.prompt_token_ids, c.prefix_token_ids, c.max_tokens, seed, None)
+                )
+                if out.finish_reason == "abort":  # a server drained mid-turn: the trace starts over
+                    raise TraceRestart(s.sample_id)
+                s.extend(out)
+
+        await episodes.run(s, turn, call_seed(step, item.uid, index))
+        stale = {v for v in s.versions if v != version}
+        if stale:
+            raise RuntimeError(
+                f"held-out evaluation of step {step}: tokens from weight versions {sorted(stale)}, not {version}"
+            )
+        mask = s.loss_mask() or [True] * len(s.response_ids)
+        teacher, ratio = None, None
+        if self.score is not None and s.response_ids:
+            ids, prompt_len = s.score_input()
+            teacher, scored = await self.score(
+                s.route_value, s.data_source, ScoreRequest(token_ids=ids, prompt_len=prompt_len, top_k=0)
+            )
+            ratio = sum(a - b for a, b, own in zip(s.logprobs, scored.logprobs, mask, strict=True) if own)
+        return HeldOutSample(item.data_source, teacher, s.reward, sum(mask), ratio)
 
 
 def scores_line(result: EvalResult) -> str:

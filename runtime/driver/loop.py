@@ -36,6 +36,7 @@ import concurrent.futures as cf
 import functools
 import logging
 import pickle
+import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -50,6 +51,7 @@ from kubedistill.runtime.driver.best import BestKeeper
 from kubedistill.runtime.driver.buffer import BufferClosed, SampleBuffer
 from kubedistill.runtime.driver.clients import HttpClients, RolloutClientLike, ServerClients, TeacherClientLike
 from kubedistill.runtime.driver.data import PromptSource, Tokenizer
+from kubedistill.runtime.driver.episodes import EnvironmentsLike, Episodes, ReplicaLike, TraceRestart
 from kubedistill.runtime.driver.evaluation import EvalResult, EvalSchedule, Evaluator, publish
 from kubedistill.runtime.driver.fleet import PROBE_SECONDS, ROLLOUT_POLL_SECONDS, Fleet
 from kubedistill.runtime.driver.history import HistoryWriter
@@ -64,11 +66,11 @@ from kubedistill.runtime.driver.routing import (
     TeacherRouter,
     images_to_text_teacher,
 )
-from kubedistill.runtime.driver.samples import Sample, SampleGroup
+from kubedistill.runtime.driver.samples import Sample, SampleGroup, call_seed
 from kubedistill.runtime.driver.staleness import StalenessPolicy
 from kubedistill.runtime.metrics import RoleMetrics
 from kubedistill.runtime.wire.batch import BatchParts
-from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, ServerError, new_session
+from kubedistill.runtime.wire.http import TRANSPORT_ERRORS, ServerError, new_session, until_healthy
 from kubedistill.runtime.wire.protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -110,10 +112,8 @@ class SenderLike(Protocol):
 
 
 def request_seed(base: int | None, sample: Sample) -> int | None:
-    """A distinct, reproducible seed per /generate call (the n samples of a prompt must differ)."""
-    if base is None:
-        return None
-    return (base * 1_000_003 + sample.group_id * 7919 + sample.index * 104_729 + sample.requests * 15_485_863) % (2**31)
+    """The seed of the sample's next /generate call (none without rollout.sampling.seed)."""
+    return None if base is None else call_seed(base, sample.group_id, sample.index, sample.requests)
 
 
 class Driver:
@@ -134,6 +134,7 @@ class Driver:
         clients: ServerClients | None = None,
         rollout_poll_seconds: float = ROLLOUT_POLL_SECONDS,
         probe_seconds: float = PROBE_SECONDS,
+        environments: EnvironmentsLike | None = None,
     ):
         self.spec = spec
         self.trainer = trainer
@@ -152,6 +153,10 @@ class Driver:
         """The student's processor when it is a vision-language model (None: a text student)."""
         self.src = PromptSource.from_spec(spec, tokenizer, processor=self.processor)
         self.rewards = RewardRegistry.for_spec(spec)
+        # Multi-turn traces (spec.rollout.multiTurn) against the environments' servers; text only.
+        self.episodes = Episodes.for_job(
+            spec, tokenizer, environments, self.rewards, metrics, clock, bool(self.processor)
+        )
         self.fleet = Fleet(
             pool=EndpointPool("rollout", rollout_urls),
             rollouts=RolloutMembership(list(rollout_urls)),
@@ -173,8 +178,7 @@ class Driver:
         self.router = TeacherRouter(spec, teacher_urls, {t.name: reads_images(t.model) for t in spec.teachers})
         self._check_image_rows()
         self._teacher_urls = [u for urls in teacher_urls.values() for u in urls]
-        self.step = 0
-        self.version = 0
+        self.step = self.version = 0  # train steps done; the weight version the rollouts serve
         self._pending_cursor: dict[str, Any] | None = None
         """Data cursor before a prompt drawn but not yet reserved in the buffer (a checkpoint
         taken then must not skip it)."""
@@ -183,18 +187,21 @@ class Driver:
         """/generate calls answered, per rollout server (this driver process)."""
         self._error: BaseException | None = None
         self._trainer_thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self.frozen = threading.Event()  # set: trainer work goes on again after freeze()
         self.run_id = uuid.uuid4().hex[:12]
         """Names the driver process in every history line (runtime/driver/report.py)."""
         self.step_clock = StepClock(clock)
         """The training side's timeline, cut into each step's phases (runtime/driver/phases.py)."""
         self._resumed_groups: list[SampleGroup] = []
+        self._set_up_evaluation(spec)
+
+    def _set_up_evaluation(self, spec: DistillationJobSpec) -> None:
         self.eval_schedule = EvalSchedule.from_spec(spec)
         self.evaluator = self._evaluator() if spec.evaluation is not None else None
         """Held-out evaluation (runtime/driver/evaluation.py); None without spec.evaluation."""
         self._evaluations: list[dict[str, Any]] = []
         """Evaluations finished since the last history line (the next line carries them)."""
-        keep_best = spec.evaluation is not None and spec.evaluation.keep_best
-        self.best = BestKeeper(spec.checkpoint.path) if keep_best else None
+        self.best = BestKeeper(spec.checkpoint.path) if spec.evaluation and spec.evaluation.keep_best else None
         """spec.evaluation.keepBest: each evaluated student's export, the best one kept."""
 
     def _evaluator(self) -> Evaluator:
@@ -210,6 +217,20 @@ class Driver:
             score=self._score_request,
             on_result=self._evaluated,
             clock=self.clock,
+            episodes=self._held_out_episodes(),
+        )
+
+    def _held_out_episodes(self) -> Episodes | None:
+        """Held-out traces (a multi-turn job): as in training, with evaluation's turn budget and
+        its lenient rewards; not counted in the training's trace metrics."""
+        if self.episodes is None or self.spec.evaluation is None:
+            return None
+        return Episodes(
+            self.spec,
+            self.tokenizer,
+            self.episodes.environments,
+            RewardRegistry(strict=False),
+            turn_tokens=self.spec.evaluation.max_tokens,
         )
 
     def _evaluated(self, result: EvalResult) -> None:
@@ -286,6 +307,12 @@ class Driver:
         )
 
     # ---- trainer thread --------------------------------------------------------------------
+    def freeze(self) -> None:
+        """Start no more trainer work (train steps, syncs, checkpoints; the one running finishes):
+        the process is ending (SIGTERM), and a checkpoint written meanwhile would hold steps that
+        no history line or tracker recorded."""
+        self._trainer_thread.submit(self.frozen.wait)
+
     async def _on_trainer(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn, *args)
 
@@ -324,7 +351,8 @@ class Driver:
             servers = self.fleet.servers = self.clients if self.clients is not None else HttpClients(http)
             self.fleet.rollout = {u: servers.rollout(u) for u in self.rollouts.members}
             self.fleet.teacher = {u: servers.teacher(u) for u in self._teacher_urls}
-            await self._wait_healthy([*self.fleet.rollout.values(), *self.fleet.teacher.values()])
+            environments = self.episodes.environments.replicas() if self.episodes is not None else []
+            await self._wait_healthy([*self.fleet.rollout.values(), *self.fleet.teacher.values(), *environments])
             reporter.started = self.clock()
             self.step_clock.start(reporter.started)
             for g in self._resumed_groups:
@@ -390,21 +418,17 @@ class Driver:
                 return served
             await asyncio.sleep(0.05)
 
-    async def _wait_healthy(self, clients: Sequence[RolloutClientLike | TeacherClientLike]) -> None:
-        """Every server answers /health (teachers may still be loading when the rollout servers
-        have already joined the weight-sync group)."""
+    async def _wait_healthy(self, clients: Sequence[RolloutClientLike | TeacherClientLike | ReplicaLike]) -> None:
+        """Every server answers /health (teachers and environments may still be starting when the
+        rollout servers have already joined the weight-sync group)."""
         deadline = self.clock() + float(self.spec.weight_sync.timeout_seconds)
         for c in clients:
-            while True:
-                try:
-                    await c.health()
-                    break
-                except Exception as e:  # connection refused / 503 while the engine loads
-                    if self.clock() > deadline:
-                        raise RuntimeError(
-                            f"{c.base_url} is not healthy after {self.spec.weight_sync.timeout_seconds} s: {e!r}"
-                        ) from e
-                    await asyncio.sleep(0.5)
+            try:
+                await until_healthy(c.health, every=0.5, deadline=deadline, clock=self.clock)
+            except Exception as e:
+                raise RuntimeError(
+                    f"{c.base_url} is not healthy after {self.spec.weight_sync.timeout_seconds} s: {e!r}"
+                ) from e
 
     async def _checkpoint(self) -> None:
         state = self.driver_state()  # a consistent snapshot: taken on the loop thread
@@ -447,8 +471,8 @@ class Driver:
             outcome = await self.sync_weights(self.version + 1)
             # The sender knows what a server that serves a load before the sync ends (hf) serves;
             # the others (vLLM's API process learns of the load a moment later) are asked: a round
-            # trip through two event loops busy with the resumed generation, 20-30 ms a step on
-            # the quickstart.
+            # trip through two event loops busy with the resumed generation (its cost:
+            # docs/design.md, "Smaller measurements").
             urls = self.rollouts.members
             known = outcome.served
             served = (
@@ -481,6 +505,8 @@ class Driver:
     # ---- generation ------------------------------------------------------------------------
     async def _produce(self) -> None:
         n, max_tokens = self.spec.rollout.sampling.samples_per_prompt, self.spec.rollout.sampling.max_tokens
+        if self.episodes is not None:  # a trace's budget: every turn and observation
+            max_tokens = self.episodes.trace_tokens
         while True:
             self._pending_cursor = self.src.state_dict()
             group = SampleGroup.from_prompt(self.src.next(), n, max_tokens)
@@ -513,12 +539,29 @@ class Driver:
         await self.buffer.put(group)
 
     async def _generate_sample(self, group: SampleGroup, s: Sample) -> None:
+        t0 = self.clock()
+        if self.episodes is not None:
+            seed = request_seed(self.spec.rollout.sampling.seed, s)
+            await self.episodes.run(s, functools.partial(self._generate_turn, group), seed)
+        else:
+            await self._generate_turn(group, s)
+        await self.buffer.sample_finished()
+        self._observe("gen", self.clock() - t0)
+        if self.requirements.teacher_scores and not s.scored:
+            await self._score(group, s)
+        if s.reward is None:
+            text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            self.rewards.score_sample(s, text)
+
+    async def _generate_turn(self, group: SampleGroup, s: Sample) -> None:
+        """/generate continuations of `s` until its turn (a single-turn sample's only one) ends."""
         from kubedistill.runtime.wire.protocol import Sampling
 
         sp = self.spec.rollout.sampling
-        t0 = self.clock()
         while not s.finished:
             if s.needs_resume and not self.staleness_policy.partial_rollout:
+                if self.episodes is not None:  # a trace's episode cannot go back: it starts over
+                    raise TraceRestart(s.sample_id)
                 s.restart()
             c = s.continuation()
             req = GenerateRequest(
@@ -542,13 +585,6 @@ class Driver:
             if out is None:
                 continue  # the sample is unchanged: send it again (under a new request id)
             s.extend(out)
-        await self.buffer.sample_finished()
-        self._observe("gen", self.clock() - t0)
-        if self.requirements.teacher_scores and not s.scored:
-            await self._score(group, s)
-        if s.reward is None:
-            text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            self.rewards.score_sample(s, text)
 
     async def _generate_once(self, req: GenerateRequest) -> GenerateResponse | None:
         """/generate on the least busy rollout server; None when the connection failed (the server

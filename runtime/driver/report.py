@@ -152,6 +152,7 @@ class StepReporter:
             "lagHistogram": {str(lag): staleness.count(lag) for lag in sorted(set(staleness))},
             "offPolicy": _mean_per_key([mb.off_policy for mb in stats]),
             "rolloutRequests": dict(requests_by_server),
+            **_trace_stats(s.samples),
         }
 
     def end_step(self, line: HistoryLine, phases: Mapping[str, float], at: float) -> None:
@@ -163,6 +164,21 @@ class StepReporter:
         line["time"] = round(at - self.started, 3)
         line["phases"] = {phase: round(seconds, 4) for phase, seconds in phases.items()}
         self.history.write(line)
+
+
+def _trace_stats(samples: Sequence[Sample]) -> dict[str, float | int]:
+    """A step's multi-turn traces (none: nothing): student turns per trace, the share of response
+    tokens that carry loss (the student's, not the environment's), traces an environment ended."""
+    traces = [x for x in samples if x.turns]
+    if not traces:
+        return {}
+    tokens = sum(len(x.response_ids) for x in traces)
+    observed = sum(end - start for x in traces for start, end in x.observation_spans)
+    return {
+        "turnsMean": sum(x.turns for x in traces) / len(traces),
+        "lossTokenShare": round((tokens - observed) / tokens, 6) if tokens else 1.0,
+        "envErrors": sum(1 for x in traces if x.env_error is not None),
+    }
 
 
 def _mean_per_key(dicts: Sequence[Mapping[str, float]]) -> dict[str, float]:

@@ -54,6 +54,14 @@ class ScoreOutput(Protocol):
     def gather_logprobs(self) -> Sequence[Sequence[float]] | None: ...
 
 
+def call_seed(base: int, prompt: int, index: int, call: int = 0) -> int:
+    """The seed of one /generate call, distinct and reproducible: from `base` (the spec's seed in
+    training, the step in a held-out evaluation), the prompt's uid, the sample's place among the
+    prompt's samples (they must differ) and the call's number for that sample (a resumed sample
+    must not draw its first call's tokens again)."""
+    return (base * 1_000_003 + prompt * 7919 + index * 104_729 + call * 15_485_863) % (2**31)
+
+
 @dataclass
 class Continuation:
     """The request that continues a sample: the fields of a GenerateRequest that depend on it."""
@@ -104,6 +112,18 @@ class Sample:
     """What the servers returned per response token beyond the sampled ids, keyed by the loss
     contract's signal names (kubedistill.api.losses.Signal): the rollout's top-k ids when the
     contract asks for them, and the teacher's scores."""
+    turn_end: int | None = None
+    """A multi-turn trace's current student turn ends once the response has this many tokens
+    (None: a single-turn sample, whose one turn ends at max_tokens)."""
+    observation_spans: list[list[int]] = field(default_factory=list)
+    """A multi-turn trace's observations: [start, end) ranges of the response that the
+    environment wrote, not the student (they carry no loss)."""
+    turns: int = 0
+    """Student turns a multi-turn trace has finished."""
+    env_reward: float | None = None
+    """The environment's rewards summed over the trace (None: it gave none)."""
+    env_error: str | None = None
+    """Why the environment ended the trace early (timeout, malformed, gone, http_<code>)."""
 
     def __post_init__(self) -> None:
         # The token data as arrays for the trainer (batcher.sample_arrays), made once as the sample
@@ -133,6 +153,36 @@ class Sample:
         return self.finish_reason in FINISHED
 
     @property
+    def limit(self) -> int:
+        """Where the response's current turn must end: the trace's budget, or its turn's."""
+        return self.max_tokens if self.turn_end is None else min(self.turn_end, self.max_tokens)
+
+    def loss_mask(self) -> list[bool] | None:
+        """Which response tokens carry loss: None when all do (no observations)."""
+        if not self.observation_spans:
+            return None
+        mask = [True] * len(self.response_ids)
+        for start, end in self.observation_spans:
+            mask[start:end] = [False] * (end - start)
+        return mask
+
+    def add_observation(self, ids: Sequence[int]) -> None:
+        """Append an environment's observation to a trace: tokens the student did not sample, with
+        log-prob 0 and the version of the turn before them (so they do not change the trace's
+        staleness), and a one-id top-k row where the rollout's rows are kept."""
+        start = len(self.response_ids)
+        version = self.versions[-1] if self.versions else 0
+        self.arrays = None
+        self.response_ids.extend(int(t) for t in ids)
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([version] * len(ids))
+        rows = self.signal(Signal.rollout_topk_ids)
+        if rows is not None:
+            rows.extend([int(t)] for t in ids)
+        self.observation_spans.append([start, len(self.response_ids)])
+        self.finish_reason = None
+
+    @property
     def needs_resume(self) -> bool:
         return self.finish_reason == "abort"
 
@@ -154,16 +204,16 @@ class Sample:
         Counts the request: call it once per request actually sent."""
         if self.finished:
             raise ValueError(f"sample {self.sample_id} is finished ({self.finish_reason}); nothing to continue")
-        remaining = self.max_tokens - len(self.response_ids)
+        remaining = self.limit - len(self.response_ids)
         if remaining < 1:
-            raise ValueError(f"sample {self.sample_id} has no token budget left ({self.max_tokens} used)")
+            raise ValueError(f"sample {self.sample_id} has no token budget left ({self.limit} used)")
         self.requests += 1
         self.finish_reason = None
         return Continuation(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_ids),
             prefix_token_ids=list(self.response_ids),
-            max_tokens=self.max_tokens,
+            max_tokens=self.limit,
         )
 
     def extend(self, out: GenerationOutput) -> None:
@@ -178,10 +228,9 @@ class Sample:
             raise ValueError(
                 f"sample {self.sample_id}: finish_reason {out.finish_reason!r} is not one of {FINISH_REASONS}"
             )
-        if len(self.response_ids) + len(ids) > self.max_tokens:
+        if len(self.response_ids) + len(ids) > self.limit:
             raise ValueError(
-                f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens "
-                f"exceed maxTokens {self.max_tokens}"
+                f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens exceed maxTokens {self.limit}"
             )
         topk = None if out.topk_ids is None else [list(map(int, row)) for row in out.topk_ids]
         if topk is not None and len(topk) != len(ids):
@@ -199,7 +248,7 @@ class Sample:
             self.signals[Signal.rollout_topk_ids.value] = (rollout_topk or []) + topk
         reason = out.finish_reason
         # An abort that lands exactly on the budget is a finished sample: nothing is left to resume.
-        if reason == "abort" and len(self.response_ids) >= self.max_tokens:
+        if reason == "abort" and len(self.response_ids) >= self.limit:
             reason = "length"
         self.finish_reason = reason
 
@@ -231,15 +280,18 @@ class Sample:
         for key in (Signal.teacher_topk_ids.value, Signal.teacher_topk_logprobs.value):
             self.signals.pop(key, None)
         if any(ids):
-            self.signals[Signal.teacher_topk_ids.value] = [list(map(int, row)) for row in ids]
-            self.signals[Signal.teacher_topk_logprobs.value] = [list(map(float, row)) for row in tlps]
+            self.signals[Signal.teacher_topk_ids.value] = _rows(ids, int)
+            self.signals[Signal.teacher_topk_logprobs.value] = _rows(tlps, float)
         self.signals.pop(Signal.teacher_logprobs_at_rollout_topk.value, None)
         if gathered is not None:
             self.signals[Signal.teacher_logprobs_at_rollout_topk.value] = gathered
 
     def restart(self) -> None:
-        """Forget the tokens generated so far (resume without partial rollouts: start over)."""
+        """Forget the tokens generated so far (resume without partial rollouts: start over; a
+        trace starts a new episode)."""
         self.response_ids, self.logprobs, self.versions = [], [], []
+        self.observation_spans, self.turns, self.turn_end = [], 0, None
+        self.env_reward = self.env_error = None
         self.arrays = None
         self.signals.pop(Signal.rollout_topk_ids.value, None)
         self.finish_reason = None
@@ -263,6 +315,14 @@ class Sample:
         if unknown:
             raise ValueError(f"sample state has unknown fields {sorted(unknown)}")
         return cls(**d)
+
+
+def _rows(rows: Sequence[Sequence[Any]], kind: type[int] | type[float]) -> list[list[Any]]:
+    """Top-k rows as lists of `kind`. A wire answer's rows are kept as they are: the response
+    model made them, lists of ints or floats, for this sample alone. Copying them element by
+    element cost 7 ms of CPU for a 1.5k-token answer at top-64, a third of the driver's work on
+    it (docs/design.md#at-scale); other sequences (a test's tuples, arrays) are converted."""
+    return [row if type(row) is list else list(map(kind, row)) for row in rows]
 
 
 def _migrate_signals(d: dict[str, Any]) -> dict[str, Any]:

@@ -83,10 +83,13 @@ class Started(BaseModel):
 
 def start_waves(processes: Sequence[Started]) -> list[list[str]]:
     """The processes' names in waves: a wave starts once every server of the previous one answers
-    /health. vLLM sizes its KV cache from the GPU memory it finds free while it profiles, so
-    servers sharing a GPU (a fraction of one each) start one after the other, each after the
-    previous one is up; everything else (the trainer, servers with GPUs of their own or none, as
-    on CPU) starts at once, in the first wave, in the order given."""
+    /health. Environment servers (spec.environments) come first, in a wave of their own, so the
+    trainer's first episode finds them up (they start in seconds: no model to load). vLLM sizes
+    its KV cache from the GPU memory it finds free while it profiles, so servers sharing a GPU (a
+    fraction of one each) start one after the other, each after the previous one is up; everything
+    else (the trainer, servers with GPUs of their own or none, as on CPU) starts at once, in the
+    first wave after the environments, in the order given."""
+    environments = [p.name for p in processes if p.role is Role.environment]
     sharing = [p.name for p in processes if p.role in (Role.rollout, Role.teacher) and 0 < p.num_gpus < 1]
-    first = [p.name for p in processes if p.name not in sharing[1:]]
-    return [first, *([name] for name in sharing[1:])]
+    first = [p.name for p in processes if p.name not in sharing[1:] and p.name not in environments]
+    return [*([environments] if environments else []), first, *([name] for name in sharing[1:])]

@@ -1,7 +1,8 @@
 """`kubedistill run JOB.yaml`: every role of a job as local processes, under a supervisor.
 
 The processes are the very `kubedistill role ...` entrypoints and config file the pods use; only
-the addresses differ (loopback and free ports instead of pod DNS names). A launcher (launch.py)
+the addresses differ (loopback and free ports instead of pod DNS names). An environment server
+(spec.environments[]) is its own `command`, on a free port that PORT and $(PORT) name. A launcher (launch.py)
 starts them: plain child processes on this machine by default, or Ray actors (`--address`, an
 existing cluster; `--launcher ray`, a local Ray). The supervisor loop here observes their exits
 and trainer rank 0's `/status` once a second and does what supervisor.decide says: show
@@ -49,7 +50,7 @@ from kubedistill.runtime.entrypoints.supervisor import (
     gang_record,
 )
 from kubedistill.runtime.entrypoints.zygote import Zygote, forks_roles
-from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient
+from kubedistill.runtime.wire.http import REQUEST_ERRORS, BlockingClient, fetch, until_healthy
 
 HOST = "127.0.0.1"
 
@@ -124,6 +125,7 @@ def local_processes(job: DistillationJob, config_path: Path) -> tuple[JobConfig,
         "trainer": [free_port(taken) for _ in range(trainer_world_size(spec))],
         "rollout": [free_port(taken) for _ in range(spec.rollout.replicas)],
         **{f"teacher/{t.name}": [free_port(taken) for _ in range(t.replicas)] for t in spec.teachers},
+        **{f"environment/{e.name}": [free_port(taken) for _ in range(e.replicas)] for e in spec.environments},
     }
     master_port = free_port(taken)
     endpoints = Endpoints(
@@ -133,10 +135,16 @@ def local_processes(job: DistillationJob, config_path: Path) -> tuple[JobConfig,
         weight_sync_port=free_port(taken),
         rollout=[f"http://{HOST}:{p}" for p in ports["rollout"]],
         teachers={t.name: [f"http://{HOST}:{p}" for p in ports[f"teacher/{t.name}"]] for t in spec.teachers},
+        environments={
+            e.name: [f"http://{HOST}:{p}" for p in ports[f"environment/{e.name}"]] for e in spec.environments
+        },
     )
     config = JobConfig(job=name, namespace=ns, spec=spec, endpoints=endpoints)
 
     processes: list[ProcessPlan] = []
+    for i, e in enumerate(spec.environments):
+        for replica, port in enumerate(ports[f"environment/{e.name}"]):
+            processes.append(environment_process(config, i, replica, port))
     for t in spec.teachers:
         for i, port in enumerate(ports[f"teacher/{t.name}"]):
             processes.append(
@@ -190,14 +198,63 @@ def role_process(
     if identity.teacher is not None:
         argv += ["--teacher", identity.teacher]
     env = role_env(spec, name, ns, identity, HOST, config.endpoints.master_port)
-    for e in user_env(spec, identity.role, identity.teacher):
+    env.update(_user_variables(spec, identity.role, identity.teacher))
+    return ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv)
+
+
+def _user_variables(spec: DistillationJobSpec, role: Role, name: str | None) -> dict[str, str]:
+    """The user's variables of a role (spec.env, then the role's), refusing what only Kubernetes
+    resolves."""
+    out: dict[str, str] = {}
+    for e in user_env(spec, role, name):
         if e.value_from is not None:
             raise ValueError(
                 f"spec.env {e.name}: valueFrom (a Kubernetes reference) cannot be resolved by "
                 "`kubedistill run`; give it a value for local runs"
             )
-        env[e.name] = e.value or ""
-    return ProcessPlan(f"{label}-{identity.replica}", identity, port, env, float(threads or 1), gpus, argv)
+        out[e.name] = e.value or ""
+    return out
+
+
+def expand_references(text: str, env: Mapping[str, str]) -> str:
+    """`text` with each $(NAME) of a variable in `env` replaced by its value, as Kubernetes
+    expands a container's command: $$ is a literal $, and a reference to a variable not in `env`
+    stays as written."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+            continue
+        if text.startswith("$(", i):
+            end = text.find(")", i + 2)
+            if end != -1 and text[i + 2 : end] in env:
+                out.append(env[text[i + 2 : end]])
+                i = end + 1
+                continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+def environment_process(config: JobConfig, index: int, replica: int, port: int) -> ProcessPlan:
+    """One replica of spec.environments[index]: the user's command (not `kubedistill role`) on
+    `port`, which PORT names and $(PORT) in the command becomes (as the operator's pod gets its
+    spec port). Started in the working directory of `kubedistill run`."""
+    spec = config.spec
+    e = spec.environments[index]
+    if not e.command:
+        raise ValueError(
+            f"spec.environments[{index}].command: required by `kubedistill run`, which runs the environment"
+            " server as a local process (the image's own entrypoint serves only on Kubernetes)"
+        )
+    identity = Identity(role=Role.environment, replica=replica, environment=e.name)
+    env = role_env(spec, config.job, config.namespace, identity, HOST, config.endpoints.master_port)
+    env["PORT"] = str(port)
+    env.update(_user_variables(spec, Role.environment, e.name))
+    argv = [expand_references(part, env) for part in e.command]
+    return ProcessPlan(f"env-{e.name}-{replica}", identity, port, env, float(e.overrides.cpu_threads or 1), 0, argv)
 
 
 def rollout_process(config: JobConfig, config_path: Path, replica: int, port: int) -> ProcessPlan:
@@ -460,18 +517,24 @@ class Supervisor:
         """Wait until every server of `wave` answers /health (up to weightSync.timeoutSeconds);
         False as soon as one of the wave's processes has ended."""
         servers = [p for p in wave if p.identity.role is not Role.trainer]
+        if not servers:
+            return True
         deadline = time.monotonic() + float(self.local.job.spec.weight_sync.timeout_seconds)
-        while servers and time.monotonic() < deadline:
+
+        def one_ended() -> bool:
             exits = self.launch.poll()
-            if any(exits.get(p.name) is not None for p in wave):
-                return False
-            try:
-                for p in servers:
-                    self.http.fetch("GET", f"http://{HOST}:{p.port}/health", timeout=2)
-                return True
-            except REQUEST_ERRORS:
-                time.sleep(0.5)
-        return True
+            return any(exits.get(p.name) is not None for p in wave)
+
+        async def every_server_up() -> bool:
+            for p in servers:
+                await fetch(self.http.session, "GET", f"http://{HOST}:{p.port}/health", timeout=2)
+            return True
+
+        try:
+            up = self.http.run(until_healthy(every_server_up, every=0.5, deadline=deadline, give_up=one_ended))
+        except REQUEST_ERRORS:
+            return True  # not all up by the deadline: the next wave starts anyway
+        return up is not None
 
     def scale_up(self) -> None:
         assert self.scaler is not None
@@ -511,7 +574,8 @@ class Supervisor:
             self.log(f"kubedistill run: {finish.reason}: {finish.result}")
             trainer0 = self.local.gang[0].name
             for name in [trainer0] + [n for n in exits if n != trainer0]:
-                if exits[name] not in (None, 0, -signal.SIGTERM):  # the last lines of every failed process
+                # exits holds the started processes only: an environment wave that failed never started the trainer
+                if exits.get(name) not in (None, 0, -signal.SIGTERM):  # the last lines of every failed process
                     self.log(f"--- last lines of {name} ---\n{_tail(self.local.logs / f'{name}.log')}")
         self.outcome["status"] = self.polled.to_json() if self.polled is not None else {}
         return finish.code

@@ -39,4 +39,6 @@ def distillation_baseline(batch: TensorBatch, algo: AlgorithmSpec, contract: Los
     if d.advantage_baseline is not AdvantageBaseline.batch_mean or teacher_logprobs is None:
         return 0.0
     mu, teacher = batch.rollout_logprobs.double(), teacher_logprobs.double()
+    if batch.loss_mask is not None:  # over the student's own tokens only
+        mu, teacher = mu[batch.loss_mask], teacher[batch.loss_mask]
     return L.batch_baseline(d, mu, teacher)

@@ -315,21 +315,27 @@ def ppo_loss(
     return importance_weight.detach() * surrogate
 
 
-def token_weights(lengths: Sequence[int], mode: LossAggregation) -> torch.Tensor:
+def token_weights(lengths: Sequence[int], mode: LossAggregation, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token weights (flat, sample after sample) whose weighted sum is the aggregated loss.
 
     tokenMean: 1 / (total tokens). seqMeanTokenMean: 1 / (samples x the sample's length).
     Computed over the whole batch, so any split into micro-batches and ranks sums to the same loss.
+    With `loss_mask` (bool, one per token) only its tokens count and carry weight: a multi-turn
+    trace's observation tokens get 0, so they carry no gradient, and the means are over the
+    student's own tokens.
     """
     lengths = [int(n) for n in lengths]
     total = sum(lengths)
     if total == 0:
         raise ValueError("batch has no response tokens")
+    keep = torch.ones(total, dtype=torch.bool) if loss_mask is None else loss_mask.to(torch.bool).cpu()
     if mode == LossAggregation.token_mean:
-        return torch.full((total,), 1.0 / total, dtype=torch.float32)
+        return keep.to(torch.float32) / max(int(keep.sum()), 1)
     if mode == LossAggregation.seq_mean_token_mean:
-        parts = [torch.full((n,), 1.0 / (len(lengths) * n), dtype=torch.float32) for n in lengths if n > 0]
-        return torch.cat(parts)
+        counts = torch.stack([part.sum() for part in torch.split(keep, lengths)]).to(torch.float32)
+        samples = max(int((counts > 0).sum()), 1)
+        per_sample = torch.where(counts > 0, 1.0 / (samples * counts.clamp(min=1)), torch.zeros_like(counts))
+        return per_sample.repeat_interleave(torch.tensor(lengths)) * keep
     raise ValueError(f"loss aggregation must be tokenMean or seqMeanTokenMean, got {mode!r}")
 
 
@@ -346,6 +352,7 @@ def per_token_losses(
     old_logprobs: torch.Tensor | None = None,
     segments: torch.Tensor | None = None,
     advantage_baseline: float = 0.0,
+    loss_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The configured loss per response token: ``{"distill", "pg", "total"}`` (each ``[N]``), plus
     what the step reports about it: ``log_ratio`` = s_old - mu (the log importance weight before
@@ -363,10 +370,16 @@ def per_token_losses(
       k1's per token (docs/algorithms.md), and k3 remains in the baseline b (:func:`batch_baseline`).
     * pg: the PPO term of the GRPO task advantages (useTaskRewards), else zeros.
     * total = pg + coef x distill (coef = 1 when task rewards are off).
+
+    `loss_mask` ([N] bool) marks the tokens the student sampled; the others (a multi-turn trace's
+    observations, with no behaviour log-prob) get log ratio 0, so they leave a sequence-level
+    importance weight as it is. Their weight in the aggregation is 0 (:func:`token_weights`).
     """
     d = algorithm.distillation
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     log_ratio = (old - behaviour_logprobs).detach()
+    if loss_mask is not None:
+        log_ratio = log_ratio.masked_fill(~loss_mask, 0.0)
     imp = algorithm.off_policy.importance
     token_weight, token_cut = importance_weights(
         log_ratio, level=imp.level, mode=imp.mode, low=imp.low, high=imp.high, segments=segments

@@ -166,6 +166,7 @@ class MicroBatch:
     task_advantages: torch.Tensor | None = None  # [N]
     lags: torch.Tensor | None = None  # [N] versions each token's sample lags the trainer (-1: unknown)
     segments: torch.Tensor | None = None  # [N] which sample of the micro-batch each token belongs to (0, 1, ...)
+    loss_mask: torch.Tensor | None = None  # bool [N] tokens that carry loss (None: all; observations do not)
     real_tokens: int = 0  # prompt + response tokens (no padding), 0 for a filler
     # [rows, L] when rows hold packed samples; [4, rows, L] (text, then M-RoPE t/h/w) with images.
     position_ids: torch.Tensor | None = None
@@ -242,6 +243,7 @@ def collate(
         ),
         lags=lags.repeat_interleave(counts),
         segments=torch.arange(len(order)).repeat_interleave(counts),
+        loss_mask=batch.loss_mask[sel] if batch.loss_mask is not None else None,
         real_tokens=0 if filler else sum(lengths[i] for i in order),
     )
     if images is not None:

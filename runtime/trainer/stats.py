@@ -4,7 +4,7 @@ ranks into :class:`StepStats`, and the trainer's Prometheus metrics of it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,6 +92,16 @@ class StepSums:
             self.loss_pg += float((losses["pg"].double() * w).sum())
             if filler:
                 return
+            if mb.loss_mask is not None:  # the student's own tokens only: observations are not its
+                keep = mb.loss_mask
+                logprobs = logprobs[keep]
+                losses = {k: v[keep] for k, v in losses.items() if k in ("is_weight", "is_cut", "advantage")}
+                mb = replace(
+                    mb,
+                    behaviour_logprobs=mb.behaviour_logprobs[keep],
+                    lags=mb.lags[keep] if mb.lags is not None else None,
+                    signals={k: v[keep] for k, v in mb.signals.items()},
+                )
             teacher = mb.signals.get(Signal.teacher_logprobs.value)
             if teacher is not None:
                 self.kl_sum += float((logprobs.detach().double() - teacher.double()).sum())

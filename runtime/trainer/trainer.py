@@ -285,7 +285,7 @@ class Trainer:
         start = time.perf_counter()
         spec = self.spec
         algo = spec.algorithm
-        weights = L.token_weights(batch.response_lens, algo.loss_aggregation) * self.world
+        weights = L.token_weights(batch.response_lens, algo.loss_aggregation, batch.loss_mask) * self.world
         advantages = task_advantages(batch, algo.advantage) if algo.distillation.use_task_rewards else None
         baseline = distillation_baseline(batch, algo, self.contract)
 
@@ -311,6 +311,7 @@ class Trainer:
                 old_logprobs=old,
                 segments=mb.segments,
                 advantage_baseline=baseline,
+                loss_mask=mb.loss_mask,
             )
             (losses["total"] * mb.weights).sum().backward()
             compute += self._settled() - tc
@@ -399,9 +400,9 @@ class Trainer:
 
 def fused_adamw(device_type: str) -> bool | None:
     """Whether AdamW runs as one fused kernel: on CPU and CUDA (FSDP2's DTensors included), where it
-    updates every tensor in one call instead of a dozen ops per tensor (the quickstart student's
-    update: 0.4 ms against 2.3 ms on CPU, and that many fewer GIL hand-offs beside the driver's
-    thread). Elsewhere torch's default (None)."""
+    updates every tensor in one call instead of a dozen ops per tensor (faster, and that many
+    fewer GIL hand-offs beside the driver's thread: docs/design.md, "Compared with peers").
+    Elsewhere torch's default (None)."""
     return True if device_type in ("cpu", "cuda") else None
 
 

@@ -19,6 +19,8 @@ Per sample i:
   (for staleness metrics; the loss corrects staleness through ``rollout_logprobs``).
 * ``trainer_version``: the trainer's weight version when the step was assembled, so the trainer
   can report its log-probs against the rollout's per version lag (0: the same weights).
+* ``loss_masks[i]``: which response tokens carry loss (length R_i; None, the default: all). A
+  multi-turn trace's observation tokens, which the student did not sample, do not.
 * ``images[i]``: a vision-language student's image inputs of sample i (:class:`SampleImages`:
   the student's image processor's ``pixel_values`` and ``image_grid_thw``), None for a text
   sample; the whole list None (the default) when no sample has images. The prompt ids of an image
@@ -65,6 +67,7 @@ class TrainBatch:
     weight_versions: list[int] = field(default_factory=list)
     trainer_version: int | None = None
     images: list[SampleImages | None] | None = None
+    loss_masks: list[list[bool]] | None = None
 
     def lag(self, i: int) -> int | None:
         """How many weight versions sample i's oldest token lags the trainer (None: unknown)."""
@@ -92,6 +95,7 @@ class TrainBatch:
                 self.rollout_logprobs[i],
                 {name: values[i] for name, values in self.signals.items()},
                 images=self.images[i] if self.images is not None else None,
+                loss_mask=self.loss_masks[i] if self.loss_masks is not None else None,
             )
             for i in range(len(self))
         ]
@@ -120,6 +124,7 @@ class TrainBatch:
             "rewards": self.rewards,
             "group_ids": self.group_ids,
             "images": self.images,
+            "loss_masks": self.loss_masks,
         }
         if self.weight_versions:
             per_sample["weight_versions"] = self.weight_versions
@@ -175,6 +180,7 @@ class SampleArrays:
     widths: dict[str, np.ndarray]  # row signals with rows shorter than K: int64 [R] entries per row
     weight_version: int | None = None  # the oldest weight version of its tokens, if known
     images: SampleImages | None = None  # a vision-language sample's image inputs
+    loss_mask: np.ndarray | None = None  # bool [R]: tokens the student sampled (None: all of them)
 
     @property
     def response_len(self) -> int:
@@ -189,10 +195,12 @@ def pack_sample(
     response_ids: Sequence[int] | None = None,
     weight_version: int | None = None,
     images: SampleImages | None = None,
+    loss_mask: Sequence[bool] | None = None,
 ) -> SampleArrays:
     """Arrays of one sample's lists (`response_ids`, when given, follows `token_ids` as the
     response). Rows of a row signal shorter than the widest are zero-padded and their widths kept.
-    `images` (already arrays) are kept as they are."""
+    `images` (already arrays) are kept as they are. `loss_mask` (one per response token) marks the
+    tokens that carry loss: a multi-turn trace's observations do not (docs/design.md)."""
     ids = np.fromiter(token_ids, np.int64, len(token_ids))
     if response_ids is not None:
         ids = np.concatenate([ids, np.fromiter(response_ids, np.int64, len(response_ids))])
@@ -213,7 +221,8 @@ def pack_sample(
                 rows[t, : len(row)] = row
             arrays[name], widths[name] = rows, w
     mu = np.fromiter(rollout_logprobs, np.float32, len(rollout_logprobs))
-    return SampleArrays(ids, prompt_len, mu, arrays, widths, weight_version, images)
+    mask = None if loss_mask is None or all(loss_mask) else np.fromiter(loss_mask, np.bool_, len(loss_mask))
+    return SampleArrays(ids, prompt_len, mu, arrays, widths, weight_version, images, mask)
 
 
 Row = list[int]
@@ -272,6 +281,9 @@ class BatchParts:
             patch_dim = shown[0].pixel_values.shape[1]
             shapes.append(((sum(x.patches for x in shown), patch_dim), torch.float32))
             shapes.append(((sum(images), 3), torch.int64))
+        masked = any(p.loss_mask is not None for p in parts)
+        if masked:  # a batch of single-turn samples carries no mask
+            shapes.append(((tokens,), torch.bool))
         return {
             "prompt_lens": [p.prompt_len for p in parts],
             "lengths": [len(p.token_ids) for p in parts],
@@ -282,6 +294,7 @@ class BatchParts:
             "signals": names,
             "widths": widths,
             "images": images,
+            "loss_mask": masked,
             "plan": plan,
             "tensors": shapes,
         }
@@ -306,6 +319,9 @@ class BatchParts:
         if header.get("images") is not None:
             shown = [p.images for p in parts if p.images is not None]
             sources += [[x.pixel_values for x in shown], [x.grid_thw for x in shown]]
+        if header.get("loss_mask"):
+            ones: np.ndarray = np.ones(max(p.response_len for p in parts), np.bool_)
+            sources.append([p.loss_mask if p.loss_mask is not None else ones[: p.response_len] for p in parts])
         full = list(into) if into is not None else TensorBatch.empty_tensors(header)
         for j, name in enumerate(names):
             if name in widths:
@@ -318,10 +334,6 @@ class BatchParts:
         for _ in pieces:
             pass
         return TensorBatch.from_wire(header, full)
-
-    def to_lists(self) -> TrainBatch:
-        """The list form (tests, debugging), the values as float32 / int64 hold them."""
-        return self.to_tensors().to_lists()
 
     def validate(self, contract: LossContract | None = None, *, rewards: bool = False) -> None:
         """Raise ValueError naming the first inconsistent field, or the first signal `contract`
@@ -370,7 +382,8 @@ class BatchParts:
             if list(p.signals) != names:
                 raise ValueError(f"TrainBatch.signals: sample {i} has {sorted(p.signals)}, sample 0 {sorted(names)}")
             r = len(p.token_ids) - p.prompt_len
-            for name, a in {"rollout_logprobs": p.rollout_logprobs, **p.signals}.items():
+            masks = {"loss_masks": p.loss_mask} if p.loss_mask is not None else {}
+            for name, a in {"rollout_logprobs": p.rollout_logprobs, **p.signals, **masks}.items():
                 if len(a) != r:
                     raise ValueError(f"TrainBatch.{name}[{i}]: has {len(a)} entries, expected {r} response tokens")
             if pair is not None:
@@ -397,8 +410,8 @@ def image_counts(parts: Sequence[SampleArrays]) -> list[int] | None:
 
 SPAN_BYTES = 8 << 20
 """A broadcast carries consecutive tensors of a batch, cut once it holds at least this many bytes:
-rank 0 copies the next span while gloo sends this one, and gloo's cost per call (~0.5 ms on the
-shared 2-core machine, where 2 MB calls made a batch 1.7x slower to send) stays small."""
+rank 0 copies the next span while gloo sends this one, and gloo's fixed cost per call stays
+small (docs/design.md, "Batch transfer")."""
 
 
 @dataclass
@@ -508,6 +521,9 @@ class TensorBatch:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_counts: list[int] | None = None
+    loss_mask: torch.Tensor | None = None
+    """bool [N]: the response tokens that carry loss (None: all); a multi-turn trace's
+    observation tokens do not."""
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -538,7 +554,8 @@ class TensorBatch:
     def tensors(self) -> list[torch.Tensor]:
         """In the order of the header's shapes (BatchParts.header)."""
         images = [self.pixel_values, self.image_grid_thw] if self.pixel_values is not None else []
-        return [self.token_ids, self.rollout_logprobs, *self.signals.values(), *self.widths.values(), *images]
+        mask = [self.loss_mask] if self.loss_mask is not None else []
+        return [self.token_ids, self.rollout_logprobs, *self.signals.values(), *self.widths.values(), *images, *mask]
 
     @property
     def nbytes(self) -> int:
@@ -569,36 +586,5 @@ class TensorBatch:
             pixel_values=tensors[at] if images is not None else None,
             image_grid_thw=tensors[at + 1] if images is not None else None,
             image_counts=list(images) if images is not None else None,
+            loss_mask=tensors[-1] if header.get("loss_mask") else None,
         )
-
-    def to_lists(self) -> TrainBatch:
-        """The list form (tests, debugging): the inverse of TrainBatch.to_tensors up to float32."""
-        resp = self.response_lens
-        signals: dict[str, list[list[Any]]] = {}
-        for name, values in self.signals.items():
-            rows = values.tolist()
-            if name in self.widths:
-                rows = [row[:w] for row, w in zip(rows, self.widths[name].tolist())]
-            it = iter(rows)
-            signals[name] = [[next(it) for _ in range(r)] for r in resp]
-        return TrainBatch(
-            token_ids=[t.tolist() for t in torch.split(self.token_ids, self.lengths)],
-            prompt_lens=list(self.prompt_lens),
-            rollout_logprobs=[t.tolist() for t in torch.split(self.rollout_logprobs, resp)],
-            signals=signals,
-            rewards=None if self.rewards is None else list(self.rewards),
-            group_ids=None if self.group_ids is None else list(self.group_ids),
-            weight_versions=list(self.weight_versions),
-            trainer_version=self.trainer_version,
-            images=self._images_as_lists(),
-        )
-
-    def _images_as_lists(self) -> list[SampleImages | None] | None:
-        if self.image_counts is None or self.pixel_values is None or self.image_grid_thw is None:
-            return None
-        pixels = torch.split(self.pixel_values, self.patch_counts())
-        grids = torch.split(self.image_grid_thw, self.image_counts)
-        return [
-            SampleImages(pv.numpy().copy(), g.numpy().copy()) if n else None
-            for pv, g, n in zip(pixels, grids, self.image_counts)
-        ]
