@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from kubedistill.runtime.wire.http import TRANSPORT_ERRORS as TRANSPORT_ERRORS
 from kubedistill.runtime.wire.http import ServerError as ServerError
-from kubedistill.runtime.wire.http import call, error_message, fetch, new_session, stream_frames
+from kubedistill.runtime.wire.http import SessionHolder, call, error_message, fetch, stream_frames
 from kubedistill.runtime.wire.protocol import (
     AbortRequest,
     AbortResponse,
@@ -38,18 +38,10 @@ M = TypeVar("M", bound=BaseModel)
 Q = TypeVar("Q", bound=BaseModel)
 
 
-class _Client:
+class _Client(SessionHolder):
     def __init__(self, base_url: str, timeout: float = 600.0, session: aiohttp.ClientSession | None = None):
+        super().__init__(session, timeout)
         self.base_url = base_url.rstrip("/")
-        self._timeout = timeout
-        self._own = session is None
-        self._session = session
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:  # created lazily: aiohttp wants a running loop
-            self._session = new_session(self._timeout)
-        return self._session
 
     async def _post(self, path: str, body: BaseModel, model: type[M]) -> M:
         return await call(self.session, "POST", self.base_url + path, model, body)
@@ -65,9 +57,7 @@ class _Client:
         return (await fetch(self.session, "GET", self.base_url + "/metrics")).decode()
 
     async def aclose(self) -> None:
-        if self._own and self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.close_session()
 
     async def __aenter__(self) -> Self:
         return self

@@ -33,7 +33,7 @@ from typing import Any, Literal, Self
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from kubedistill.runtime.wire.http import new_session
+from kubedistill.runtime.wire.http import SessionHolder
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Largest frame accepted from a server: an observation a student reads is far smaller, and a
@@ -157,7 +157,7 @@ class _ServerError(Exception):
         self.code = code
 
 
-class EnvironmentClient:
+class EnvironmentClient(SessionHolder):
     """Episodes against one OpenEnv server, one at a time: `open` starts one (a WebSocket session
     of its own, then reset), `step` sends a student turn, `close` ends it; `open` again starts the
     next. Every call is bounded by `timeout`; every failure is EpisodeFailed, after which the
@@ -177,8 +177,7 @@ class EnvironmentClient:
         self.action_key = action_key
         self.observation_key = observation_key
         self.timeout = timeout
-        self._session = session
-        self._own_session = session is None
+        super().__init__(session)
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         # A WebSocket carries one request at a time: answers are matched to requests by order.
         self._lock = asyncio.Lock()
@@ -198,7 +197,7 @@ class EnvironmentClient:
         """GET /health (every OpenEnv server has it); raises EpisodeFailed unless it answers 200."""
         url = http_url(self.url) + "/health"
         try:
-            async with self._client_session().get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 if r.status != 200:
                     raise EpisodeFailed(f"http_{r.status}", self.url, "/health")
         except TimeoutError as e:
@@ -215,7 +214,7 @@ class EnvironmentClient:
         async with self._lock:
             try:
                 async with asyncio.timeout(self.timeout):
-                    self._ws = await self._client_session().ws_connect(
+                    self._ws = await self.session.ws_connect(
                         ws_url(self.url),
                         max_msg_size=MAX_MESSAGE_BYTES,
                         timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_SECONDS),
@@ -259,20 +258,13 @@ class EnvironmentClient:
     async def aclose(self) -> None:
         """`close`, and the client's own aiohttp session if it made one."""
         await self.close()
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.close_session()
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    def _client_session(self) -> aiohttp.ClientSession:
-        if self._session is None:  # made lazily: aiohttp wants a running loop
-            self._session = new_session()
-        return self._session
 
     async def _request(self, message: dict[str, Any]) -> StepResult:
         ws = self._ws
@@ -320,7 +312,7 @@ class EnvironmentClient:
             callback()
 
 
-class EnvironmentPool:
+class EnvironmentPool(SessionHolder):
     """Episodes spread over an environment's replicas: `open` starts one on the replica with the
     fewest open episodes (ties to the first listed), trying the next replica when one is gone,
     full or refuses the handshake. `max_sessions_per_replica` (what each server's
@@ -335,19 +327,13 @@ class EnvironmentPool:
         session: aiohttp.ClientSession | None = None,
         max_sessions_per_replica: int | None = None,
     ):
+        super().__init__(session)
         self.config = config
-        self._session = session
-        self._own_session = session is None
         self.outstanding: dict[str, int] = dict.fromkeys(config.urls, 0)
         """Open episodes per replica URL."""
         self._slots = (
             asyncio.Semaphore(max_sessions_per_replica * len(config.urls)) if max_sessions_per_replica else None
         )
-
-    def _client_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = new_session()
-        return self._session
 
     def client(self, url: str) -> EnvironmentClient:
         return EnvironmentClient(
@@ -355,7 +341,7 @@ class EnvironmentPool:
             action_key=self.config.action_key,
             observation_key=self.config.observation_key,
             timeout=self.config.timeout_seconds,
-            session=self._client_session(),
+            session=self.session,
         )
 
     async def open(self, **reset_kwargs: Any) -> tuple[EnvironmentClient, StepResult]:
@@ -395,9 +381,7 @@ class EnvironmentPool:
             self._slots.release()
 
     async def aclose(self) -> None:
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.close_session()
 
 
 class Environments:

@@ -78,6 +78,28 @@ def new_session(timeout: float = 600.0) -> aiohttp.ClientSession:
     )
 
 
+class SessionHolder:
+    """An aiohttp session the caller gave, or one made on first use (aiohttp wants a running loop)
+    and closed by `aclose`: a client either shares the run's session or owns one."""
+
+    def __init__(self, session: aiohttp.ClientSession | None = None, timeout: float = 600.0):
+        self._session = session
+        self._own = session is None
+        self._session_timeout = timeout
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = new_session(self._session_timeout)
+        return self._session
+
+    async def close_session(self) -> None:
+        """Close the session if this holder made it (a shared one is its owner's to close)."""
+        if self._own and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 def error_message(raw: bytes) -> str:
     """The server's `{"error": ...}` message, or the body as text when it is not one."""
     text = raw.decode(errors="replace").strip()
