@@ -96,6 +96,12 @@ class FakeJob:
             t["step_seconds"].labels(phase=phase).observe(s)
         for v in (0, 1, 1, 2):
             t["staleness"].observe(v)
+        # Multi-turn traces against an environment (spec.environments).
+        t["env_turns"].labels(environment="calc").observe(3)
+        t["env_call_seconds"].labels(environment="calc").observe(0.02)
+        t["env_errors"].labels(environment="calc", reason="timeout").inc()
+        t["loss_tokens"].labels(kind="student").inc(60)
+        t["loss_tokens"].labels(kind="observation").inc(20)
         t["weight_sync_seconds"].observe(300.0)  # KubedistillWeightSyncSlow
         t["weight_sync_bytes"].inc(2**30)
         self.rollout["rollout_tokens"].inc(500)

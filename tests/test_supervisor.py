@@ -26,6 +26,7 @@ from kubedistill.runtime.entrypoints.supervisor import (
     SupervisorStatus,
     decide,
 )
+from kubedistill.runtime.entrypoints.zygote import fork_blockers
 from server_fixtures import zygote_handle
 
 JOB = Supervised(("trainer-0", "trainer-1"), backoff_limit=2, active_deadline_seconds=None, started=1000.0)
@@ -174,6 +175,14 @@ def test_process_launcher_starts_polls_and_stops(tmp_path: Path, monkeypatch: py
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("PYTEST_CURRENT_TEST")  # as the session's fork server has it
     zygote = zygote_handle() if forked else None
+    if zygote is not None:
+        # The process's environment as the fork server saw it at its start: a variable an earlier
+        # test left behind (the server is the session's) would make the launcher spawn instead.
+        for name in fork_blockers(zygote.env, dict(os.environ)):
+            if name in zygote.env:
+                monkeypatch.setenv(name, zygote.env[name])
+            else:
+                monkeypatch.delenv(name)
     launcher = ProcessLauncher(tmp_path, gpu_ids=["0"], zygote=zygote)
 
     def _said(name: str) -> str:

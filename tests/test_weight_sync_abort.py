@@ -122,7 +122,9 @@ def _nccl_group() -> WeightSyncGroup:
     return WeightSyncGroup(GroupAddress("127.0.0.1", 0, 1, 2, "nccl", 42, "e1", device="cuda:0"), dist.HashStore())
 
 
-def test_nccl_group_is_made_so_a_failed_sync_never_kills_the_process(nccl: type[RecordedNCCL]) -> None:
+def test_nccl_group_is_made_so_a_failed_sync_never_kills_the_process(
+    nccl: type[RecordedNCCL], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch 2.13's default (3, SkipCleanUp) rethrows a timeout or remote error in the watchdog
     and takes the process down, vLLM engine included; the group is made under CleanUpOnly (2),
     which aborts the communicators and lives. Only that group: the variable is unset again
@@ -131,7 +133,7 @@ def test_nccl_group_is_made_so_a_failed_sync_never_kills_the_process(nccl: type[
     _nccl_group()
     assert nccl.made == [{"timeout": datetime.timedelta(seconds=42), "error_handling": "2"}]
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the process's own, restored after
     with scoped_env(nccl_group_env()):
         assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

@@ -92,15 +92,25 @@ class Child(Protocol):
 
 
 def spawn(argv: list[str], env: Mapping[str, str], log: FileIO) -> subprocess.Popen[bytes]:
-    """A role process in its own process group (stopped as a whole), which ends itself if the
-    process that started it dies (LAUNCHER_VARIABLE: zygote.end_with_launcher)."""
+    """A process in its own process group (stopped as a whole) that ends when the process that
+    started it dies: the kernel sends it SIGTERM (PR_SET_PDEATHSIG, through pyprctl), whatever it
+    runs (an environment server is the user's own command); a `kubedistill role` also watches its
+    launcher (LAUNCHER_VARIABLE: zygote.end_with_launcher), which covers a launcher gone before
+    the signal was armed."""
     return subprocess.Popen(
         argv,
         env={**os.environ, **env, LAUNCHER_VARIABLE: str(os.getpid())},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_end_with_parent,
     )
+
+
+def _end_with_parent() -> None:
+    import pyprctl
+
+    pyprctl.set_pdeathsig(signal.SIGTERM)
 
 
 def terminate(procs: Iterable[Child], grace: float = STOP_GRACE_SECONDS) -> None:
