@@ -340,6 +340,20 @@ class ControlPlane:
             raise
         return True
 
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """`kubectl wait --for=condition=Established crd/NAME`, asked again while the CRD has no
+        conditions yet: kubectl 1.35 fails at once on a CRD created an instant before
+        (".status.conditions accessor error: <nil>") instead of waiting for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(1, int(deadline - time.monotonic()))
+            r = self.kubectl("wait", "--for=condition=Established", f"crd/{crd}", f"--timeout={left}s", check=False)
+            if r.returncode == 0:
+                return
+            if "accessor error" not in r.stderr or time.monotonic() > deadline:
+                raise AssertionError(f"crd/{crd} is not Established: {r.stdout}{r.stderr}")
+            time.sleep(0.2)
+
     def kubectl(
         self, *args: str, stdin: str | None = None, kubeconfig: Path | None = None, check: bool = True
     ) -> subprocess.CompletedProcess[str]:

@@ -47,7 +47,7 @@ def install_chart(
     docs = chart_objects(release_namespace, watch, release=release)
     crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     plane.apply(crds)
-    plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    plane.wait_established(CRD_NAME)
     plane.apply([d for d in docs if d["kind"] != "CustomResourceDefinition"])
     return docs
 

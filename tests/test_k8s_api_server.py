@@ -64,7 +64,7 @@ def crd_apply(control_plane: ControlPlane) -> subprocess.CompletedProcess[str]:
     """`kubectl apply` of the committed CRD, accepted or not: the first test judges it."""
     r = control_plane.kubectl("apply", "-f", str(CRD_FILE), check=False)
     if r.returncode == 0:
-        control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+        control_plane.wait_established(CRD_NAME)
     return r
 
 
@@ -987,7 +987,7 @@ def editable_teachers(api: ControlPlane) -> Iterator[str]:
         node.pop("x-kubernetes-validations", None)
     api.kubectl("apply", "-f", "-", stdin=json.dumps(crd))
     name = crd["metadata"]["name"]
-    api.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    api.wait_established(name)
     yield "ssa-probe.kubedistill.io"
     api.kubectl("delete", "crd", name, "--wait=false", check=False)
 

@@ -475,7 +475,7 @@ def installed(
         "--set", f"watch.namespaces[0]={JOBS_NS}", "--set-json", f"tolerations={json.dumps([rn.TOLERATION])}",
         "--wait", "--timeout", "300s",
     )  # fmt: skip
-    plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    plane.wait_established(CRD_NAME)
     [op_pod] = get(plane, "pods", "-n", SYSTEM_NS)["items"]
     assert op_pod["spec"]["nodeName"] == rn.NODE_NAME
     mounts = [m["mountPath"] for m in op_pod["spec"]["containers"][0]["volumeMounts"]]
