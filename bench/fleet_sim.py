@@ -192,16 +192,17 @@ class Answers:
         import numpy as np
 
         from kubedistill.runtime.wire.protocol import ScoreResponse
+        from kubedistill.runtime.wire.rows import Rows
 
         body = self._score.get(tokens * 1000 + top_k)
         if body is None:
             k = min(top_k, 256)
             rng = np.random.default_rng(tokens)
             lps = (-rng.exponential(1.0, tokens)).astype(np.float32).astype(float).tolist()
-            ids = rng.integers(0, VOCAB, (tokens, k)).tolist()
+            ids = rng.integers(0, VOCAB, (tokens, k))
             tlps = np.sort(-rng.exponential(2.0, (tokens, k)).astype(np.float32), axis=1)[:, ::-1]
             body = (
-                ScoreResponse(logprobs=lps, topk_ids=ids, topk_logprobs=tlps.astype(float).tolist())
+                ScoreResponse(logprobs=lps, topk_ids=Rows.of(ids, "int32"), topk_logprobs=Rows.of(tlps, "float32"))
                 .model_dump_json()
                 .encode()
             )

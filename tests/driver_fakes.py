@@ -39,6 +39,7 @@ from kubedistill.runtime.wire.protocol import (
     ScoreResponse,
     TensorMeta,
 )
+from kubedistill.runtime.wire.rows import Rows
 
 ALPHABET = "0123456789+="
 VOCAB = len(ALPHABET)
@@ -304,9 +305,13 @@ class FakeTeacherServer(_FakeServer):
         self.scored.append(req)
         return ScoreResponse(
             logprobs=[-0.5] * len(response),
-            topk_ids=[[(t + j) % VOCAB for j in range(k)] for t in response],
-            topk_logprobs=[[-0.5 - 0.25 * j for j in range(k)] for _ in response],
-            gather_logprobs=[[-0.75] * len(row) for row in req.gather_ids] if req.gather_ids is not None else None,
+            topk_ids=Rows.of([[(t + j) % VOCAB for j in range(k)] for t in response], "int32"),
+            topk_logprobs=Rows.of([[-0.5 - 0.25 * j for j in range(k)] for _ in response], "float32"),
+            gather_logprobs=(
+                Rows.of([[-0.75] * len(row) for row in req.gather_ids], "float32")
+                if req.gather_ids is not None
+                else None
+            ),
         )
 
 

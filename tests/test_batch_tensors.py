@@ -65,6 +65,30 @@ def test_tensor_form_round_trips_the_lists() -> None:
     assert moved.rewards == [b.rewards[i] for i in order] and moved.group_ids == [b.group_ids[i] for i in order]
 
 
+def test_rows_as_the_wire_brings_them_are_kept_until_the_layout() -> None:
+    # A teacher's rows arrive as int32 / float32 arrays (runtime/wire/rows.py): the sample keeps
+    # them without a copy, and the layout widens the ids into the batch's int64 tensor.
+    import numpy as np
+
+    from kubedistill.runtime.wire.rows import Rows
+
+    b = make_batch(n=3)
+    want = b.to_tensors()
+    wire = {
+        name: [Rows.of(rows, "int32" if name == "teacher_topk_ids" else "float32").array() for rows in b.signals[name]]
+        for name in ("teacher_topk_ids", "teacher_topk_logprobs")
+    }
+    b.signals.update(wire)
+    parts = b.to_parts()
+    parts.validate(CONTRACT)
+    assert all(p.signals["teacher_topk_ids"] is wire["teacher_topk_ids"][i] for i, p in enumerate(parts.parts))
+    assert parts.parts[0].signals["teacher_topk_logprobs"].dtype == np.float32
+    got = parts.to_tensors()
+    for name in wire:
+        assert got.signals[name].dtype == want.signals[name].dtype
+        assert torch.equal(got.signals[name], want.signals[name])
+
+
 def test_batch_validation_checks_samples_not_tokens() -> None:
     parts = make_batch().to_parts()
     parts.parts[1].rollout_logprobs = parts.parts[1].rollout_logprobs[:-1]

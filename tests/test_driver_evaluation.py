@@ -202,6 +202,7 @@ async def test_image_rows_are_evaluated_with_their_images() -> None:
     from kubedistill.runtime.driver.evaluation import Evaluator
     from kubedistill.runtime.driver.rewards import RewardRegistry
     from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
+    from kubedistill.runtime.wire.rows import Rows
 
     image = b"\x89PNG fake"
     item = PromptItem(
@@ -219,7 +220,9 @@ async def test_image_rows_are_evaluated_with_their_images() -> None:
 
     async def score(route: str, source: str, req: ScoreRequest) -> tuple[str, ScoreResponse]:
         scored.append(req)
-        return "vision", ScoreResponse(logprobs=[-1.5], topk_ids=[[]], topk_logprobs=[[]])
+        return "vision", ScoreResponse(
+            logprobs=[-1.5], topk_ids=Rows.of([[]], "int32"), topk_logprobs=Rows.of([[]], "float32")
+        )
 
     class Digits:
         def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:

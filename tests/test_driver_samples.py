@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from batch_lists import to_lists
@@ -73,46 +75,57 @@ def test_bad_generate_output_is_refused() -> None:
         s.extend(Broken())
 
 
-def test_teacher_scores_are_checked_against_the_response() -> None:
+def scores(logprobs: list[float], ids: list[list[int]], lps: list[list[float]], gathered: Any = None) -> Any:
     from kubedistill.runtime.wire.protocol import ScoreResponse
+    from kubedistill.runtime.wire.rows import Rows
 
+    return ScoreResponse(
+        logprobs=logprobs,
+        topk_ids=Rows.of(ids, "int32"),
+        topk_logprobs=Rows.of(lps, "float32"),
+        gather_logprobs=None if gathered is None else Rows.of(gathered, "float32"),
+    )
+
+
+def test_teacher_scores_are_checked_against_the_response() -> None:
     s = Sample(group_id=2, index=0, prompt_ids=[1, 2], max_tokens=4)
     s.continuation()
     s.extend(response("x", [7, 8], [-1.0, -1.0], 0, "stop"))
     assert s.score_input() == ([1, 2, 7, 8], 2)
-    s.set_scores(
-        "math",
-        ScoreResponse(logprobs=[-0.5, -0.25], topk_ids=[[7, 3], [8, 3]], topk_logprobs=[[-0.5, -1.0], [-0.25, -2.0]]),
-    )
-    got = (s.teacher, s.signals["teacher_logprobs"], s.signals["teacher_topk_ids"][1], s.scored)
+    s.set_scores("math", scores([-0.5, -0.25], [[7, 3], [8, 3]], [[-0.5, -1.0], [-0.25, -2.0]]))
+    got = (s.teacher, s.signals["teacher_logprobs"], s.signals["teacher_topk_ids"][1].tolist(), s.scored)
     assert got == ("math", [-0.5, -0.25], [8, 3], True)
     with pytest.raises(ValueError, match="scored 1 log-probs, 1 top-k id rows and 1 top-k log-prob rows for 2"):
-        s.set_scores("math", ScoreResponse(logprobs=[-0.5], topk_ids=[[7]], topk_logprobs=[[-0.5]]))
+        s.set_scores("math", scores([-0.5], [[7]], [[-0.5]]))
     # A score without top-k (k1, k3 ask for none) keeps no top-k rows, not even the last score's.
-    s.set_scores("math", ScoreResponse(logprobs=[-0.75, -0.5], topk_ids=[[], []], topk_logprobs=[[], []]))
+    s.set_scores("math", scores([-0.75, -0.5], [[], []], [[], []]))
     assert s.signals == {"teacher_logprobs": [-0.75, -0.5]}
 
 
-def test_a_wire_answers_top_k_rows_are_kept_without_a_copy_and_other_rows_become_lists() -> None:
+def test_a_wire_answers_top_k_rows_are_kept_as_views_of_its_bytes_and_short_rows_as_lists() -> None:
+    import numpy as np
+
     from kubedistill.runtime.wire.protocol import ScoreResponse
 
     s = Sample(group_id=2, index=0, prompt_ids=[1, 2], max_tokens=4)
     s.continuation()
     s.extend(response("x", [7, 8], [-1.0, -1.0], 0, "stop"))
     out = ScoreResponse.model_validate_json(
-        '{"logprobs": [-0.5, -0.25], "topk_ids": [[7, 3], [8, 3]], "topk_logprobs": [[-0.5, -1.0], [-0.25, -2.0]]}'
+        scores([-0.5, -0.25], [[7, 3], [8, 3]], [[-0.5, -1], [-0.25, -2]]).model_dump_json()
     )
     s.set_scores("math", out)
-    # The response model's own lists (of ints and floats): a 1.5k-token top-64 answer is 192k numbers.
-    assert s.signals["teacher_topk_ids"][1] is out.topk_ids[1]
-    assert s.signals["teacher_topk_logprobs"][0] is out.topk_logprobs[0]
-    # An in-process answer of tuples (a fake's) is stored as lists of ints and floats, as before.
-    s.set_scores("math", ScoreResponse.model_construct(
-        logprobs=(-0.5, -0.25), topk_ids=((7, 3), (8, 3)), topk_logprobs=((-0.5, -1), (-0.25, -2)), gather_logprobs=None
-    ))  # fmt: skip
-    assert s.signals["teacher_topk_ids"] == [[7, 3], [8, 3]]
-    assert s.signals["teacher_topk_logprobs"] == [[-0.5, -1.0], [-0.25, -2.0]]
-    assert all(type(x) is float for row in s.signals["teacher_topk_logprobs"] for x in row)
+    # Arrays over the answer's bytes: a 1.5k-token top-64 answer is 192k numbers, none a Python object.
+    ids, lps = s.signals["teacher_topk_ids"], s.signals["teacher_topk_logprobs"]
+    assert isinstance(ids, np.ndarray) and ids.base is not None and ids.tolist() == [[7, 3], [8, 3]]
+    assert isinstance(lps, np.ndarray) and lps.dtype == np.float32 and lps.tolist() == [[-0.5, -1.0], [-0.25, -2.0]]
+    # A checkpoint holds plain lists (msgpack has no arrays), and they load back as lists.
+    state = s.to_dict()
+    assert state["signals"]["teacher_topk_ids"] == [[7, 3], [8, 3]]
+    assert Sample.from_dict(state).signals["teacher_topk_logprobs"] == [[-0.5, -1.0], [-0.25, -2.0]]
+    # Rows shorter than the widest (a vocabulary smaller than top-k) are kept as lists of their entries.
+    s.set_scores("math", scores([-0.5, -0.25], [[7, 3], [8]], [[-0.5, -1.0], [-0.25]]))
+    assert s.signals["teacher_topk_ids"] == [[7, 3], [8]]
+    assert s.signals["teacher_topk_logprobs"] == [[-0.5, -1.0], [-0.25]]
 
 
 def test_restart_forgets_tokens_and_scores() -> None:
@@ -189,7 +202,6 @@ async def test_resume_on_the_hf_engine_matches_an_uninterrupted_generation(tiny_
 
 def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
     from kubedistill.runtime.driver.batcher import BatchRequirements, to_train_batch
-    from kubedistill.runtime.wire.protocol import ScoreResponse
 
     s = Sample(group_id=1, index=0, prompt_ids=[1, 2], max_tokens=4, data_source="arith")
     c = s.continuation()
@@ -215,10 +227,10 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
         )
     )
     assert s.signals["rollout_topk_ids"] == [[5, 6], [7, 5], [3, 4]]
-    scores = dict(logprobs=[-1.0] * 3, topk_ids=[[5]] * 3, topk_logprobs=[[-0.5]] * 3)
+    top = ([-1.0] * 3, [[5]] * 3, [[-0.5]] * 3)
     with pytest.raises(ValueError, match="gathered log-prob rows do not match"):
-        s.set_scores("t", ScoreResponse(**scores, gather_logprobs=[[-1.0, -2.0]] * 2))
-    s.set_scores("t", ScoreResponse(**scores, gather_logprobs=[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]))
+        s.set_scores("t", scores(*top, gathered=[[-1.0, -2.0]] * 2))
+    s.set_scores("t", scores(*top, gathered=[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]))
     req = BatchRequirements(group_size=1, mini_batch_size=1, contract=CONTRACTS[LossMode.reverse_kl_top_k], top_k=2)
     assert req.rollout_top_k == 2 and req.gather_ids(s) == [[5, 6], [7, 5], [3, 4]]
     batch = to_lists(to_train_batch([s], req, trainer_version=1))

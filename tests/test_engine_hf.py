@@ -219,8 +219,8 @@ async def test_concurrent_scores_share_one_forward_and_match_the_model(tiny_mode
         targets = torch.tensor(req.token_ids[req.prompt_len :])
         assert out.logprobs == pytest.approx(lp.gather(1, targets[:, None])[:, 0].tolist(), abs=1e-4)
         top = lp.topk(3, -1)
-        assert out.topk_ids == top.indices.tolist()
-        assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=1e-4)
+        assert out.topk_ids.tolist() == top.indices.tolist()
+        assert torch.allclose(torch.from_numpy(out.topk_logprobs.array().copy()), top.values, atol=1e-4)
     await engine.shutdown()
 
 
@@ -257,8 +257,9 @@ async def test_top_k_ids_per_generated_position_and_teacher_gathers(tiny_models:
         with torch.no_grad():
             tlp = torch.log_softmax(tmodel(input_ids=torch.tensor([ids])).logits[0], -1)[len(prompt) - 1 : -1]
         assert score.gather_logprobs is not None
+        gathered = score.gather_logprobs.tolist()
         for t, row in enumerate(out.topk_ids):
-            assert score.gather_logprobs[t] == pytest.approx(tlp[t, row].tolist(), abs=1e-4)
+            assert gathered[t] == pytest.approx(tlp[t, row].tolist(), abs=1e-4)
     finally:
         await student.shutdown()
         await teacher.shutdown()

@@ -210,14 +210,17 @@ def test_vllm_score_response_from_the_v1_and_v2_runners() -> None:
     )
     got = score_response(v1, req, ids, v2=False)
     assert got.logprobs == [-0.1, -0.7]
-    assert got.topk_ids == [[6], [3]] and got.topk_logprobs == [[-0.1], [-0.2]]
-    assert got.gather_logprobs == [[-0.1, -3.0], [-0.2]]
+    assert got.topk_ids.tolist() == [[6], [3]] and got.topk_ids.array().dtype == "<i4"
+    assert got.topk_logprobs.array().ravel().tolist() == pytest.approx([-0.1, -0.2])  # float32 on the wire
+    assert got.gather_logprobs is not None and got.gather_logprobs.lengths == [2, 1]
+    assert sum(got.gather_logprobs.tolist(), []) == pytest.approx([-0.1, -3.0, -0.2])
     v2 = SimpleNamespace(
         prompt_token_ids=ids,
         prompt_logprobs=v1.prompt_logprobs,
         prompt_token_id_logprobs=[[-0.1, -3.0], [-0.2, float("-inf")]],
     )
-    assert score_response(v2, req, ids, v2=True).gather_logprobs == [[-0.1, -3.0], [-0.2]]
+    gathered = score_response(v2, req, ids, v2=True).gather_logprobs
+    assert gathered is not None and sum(gathered.tolist(), []) == pytest.approx([-0.1, -3.0, -0.2])
     # An expansion that does not end in the response is refused rather than misread.
     wrong = SimpleNamespace(prompt_token_ids=[1, 5, 6, 8], prompt_logprobs=v1.prompt_logprobs)
     with pytest.raises(RuntimeError, match="scored other ids than the request's response"):

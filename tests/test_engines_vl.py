@@ -225,8 +225,11 @@ async def test_score_with_images_gives_transformers_logprobs_and_top_k(
         want = lp.gather(1, torch.tensor(req.token_ids[req.prompt_len :])[:, None])[:, 0].tolist()
         assert gap(f"{name} score", out.logprobs, want) < TOL
         top = lp.topk(4, -1)
-        assert out.topk_ids == top.indices.tolist()
-        assert gap(f"{name} score top-k", sum(out.topk_logprobs, []), top.values.flatten().tolist()) < TOL
+        assert out.topk_ids.tolist() == top.indices.tolist()
+        assert (
+            gap(f"{name} score top-k", out.topk_logprobs.array().flatten().tolist(), top.values.flatten().tolist())
+            < TOL
+        )
 
 
 def bad_requests(s: Sample, pad: int) -> list[tuple[GenerateRequest | ScoreRequest, str]]:

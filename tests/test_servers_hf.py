@@ -244,14 +244,14 @@ async def test_score_matches_the_teacher_model(hf_servers, tiny_models) -> None:
         assert text_only.value.status == 400 and "\n" not in text_only.value.message
         bare = await c.score(ScoreRequest(token_ids=tokens, prompt_len=prompt_len, top_k=0))
     assert bare.logprobs == pytest.approx(out.logprobs, abs=1e-6)
-    assert bare.topk_ids == bare.topk_logprobs == [[]] * 4
+    assert bare.topk_ids.shape == bare.topk_logprobs.shape == (4, 0)
     model = hf_model(tiny_models["teacher"])
     assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=1e-4)
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[prompt_len - 1 : -1]
     top = lp.topk(4, -1)
-    assert out.topk_ids == top.indices.tolist()
-    assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=1e-4)
+    assert out.topk_ids.tolist() == top.indices.tolist()
+    assert torch.allclose(torch.tensor(out.topk_logprobs.tolist()), top.values, atol=1e-4)
     # out's 4 tokens and bare's (other tests score on the same server)
     assert teacher_tokens(httpx.get(hf_servers.teacher.url + "/metrics").text) == scored_before + 8
 

@@ -142,14 +142,14 @@ async def test_teacher_scores_with_top_k(vllm_servers, tiny_models) -> None:
     assert all(o == out for o in outs)
     # top_k 0 (k1, k3): the sampled tokens' log-probs alone, the same as beside a top-k.
     assert bare.logprobs == pytest.approx(out.logprobs, abs=1e-6)
-    assert bare.topk_ids == bare.topk_logprobs == [[]] * 5
+    assert bare.topk_ids.shape == bare.topk_logprobs.shape == (5, 0)
     model = hf_model(tiny_models["teacher"])
     assert out.logprobs == pytest.approx(reference_logprobs(model, tokens[:prompt_len], tokens[prompt_len:]), abs=2e-3)
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[prompt_len - 1 : -1]
     top = lp.topk(4, -1)
-    assert out.topk_ids == top.indices.tolist()
-    assert torch.allclose(torch.tensor(out.topk_logprobs), top.values, atol=2e-3)
+    assert out.topk_ids.tolist() == top.indices.tolist()
+    assert torch.allclose(torch.tensor(out.topk_logprobs.tolist()), top.values, atol=2e-3)
 
 
 def test_every_server_refuses_what_its_max_model_len_cannot_hold(vllm_servers) -> None:
@@ -386,6 +386,7 @@ async def test_rollout_top_k_ids_and_teacher_gather_on_vllm(vllm_servers, tiny_m
     with torch.no_grad():
         tlp = torch.log_softmax(teacher(input_ids=torch.tensor([tokens])).logits[0], -1)[len(PROMPT) - 1 : -1]
     assert score.gather_logprobs is not None
+    gathered = score.gather_logprobs.tolist()
     for t, row in enumerate(out.topk_ids):
-        assert score.gather_logprobs[t] == pytest.approx(tlp[t, row].tolist(), abs=2e-3)
-    assert score.topk_ids == tlp.topk(2, -1).indices.tolist()
+        assert gathered[t] == pytest.approx(tlp[t, row].tolist(), abs=2e-3)
+    assert score.topk_ids.tolist() == tlp.topk(2, -1).indices.tolist()

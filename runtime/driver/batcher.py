@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kubedistill.api.losses import CONTRACTS, SIGNAL_NAMES, TOKEN_SIGNALS, LossContract, active_contract
 from kubedistill.api.spec import DistillationJobSpec, LossMode
 from kubedistill.runtime.driver.pixels import StudentImages
-from kubedistill.runtime.driver.samples import Sample, SampleGroup
+from kubedistill.runtime.driver.samples import Sample, SampleGroup, SignalValues
 from kubedistill.runtime.wire.batch import BatchParts, SampleArrays, SampleImages, pack_sample
 
 T = TypeVar("T")
@@ -78,7 +78,8 @@ class BatchRequirements:
         c = self.contract
         if c is None or not c.teacher_gather or c.top_k is None:
             return None
-        return s.signal(c.top_k.ids)
+        rows = s.signal(c.top_k.ids)
+        return rows if isinstance(rows, list) else None  # the rollout's rows are lists (Sample.extend)
 
     @property
     def step_samples(self) -> int:
@@ -137,18 +138,29 @@ def check_sample(s: Sample, req: BatchRequirements) -> None:
 
 
 def _check_top_k_rows(
-    where: str, what: str, ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], k: int
+    where: str,
+    what: str,
+    ids: Sequence[Sequence[int]] | np.ndarray,
+    logprobs: Sequence[Sequence[float]] | np.ndarray,
+    k: int,
 ) -> None:
     """Every top-k row has 1..k ids and as many log-probs: a check per row, so it runs once per
     sample, as its arrays are made (sample_arrays), not at every step."""
-    tokens = len(ids)
     # A vocabulary smaller than topK gives shorter rows; the trainer masks the rest.
-    a = np.fromiter(map(len, ids), np.int64, tokens)
-    b = np.fromiter(map(len, logprobs), np.int64, tokens)
+    a, b = _row_lengths(ids), _row_lengths(logprobs)
     bad = np.flatnonzero((a < 1) | (a > k) | (a != b))
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"{where}: {what} row {i} has {a[i]} ids and {b[i]} log-probs (need 1..topK={k}, equal)")
+
+
+def _row_lengths(rows: Sequence[Sequence[Any]] | np.ndarray) -> np.ndarray:
+    """Entries per row: an array of rows (a teacher's, as it came) has its width in every row."""
+    if isinstance(rows, np.ndarray) and rows.ndim == 2:
+        full: np.ndarray = np.full(len(rows), rows.shape[1], np.int64)
+        return full
+    lengths: np.ndarray = np.fromiter(map(len, rows), np.int64, len(rows))
+    return lengths
 
 
 def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_version: int) -> StepSamples:
@@ -177,7 +189,7 @@ def sample_arrays(s: Sample, req: BatchRequirements, images: SampleImages | None
     if images is None and a is not None:
         images = a.images  # the prompt, hence its images, never changes with the token data
     if a is None or a.response_len != len(s.response_ids) or list(a.signals) != names:
-        signals = {n: _checked(s.signals.get(n), s, n) for n in names}
+        signals = {n: _signal(s, n) for n in names}
         if c is not None and c.top_k is not None:
             where = f"sample {s.sample_id} (data_source {s.data_source!r})"
             pair = c.top_k
@@ -254,5 +266,17 @@ def to_train_batch(
 def _checked(value: T | None, s: Sample, what: str) -> T:
     """A field check_sample found present (it raises first, with the full story)."""
     if value is None:
-        raise ValueError(f"sample {s.sample_id} (data_source {s.data_source!r}) has no {what}")
+        raise _missing(s, what)
     return value
+
+
+def _signal(s: Sample, name: str) -> SignalValues:
+    """A signal check_sample found present (it raises first, with the full story)."""
+    values = s.signals.get(name)
+    if values is None:
+        raise _missing(s, name)
+    return values
+
+
+def _missing(s: Sample, what: str) -> ValueError:
+    return ValueError(f"sample {s.sample_id} (data_source {s.data_source!r}) has no {what}")

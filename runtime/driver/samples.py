@@ -14,7 +14,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from kubedistill.api.losses import Signal
+from kubedistill.runtime.wire.rows import Rows
 
 if TYPE_CHECKING:
     from kubedistill.runtime.driver.data import PromptItem
@@ -24,6 +27,8 @@ FINISHED = ("stop", "length")
 TEACHER_SIGNALS = tuple(s for s in Signal if s is not Signal.rollout_topk_ids)
 """What a teacher's /score fills in (and clear_scores forgets)."""
 FINISH_REASONS = ("stop", "length", "abort")
+SignalValues = list[Any] | np.ndarray
+"""One signal of a sample: a value or row per response token (a teacher's full rows: [T, k])."""
 
 
 class GenerationOutput(Protocol):
@@ -47,11 +52,11 @@ class ScoreOutput(Protocol):
     @property
     def logprobs(self) -> Sequence[float]: ...
     @property
-    def topk_ids(self) -> Sequence[Sequence[int]]: ...
+    def topk_ids(self) -> Rows: ...
     @property
-    def topk_logprobs(self) -> Sequence[Sequence[float]]: ...
+    def topk_logprobs(self) -> Rows: ...
     @property
-    def gather_logprobs(self) -> Sequence[Sequence[float]] | None: ...
+    def gather_logprobs(self) -> Rows | None: ...
 
 
 def call_seed(base: int, prompt: int, index: int, call: int = 0) -> int:
@@ -108,10 +113,10 @@ class Sample:
     reward: float | None = None
     teacher: str | None = None
     """Name of the teacher that scored the sample."""
-    signals: dict[str, list[Any]] = field(default_factory=dict)
+    signals: dict[str, SignalValues] = field(default_factory=dict)
     """What the servers returned per response token beyond the sampled ids, keyed by the loss
     contract's signal names (kubedistill.api.losses.Signal): the rollout's top-k ids when the
-    contract asks for them, and the teacher's scores."""
+    contract asks for them, and the teacher's scores (its full top-k rows as [T, k] arrays)."""
     turn_end: int | None = None
     """A multi-turn trace's current student turn ends once the response has this many tokens
     (None: a single-turn sample, whose one turn ends at max_tokens)."""
@@ -177,7 +182,7 @@ class Sample:
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([version] * len(ids))
         rows = self.signal(Signal.rollout_topk_ids)
-        if rows is not None:
+        if isinstance(rows, list):  # the rollout's rows are lists (extend); a teacher's may be arrays
             rows.extend([int(t)] for t in ids)
         self.observation_spans.append([start, len(self.response_ids)])
         self.finish_reason = None
@@ -195,7 +200,7 @@ class Sample:
     def scored(self) -> bool:
         return Signal.teacher_logprobs.value in self.signals
 
-    def signal(self, name: Signal) -> list[Any] | None:
+    def signal(self, name: Signal) -> SignalValues | None:
         return self.signals.get(name.value)
 
     def continuation(self) -> Continuation:
@@ -242,8 +247,9 @@ class Sample:
             raise ValueError(f"sample {self.sample_id}: a continuation came back without the top-k ids its prefix has")
         self.arrays = None
         self.response_ids.extend(ids)
-        self.logprobs.extend(float(x) for x in lps)
-        self.versions.extend(int(v) for v in vers)
+        # The answer's own lists, of the floats and ints its model checked: no copy per element.
+        self.logprobs.extend(lps)
+        self.versions.extend(vers)
         if topk is not None:
             self.signals[Signal.rollout_topk_ids.value] = (rollout_topk or []) + topk
         reason = out.finish_reason
@@ -257,15 +263,17 @@ class Sample:
         return list(self.prompt_ids) + list(self.response_ids), len(self.prompt_ids)
 
     def set_scores(self, teacher: str, out: ScoreOutput) -> None:
-        """Store a teacher's /score output (ScoreResponse): one entry per response token."""
+        """Store a teacher's /score output (ScoreResponse): one entry per response token. The
+        top-k rows stay the arrays they came as (views of the answer's bytes): a held sample
+        costs no Python object per number."""
         t = len(self.response_ids)
-        lps, ids, tlps = list(out.logprobs), list(out.topk_ids), list(out.topk_logprobs)
-        if not (len(lps) == len(ids) == len(tlps) == t):
+        lps, ids, tlps = list(out.logprobs), out.topk_ids, out.topk_logprobs
+        if not (len(lps) == ids.shape[0] == tlps.shape[0] == t):
             raise ValueError(
-                f"sample {self.sample_id}: teacher {teacher} scored {len(lps)} log-probs, {len(ids)} top-k id rows "
-                f"and {len(tlps)} top-k log-prob rows for {t} response tokens"
+                f"sample {self.sample_id}: teacher {teacher} scored {len(lps)} log-probs, {ids.shape[0]} top-k id "
+                f"rows and {tlps.shape[0]} top-k log-prob rows for {t} response tokens"
             )
-        gathered = None if out.gather_logprobs is None else [list(map(float, row)) for row in out.gather_logprobs]
+        gathered = None if out.gather_logprobs is None else out.gather_logprobs.tolist()
         if gathered is not None:
             widths = [len(row) for row in self.signal(Signal.rollout_topk_ids) or []]
             if [len(row) for row in gathered] != widths:
@@ -279,9 +287,9 @@ class Sample:
         # A request for no top-k (the loss reads none) gets empty rows: nothing to keep.
         for key in (Signal.teacher_topk_ids.value, Signal.teacher_topk_logprobs.value):
             self.signals.pop(key, None)
-        if any(ids):
-            self.signals[Signal.teacher_topk_ids.value] = _rows(ids, int)
-            self.signals[Signal.teacher_topk_logprobs.value] = _rows(tlps, float)
+        if ids.shape[1]:
+            self.signals[Signal.teacher_topk_ids.value] = _rows(ids)
+            self.signals[Signal.teacher_topk_logprobs.value] = _rows(tlps)
         self.signals.pop(Signal.teacher_logprobs_at_rollout_topk.value, None)
         if gathered is not None:
             self.signals[Signal.teacher_logprobs_at_rollout_topk.value] = gathered
@@ -305,7 +313,10 @@ class Sample:
             self.signals.pop(name.value, None)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The sample's state as plain values (checkpoints): arrays of rows become lists."""
+        d = asdict(self)
+        d["signals"] = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in d["signals"].items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
@@ -317,12 +328,11 @@ class Sample:
         return cls(**d)
 
 
-def _rows(rows: Sequence[Sequence[Any]], kind: type[int] | type[float]) -> list[list[Any]]:
-    """Top-k rows as lists of `kind`. A wire answer's rows are kept as they are: the response
-    model made them, lists of ints or floats, for this sample alone. Copying them element by
-    element cost 7 ms of CPU for a 1.5k-token answer at top-64, a third of the driver's work on
-    it (docs/design.md#at-scale); other sequences (a test's tuples, arrays) are converted."""
-    return [row if type(row) is list else list(map(kind, row)) for row in rows]
+def _rows(rows: Rows) -> SignalValues:
+    """A wire answer's top-k rows as the sample keeps them: the array itself when every row is
+    full (what a teacher sends unless its vocabulary is smaller than top-k), else the lists of
+    each row's entries."""
+    return rows.array() if rows.full else rows.tolist()
 
 
 def _migrate_signals(d: dict[str, Any]) -> dict[str, Any]:

@@ -78,6 +78,7 @@ from kubedistill.runtime.wire.protocol import (
     ScoreRequest,
     ScoreResponse,
 )
+from kubedistill.runtime.wire.rows import Rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -746,11 +747,11 @@ def _score_response(req: ScoreRequest, lp: torch.Tensor) -> ScoreResponse:
     top = lp.topk(req.top_k, dim=-1)  # k 0: [T, 0], whose lists are the empty rows asked for
     gathered = None
     if req.gather_ids is not None:
-        gathered = [lp[t, _ids(row, lp.device)].tolist() for t, row in enumerate(req.gather_ids)]
+        gathered = Rows.of([lp[t, _ids(row, lp.device)].tolist() for t, row in enumerate(req.gather_ids)], "float32")
     return ScoreResponse(
         logprobs=chosen.tolist(),
-        topk_ids=top.indices.tolist(),
-        topk_logprobs=top.values.tolist(),
+        topk_ids=Rows.of(top.indices.to(torch.int32).cpu().numpy(), "int32"),
+        topk_logprobs=Rows.of(top.values.float().cpu().numpy(), "float32"),
         gather_logprobs=gathered,
     )
 

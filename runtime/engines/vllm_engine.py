@@ -36,6 +36,7 @@ from kubedistill.runtime.wire.protocol import (
     ScoreRequest,
     ScoreResponse,
 )
+from kubedistill.runtime.wire.rows import Rows
 
 if TYPE_CHECKING:
     from vllm import RequestOutput
@@ -229,7 +230,12 @@ def score_response(final: Any, req: ScoreRequest, token_ids: Sequence[int], v2: 
     if gathered is not None and req.gather_ids is not None and v2:
         scores = final.prompt_token_id_logprobs
         gathered = [[float(x) for x in scores[i][: len(row)]] for i, row in enumerate(req.gather_ids)]
-    return ScoreResponse(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lps, gather_logprobs=gathered)
+    return ScoreResponse(
+        logprobs=logprobs,
+        topk_ids=Rows.of(topk_ids, "int32"),
+        topk_logprobs=Rows.of(topk_lps, "float32"),
+        gather_logprobs=None if gathered is None else Rows.of(gathered, "float32"),
+    )
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

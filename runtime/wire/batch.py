@@ -176,7 +176,7 @@ class SampleArrays:
     token_ids: np.ndarray  # int64 [L] prompt + response
     prompt_len: int
     rollout_logprobs: np.ndarray  # float32 [R]
-    signals: dict[str, np.ndarray]  # float32 [R], or [R, K] rows (int64 ids / float32 log-probs)
+    signals: dict[str, np.ndarray]  # float32 [R], or [R, K] rows (int64 or the wire's int32 ids / float32 log-probs)
     widths: dict[str, np.ndarray]  # row signals with rows shorter than K: int64 [R] entries per row
     weight_version: int | None = None  # the oldest weight version of its tokens, if known
     images: SampleImages | None = None  # a vision-language sample's image inputs
@@ -191,7 +191,7 @@ def pack_sample(
     token_ids: Sequence[int],
     prompt_len: int,
     rollout_logprobs: Sequence[float],
-    signals: Mapping[str, Sequence[Any]],
+    signals: Mapping[str, Sequence[Any] | np.ndarray],
     response_ids: Sequence[int] | None = None,
     weight_version: int | None = None,
     images: SampleImages | None = None,
@@ -210,6 +210,12 @@ def pack_sample(
         dtype = np.int64 if name in ID_SIGNALS else np.float32
         if name in {s.value for s in TOKEN_SIGNALS}:
             arrays[name] = np.fromiter(values, dtype, len(values))
+            continue
+        if isinstance(values, np.ndarray) and values.ndim == 2:
+            # Full rows as the wire brought them, kept without a copy: int32 ids stay int32 until
+            # the layout copies them into the batch's int64 tensor (a third of a held sample's bytes).
+            same_kind = values.dtype.kind == np.dtype(dtype).kind
+            arrays[name] = values if same_kind else values.astype(dtype)
             continue
         w = np.fromiter(map(len, values), np.int64, len(values))
         k = int(w.max()) if len(w) else 0
@@ -266,7 +272,7 @@ class BatchParts:
         widths = []
         for name in names:
             first = parts[0].signals[name]
-            dtype = torch.int64 if first.dtype == np.int64 else torch.float32
+            dtype = torch.int64 if first.dtype.kind in "iu" else torch.float32
             if first.ndim == 1:
                 shapes.append(((tokens,), dtype))
                 continue

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kubedistill.runtime.wire.dtypes import dtype_size
+from kubedistill.runtime.wire.rows import Rows
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -255,11 +256,14 @@ class ScoreRequest(WireRequest):
 class ScoreResponse(Wire):
     logprobs: list[float]
     """Teacher log-prob of each response token (T = len(token_ids) - prompt_len)."""
-    topk_ids: list[list[int]]
-    """Teacher top-k token ids at each response position, best first."""
-    topk_logprobs: list[list[float]]
-    gather_logprobs: list[list[float]] | None = None
-    """The teacher's log-prob of each of the request's gather_ids, row for row."""
+    topk_ids: Rows
+    """Teacher top-k token ids at each response position, best first: int32 [T, top_k]
+    (runtime/wire/rows.py: one binary array, not T x k JSON numbers)."""
+    topk_logprobs: Rows
+    """The teacher's log-prob of each of topk_ids: float32 [T, top_k]."""
+    gather_logprobs: Rows | None = None
+    """The teacher's log-prob of each of the request's gather_ids, row for row: float32, with the
+    rows' lengths when they differ."""
 
 
 class ErrorResponse(Wire):
