@@ -132,7 +132,7 @@ class JobShape:
     seconds: float = 20.0
     """The measured window."""
     warmup: float = 6.0
-    rss_limit_mb: float = 5000.0
+    rss_limit_mb: float = 10000.0
     """A point whose driver grows past this ends early (reported)."""
 
     def plan(self, fleet: FleetShape) -> tuple[int, float]:
@@ -824,6 +824,7 @@ async def run_point(
             marks[name] = {
                 "t": time.monotonic(),
                 "cpu": sum(os.times()[:2]),
+                "sys_cpu": os.times()[1],
                 "loop_cpu": time.thread_time(),
                 "fake_cpu": sum(_proc_cpu(p) for p in pids),
                 "samples": ingested["samples"],
@@ -900,6 +901,7 @@ async def run_point(
         "cpu_s": cpu,
         "cpu_per_s": cpu / window if window else 0.0,
         "loop_cpu_per_s": (b["loop_cpu"] - a["loop_cpu"]) / window if window else 0.0,
+        "sys_cpu_share": (b["sys_cpu"] - a["sys_cpu"]) / cpu if cpu else 0.0,
         "cpu_ms_per_sample": 1e3 * cpu / samples if samples else None,
         "cpu_ms_per_1k_tokens": 1e6 * cpu / tokens if tokens else None,
         "fake_cpu_per_s": (b["fake_cpu"] - a["fake_cpu"]) / window if window else 0.0,

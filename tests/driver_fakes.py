@@ -173,7 +173,7 @@ class _Generation:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             finish_reason="abort" if self.aborted else finish_reason,
-            topk_ids=[list(r) for r in self.topk_ids] if self.topk_ids is not None else None,
+            topk_ids=Rows.of(self.topk_ids, "int32") if self.topk_ids is not None else None,
         )
 
 

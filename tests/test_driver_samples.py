@@ -11,6 +11,7 @@ from kubedistill.api.losses import CONTRACTS, ROLLOUT_TOP_K
 from kubedistill.api.spec import LossMode
 from kubedistill.runtime.driver.samples import Sample, SampleGroup
 from kubedistill.runtime.wire.protocol import GenerateRequest, GenerateResponse, Sampling
+from kubedistill.runtime.wire.rows import Rows
 
 
 def response(req_id: str, ids, lps, version: int, reason: str) -> GenerateResponse:
@@ -77,7 +78,6 @@ def test_bad_generate_output_is_refused() -> None:
 
 def scores(logprobs: list[float], ids: list[list[int]], lps: list[list[float]], gathered: Any = None) -> Any:
     from kubedistill.runtime.wire.protocol import ScoreResponse
-    from kubedistill.runtime.wire.rows import Rows
 
     return ScoreResponse(
         logprobs=logprobs,
@@ -212,7 +212,7 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
             logprobs=[-0.1],
             versions=[0],
             finish_reason="abort",
-            topk_ids=[[5, 6]],
+            topk_ids=Rows.of([[5, 6]], "int32"),
         )
     )
     c = s.continuation()
@@ -223,7 +223,7 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
             logprobs=[-0.2, -0.3],
             versions=[1, 1],
             finish_reason="stop",
-            topk_ids=[[7, 5], [3, 4]],
+            topk_ids=Rows.of([[7, 5], [3, 4]], "int32"),
         )
     )
     assert s.signals["rollout_topk_ids"] == [[5, 6], [7, 5], [3, 4]]
@@ -232,7 +232,8 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
         s.set_scores("t", scores(*top, gathered=[[-1.0, -2.0]] * 2))
     s.set_scores("t", scores(*top, gathered=[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]))
     req = BatchRequirements(group_size=1, mini_batch_size=1, contract=CONTRACTS[LossMode.reverse_kl_top_k], top_k=2)
-    assert req.rollout_top_k == 2 and req.gather_ids(s) == [[5, 6], [7, 5], [3, 4]]
+    gather = req.gather_ids(s)
+    assert req.rollout_top_k == 2 and gather is not None and gather.tolist() == [[5, 6], [7, 5], [3, 4]]
     batch = to_lists(to_train_batch([s], req, trainer_version=1))
     assert (batch.signal(ROLLOUT_TOP_K.ids), batch.signal(ROLLOUT_TOP_K.logprobs)) == (
         [[[5, 6], [7, 5], [3, 4]]],
@@ -243,7 +244,9 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
     s.restart()
     assert s.signals == {}
     c = s.continuation()
-    s.extend(response(c.request_id, [5], [-0.1], 0, "abort").model_copy(update={"topk_ids": [[5, 6]]}))
+    s.extend(
+        response(c.request_id, [5], [-0.1], 0, "abort").model_copy(update={"topk_ids": Rows.of([[5, 6]], "int32")})
+    )
     c = s.continuation()
     with pytest.raises(ValueError, match="without the top-k ids"):
         s.extend(response(c.request_id, [7], [-0.2], 0, "stop"))

@@ -242,10 +242,11 @@ async def test_top_k_ids_per_generated_position_and_teacher_gathers(tiny_models:
         # The same request without top-k ids: the same tokens, no ids.
         plain = await student.generate(greedy("plain", prompt, 6))
         assert plain.topk_ids is None and plain.token_ids == out.token_ids
-        assert out.topk_ids is not None and len(out.topk_ids) == len(out.token_ids) == 6
+        assert out.topk_ids is not None and out.topk_ids.shape == (len(out.token_ids), 3) == (6, 3)
+        rows = out.topk_ids.tolist()
         model = plain_model(tiny_models["student"])
         ids = list(prompt)
-        for token, row in zip(out.token_ids, out.topk_ids):
+        for token, row in zip(out.token_ids, rows):
             with torch.no_grad():
                 lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
             assert row == lp.topk(3).indices.tolist() and row[0] == token  # greedy: the best id
@@ -258,7 +259,7 @@ async def test_top_k_ids_per_generated_position_and_teacher_gathers(tiny_models:
             tlp = torch.log_softmax(tmodel(input_ids=torch.tensor([ids])).logits[0], -1)[len(prompt) - 1 : -1]
         assert score.gather_logprobs is not None
         gathered = score.gather_logprobs.tolist()
-        for t, row in enumerate(out.topk_ids):
+        for t, row in enumerate(rows):
             assert gathered[t] == pytest.approx(tlp[t, row].tolist(), abs=1e-4)
     finally:
         await student.shutdown()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -18,6 +18,7 @@ from kubedistill.runtime.engines.base import BadRequest, check_generate, check_s
 from kubedistill.runtime.engines.vllm_engine import build_prompt, checkpoint_tensors, engine_env, resolve_dtype
 from kubedistill.runtime.servers.rollout import pause_mode
 from kubedistill.runtime.wire.protocol import GenerateRequest, Sampling, ScoreRequest
+from kubedistill.runtime.wire.rows import Rows
 from server_fixtures import job_config
 
 
@@ -124,7 +125,7 @@ def test_vllm_top_k_ids_and_gather_requests() -> None:
     entry = {4: lp(2), 9: lp(7), 2: lp(1), 7: lp(3)}
     assert ranked_ids(entry, 3) == [2, 4, 7]
     assert ranked_ids(entry, 2) == [2, 4]
-    rows = [[5, 6, 7], [8]]
+    rows = Rows.of([[5, 6, 7], [8]], "int32")
     # V2 runner: exactly those ids, padded with -1, from the row predicting the first response token.
     assert gather_params(rows, prompt_len=4, top_k=2, v2_runner=True) == {
         "prompt_logprobs": 2,
@@ -147,13 +148,22 @@ def test_engines_return_as_many_log_probs_as_the_loss_needs(tiny_models: dict[st
 def test_gather_ids_need_one_row_per_response_token() -> None:
     from pydantic import ValidationError
 
-    ScoreRequest(token_ids=[1, 2, 3, 4], prompt_len=2, gather_ids=[[5], [6, 7]])
+    def rows(ids: list[list[int]], dtype: Literal["int32", "float32"] = "int32") -> Rows:
+        return Rows.of(ids, dtype)
+
+    ScoreRequest(token_ids=[1, 2, 3, 4], prompt_len=2, gather_ids=rows([[5], [6, 7]]))
     with pytest.raises(ValidationError, match="gather_ids: 1 rows, expected one per response token \\(2\\)"):
-        ScoreRequest(token_ids=[1, 2, 3, 4], prompt_len=2, gather_ids=[[5]])
+        ScoreRequest(token_ids=[1, 2, 3, 4], prompt_len=2, gather_ids=rows([[5]]))
     with pytest.raises(ValidationError, match="1 to 256 ids"):
-        ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, gather_ids=[[]])
+        ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, gather_ids=rows([[]]))
+    with pytest.raises(ValidationError, match="1 to 256 ids"):
+        ScoreRequest(token_ids=[1, 2, 3, 4], prompt_len=2, gather_ids=rows([[5], []]))
+    with pytest.raises(ValidationError, match="token ids are int32"):
+        ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, gather_ids=rows([[5]], "float32"))
+    with pytest.raises(ValidationError, match="token ids are >= 0"):
+        ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, gather_ids=rows([[-5]]))
     with pytest.raises(BadRequest, match="gather_ids"):
-        check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, top_k=2, gather_ids=[[12]]), 100, 10)
+        check_score(ScoreRequest(token_ids=[1, 2, 3], prompt_len=2, top_k=2, gather_ids=rows([[12]])), 100, 10)
     with pytest.raises(BadRequest, match="top_k_ids \\(11\\) exceeds"):
         check_generate(GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=Sampling(top_k_ids=11)), 100, 10)
 
@@ -198,7 +208,7 @@ def test_vllm_score_response_from_the_v1_and_v2_runners() -> None:
         return SimpleNamespace(logprob=value, rank=rank)
 
     ids = [1, 5, 6, 7]  # prompt [1, 5], response [6, 7]
-    req = ScoreRequest(token_ids=ids, prompt_len=2, top_k=1, gather_ids=[[6, 9], [3]])
+    req = ScoreRequest(token_ids=ids, prompt_len=2, top_k=1, gather_ids=Rows.of([[6, 9], [3]], "int32"))
     v1 = SimpleNamespace(
         prompt_token_ids=ids,
         prompt_logprobs=[

@@ -372,14 +372,15 @@ async def test_rollout_top_k_ids_and_teacher_gather_on_vllm(vllm_servers, tiny_m
                 sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True, top_k_ids=3),
             )
         )
-    assert out.topk_ids is not None and len(out.topk_ids) == 6
-    assert all(len(row) == 3 and row[0] == tok for row, tok in zip(out.topk_ids, out.token_ids))
+    assert out.topk_ids is not None and out.topk_ids.shape == (6, 3)
+    rows = out.topk_ids.tolist()
+    assert all(row[0] == tok for row, tok in zip(rows, out.token_ids))
     tokens = PROMPT + out.token_ids
     if version == 0:
         model = hf_model(tiny_models["student"])
         with torch.no_grad():
             lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0], -1)[len(PROMPT) - 1 : -1]
-        assert out.topk_ids == lp.topk(3, -1).indices.tolist()
+        assert rows == lp.topk(3, -1).indices.tolist()
     async with TeacherClient(vllm_servers.teacher.url) as c:
         score = await c.score(ScoreRequest(token_ids=tokens, prompt_len=len(PROMPT), top_k=2, gather_ids=out.topk_ids))
     teacher = hf_model(tiny_models["teacher"])
@@ -387,6 +388,6 @@ async def test_rollout_top_k_ids_and_teacher_gather_on_vllm(vllm_servers, tiny_m
         tlp = torch.log_softmax(teacher(input_ids=torch.tensor([tokens])).logits[0], -1)[len(PROMPT) - 1 : -1]
     assert score.gather_logprobs is not None
     gathered = score.gather_logprobs.tolist()
-    for t, row in enumerate(out.topk_ids):
+    for t, row in enumerate(rows):
         assert gathered[t] == pytest.approx(tlp[t, row].tolist(), abs=2e-3)
     assert score.topk_ids.tolist() == tlp.topk(2, -1).indices.tolist()

@@ -25,6 +25,7 @@ from kubedistill.api.spec import DistillationJobSpec, LossMode
 from kubedistill.runtime.driver.pixels import StudentImages
 from kubedistill.runtime.driver.samples import Sample, SampleGroup, SignalValues
 from kubedistill.runtime.wire.batch import BatchParts, SampleArrays, SampleImages, pack_sample
+from kubedistill.runtime.wire.rows import Rows
 
 T = TypeVar("T")
 
@@ -73,13 +74,13 @@ class BatchRequirements:
         """The top-k rows a /score request asks the teacher for (0: the sampled tokens' only)."""
         return self.contract.teacher_k(self.top_k) if self.contract is not None else 0
 
-    def gather_ids(self, s: Sample) -> list[list[int]] | None:
+    def gather_ids(self, s: Sample) -> Rows | None:
         """The ids a /score request asks the teacher to score at each position (None: none)."""
         c = self.contract
         if c is None or not c.teacher_gather or c.top_k is None:
             return None
         rows = s.signal(c.top_k.ids)
-        return rows if isinstance(rows, list) else None  # the rollout's rows are lists (Sample.extend)
+        return None if rows is None else Rows.of(rows, "int32")
 
     @property
     def step_samples(self) -> int:

@@ -43,7 +43,7 @@ class GenerationOutput(Protocol):
     @property
     def finish_reason(self) -> str: ...
     @property
-    def topk_ids(self) -> Sequence[Sequence[int]] | None: ...
+    def topk_ids(self) -> Rows | None: ...
 
 
 class ScoreOutput(Protocol):
@@ -237,7 +237,8 @@ class Sample:
             raise ValueError(
                 f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens exceed maxTokens {self.limit}"
             )
-        topk = None if out.topk_ids is None else [list(map(int, row)) for row in out.topk_ids]
+        # The rollout's rows as lists: a trace's observations add one-id rows to them.
+        topk = None if out.topk_ids is None else out.topk_ids.tolist()
         if topk is not None and len(topk) != len(ids):
             raise ValueError(
                 f"sample {self.sample_id}: generate output has {len(topk)} top-k rows for {len(ids)} tokens"

@@ -22,6 +22,7 @@ from kubedistill.runtime.wire.protocol import (
     ScoreRequest,
     ScoreResponse,
 )
+from kubedistill.runtime.wire.rows import Rows
 
 PauseMode = Literal["wait", "keep", "abort"]
 WeightGroupState = Literal["none", "joining", "ready", "failed"]
@@ -60,7 +61,7 @@ class InFlight:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             finish_reason="abort" if self.aborted else finish_reason,
-            topk_ids=[list(row) for row in self.topk_ids] if self.topk_ids is not None else None,
+            topk_ids=Rows.of(self.topk_ids, "int32") if self.topk_ids is not None else None,
         )
 
 
@@ -105,8 +106,8 @@ def check_score(req: ScoreRequest, max_model_len: int, vocab_size: int) -> None:
     if req.top_k > vocab_size:
         raise BadRequest(f"top_k ({req.top_k}) exceeds the vocabulary size ({vocab_size})")
     _check_vocab(req.token_ids, vocab_size, "token_ids")
-    if req.gather_ids is not None:
-        _check_vocab([i for row in req.gather_ids for i in row], vocab_size, "gather_ids")
+    if req.gather_ids is not None and req.gather_ids.array().size:  # padding is 0, a valid id
+        _check_vocab([int(req.gather_ids.array().max())], vocab_size, "gather_ids")
 
 
 def _check_vocab(ids: Sequence[int], vocab_size: int, field_name: str) -> None:

@@ -746,18 +746,15 @@ def _score_response(req: ScoreRequest, lp: torch.Tensor) -> ScoreResponse:
     chosen = lp.gather(1, targets[:, None])[:, 0]
     top = lp.topk(req.top_k, dim=-1)  # k 0: [T, 0], whose lists are the empty rows asked for
     gathered = None
-    if req.gather_ids is not None:
-        gathered = Rows.of([lp[t, _ids(row, lp.device)].tolist() for t, row in enumerate(req.gather_ids)], "float32")
+    if req.gather_ids is not None:  # padded rows gather id 0, then left out by their lengths
+        index = torch.tensor(req.gather_ids.array(), dtype=torch.long, device=lp.device)
+        gathered = Rows.of(lp.gather(1, index).float().cpu().numpy(), "float32", req.gather_ids.lengths)
     return ScoreResponse(
         logprobs=chosen.tolist(),
         topk_ids=Rows.of(top.indices.to(torch.int32).cpu().numpy(), "int32"),
         topk_logprobs=Rows.of(top.values.float().cpu().numpy(), "float32"),
         gather_logprobs=gathered,
     )
-
-
-def _ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def top_k_rows(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[int] | None]:

@@ -129,7 +129,7 @@ def ranked_ids(entry: Mapping[int, Any], k: int) -> list[int]:
     return [tok for tok, rank in ranked if rank <= k][:k]
 
 
-def gather_params(gather_ids: Sequence[Sequence[int]], prompt_len: int, top_k: int, v2_runner: bool) -> dict[str, Any]:
+def gather_params(gather_ids: Rows, prompt_len: int, top_k: int, v2_runner: bool) -> dict[str, Any]:
     """SamplingParams arguments that make vLLM score `gather_ids` (one row per response position
     of a scored sequence whose response starts at `prompt_len`) beside its own `top_k`.
 
@@ -140,8 +140,9 @@ def gather_params(gather_ids: Sequence[Sequence[int]], prompt_len: int, top_k: i
     """
     if not v2_runner:
         return {"prompt_logprobs": -1}
-    width = max(len(row) for row in gather_ids)
-    rows = [list(row) + [-1] * (width - len(row)) for row in gather_ids]
+    rows = gather_ids.array().tolist()
+    for row, n in zip(rows, gather_ids.lengths or ()):
+        row[n:] = [-1] * (len(row) - n)
     return {"prompt_logprobs": top_k, "prompt_logprob_token_ids": rows, "prompt_logprob_start": prompt_len - 1}
 
 
@@ -218,6 +219,7 @@ def score_response(final: Any, req: ScoreRequest, token_ids: Sequence[int], v2: 
         raise RuntimeError(f"vLLM scored other ids than the request's response ({len(ids)} ids after expansion)")
     logprobs, topk_ids, topk_lps = [], [], []
     gathered: list[list[float]] | None = None if req.gather_ids is None else []
+    wanted = req.gather_ids.tolist() if req.gather_ids is not None else []
     for i, t in enumerate(range(start, len(ids))):
         entry = plp[t]
         tok = ids[t]
@@ -225,11 +227,11 @@ def score_response(final: Any, req: ScoreRequest, token_ids: Sequence[int], v2: 
         best = ranked_ids(entry, req.top_k)
         topk_ids.append(best)
         topk_lps.append([float(entry[k].logprob) for k in best])
-        if gathered is not None and req.gather_ids is not None and not v2:
-            gathered.append([float(entry[k].logprob) for k in req.gather_ids[i]])
-    if gathered is not None and req.gather_ids is not None and v2:
+        if gathered is not None and not v2:
+            gathered.append([float(entry[k].logprob) for k in wanted[i]])
+    if gathered is not None and v2:
         scores = final.prompt_token_id_logprobs
-        gathered = [[float(x) for x in scores[i][: len(row)]] for i, row in enumerate(req.gather_ids)]
+        gathered = [[float(x) for x in scores[i][: len(row)]] for i, row in enumerate(wanted)]
     return ScoreResponse(
         logprobs=logprobs,
         topk_ids=Rows.of(topk_ids, "int32"),

@@ -280,7 +280,7 @@ def _top_k_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The micro-batch's top-k ids and log-probs, as wide as its widest row (not the batch's),
     and which entries are real when some rows are shorter (None when none is)."""
-    tid = batch.signals[top_k.ids.value][sel]
+    tid = batch.signals[top_k.ids.value][sel].long()  # int32 in the batch; gather indexes with int64
     tlp = batch.signals[top_k.logprobs.value][sel].to(torch.float32)
     widths = batch.widths.get(top_k.ids.value)
     if widths is None:

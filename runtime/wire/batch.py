@@ -32,7 +32,7 @@ checked field by field (``validate``), turned into parts by ``to_parts``. What t
 arrays (:class:`SampleArrays`, made once by :func:`pack_sample` as the sample entered the buffer)
 with the per-sample lists. Rank 0 lays them out in the order of the step's plan (each micro-batch
 one contiguous range) as :class:`TensorBatch`: a few flat tensors (ids int64, log-probs float32,
-top-k rows [N, K] with per-row widths when some are short) plus per-sample lengths. A small
+top-k rows [N, K], their ids int32, with per-row widths when some are short) plus per-sample lengths. A small
 pickled header announces the shapes; the tensors follow as a few ``torch.distributed.broadcast``
 calls of their bytes (:class:`BatchBuffers` keeps the memory from step to step), and every rank
 slices its micro-batches from them without a Python loop over tokens (see
@@ -85,7 +85,7 @@ class TrainBatch:
         return len(self.token_ids[i]) - self.prompt_lens[i]
 
     def to_parts(self) -> BatchParts:
-        """This batch as the driver hands it to the trainer (the values as float32 / int64);
+        """This batch as the driver hands it to the trainer (the values as float32 / int64 / int32);
         ValueError when a per-sample list is not one entry per sample (`check_lists`)."""
         self.check_lists()
         parts = [
@@ -134,7 +134,8 @@ class TrainBatch:
 
 
 ID_SIGNALS: frozenset[str] = frozenset({Signal.teacher_topk_ids.value, Signal.rollout_topk_ids.value})
-"""Top-k rows of token ids (int64: what torch.gather indexes with); the other row signals are log-probs."""
+"""Top-k rows of token ids, int32 as the teacher sends them (half the bytes of int64 to hold and
+broadcast; each micro-batch widens its slice for torch.gather); the other row signals are log-probs."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,7 +177,7 @@ class SampleArrays:
     token_ids: np.ndarray  # int64 [L] prompt + response
     prompt_len: int
     rollout_logprobs: np.ndarray  # float32 [R]
-    signals: dict[str, np.ndarray]  # float32 [R], or [R, K] rows (int64 or the wire's int32 ids / float32 log-probs)
+    signals: dict[str, np.ndarray]  # float32 [R], or [R, K] rows (int32 ids / float32 log-probs)
     widths: dict[str, np.ndarray]  # row signals with rows shorter than K: int64 [R] entries per row
     weight_version: int | None = None  # the oldest weight version of its tokens, if known
     images: SampleImages | None = None  # a vision-language sample's image inputs
@@ -207,15 +208,12 @@ def pack_sample(
     arrays: dict[str, np.ndarray] = {}
     widths: dict[str, np.ndarray] = {}
     for name, values in signals.items():
-        dtype = np.int64 if name in ID_SIGNALS else np.float32
+        dtype = np.int32 if name in ID_SIGNALS else np.float32
         if name in {s.value for s in TOKEN_SIGNALS}:
             arrays[name] = np.fromiter(values, dtype, len(values))
             continue
-        if isinstance(values, np.ndarray) and values.ndim == 2:
-            # Full rows as the wire brought them, kept without a copy: int32 ids stay int32 until
-            # the layout copies them into the batch's int64 tensor (a third of a held sample's bytes).
-            same_kind = values.dtype.kind == np.dtype(dtype).kind
-            arrays[name] = values if same_kind else values.astype(dtype)
+        if isinstance(values, np.ndarray) and values.ndim == 2:  # full rows as the wire brought them
+            arrays[name] = values.astype(dtype, copy=False)
             continue
         w = np.fromiter(map(len, values), np.int64, len(values))
         k = int(w.max()) if len(w) else 0
@@ -272,7 +270,7 @@ class BatchParts:
         widths = []
         for name in names:
             first = parts[0].signals[name]
-            dtype = torch.int64 if first.dtype.kind in "iu" else torch.float32
+            dtype = torch.int32 if name in ID_SIGNALS else torch.float32
             if first.ndim == 1:
                 shapes.append(((tokens,), dtype))
                 continue
@@ -502,7 +500,7 @@ class TensorBatch:
 
     * ``token_ids``: int64 [T], T = sum(lengths), each sample's prompt + response ids;
     * ``rollout_logprobs``: float32 [N], N = sum of response lengths, response tokens end to end;
-    * ``signals[name]``: float32 [N] (``teacher_logprobs``) or [N, K] top-k rows (ids int64,
+    * ``signals[name]``: float32 [N] (``teacher_logprobs``) or [N, K] top-k rows (ids int32,
       log-probs float32), rows shorter than K zero-padded with their entry counts in
       ``widths[name]`` (int64 [N]; absent when every row has K entries);
     * ``rewards``, ``group_ids``, ``weight_versions``, ``trainer_version``: as in TrainBatch;

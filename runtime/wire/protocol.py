@@ -72,8 +72,9 @@ class GenerateResponse(Wire):
     versions: list[int]
     """Weight version that produced each token in token_ids."""
     finish_reason: FinishReason
-    topk_ids: list[list[int]] | None = None
-    """With sampling.top_k_ids = k: the k most likely ids at each position of token_ids, best first."""
+    topk_ids: Rows | None = None
+    """With sampling.top_k_ids = k: the k most likely ids at each position of token_ids, best
+    first (int32 [len(token_ids), k]; runtime/wire/rows.py)."""
 
 
 class AbortRequest(WireRequest):
@@ -236,20 +237,24 @@ class ScoreRequest(WireRequest):
     """Base64-encoded images of the sample (vision teachers). token_ids are then the processor-
     expanded ids, as for GenerateRequest.images; a vLLM engine collapses each image's run of pads
     to one, passes the images as multi-modal data and maps the log-probs back to these positions."""
-    gather_ids: list[list[TokenId]] | None = None
-    """Ids whose teacher log-probs to return at each response position (one row per response
-    token, at most 256 ids each): the student's top-k for lossMode reverseKLTopK."""
+    gather_ids: Rows | None = None
+    """Ids whose teacher log-probs to return at each response position (int32, one row per
+    response token, 1 to 256 ids each): the student's top-k for lossMode reverseKLTopK."""
 
     @model_validator(mode="after")
     def _gather_rows_match_the_response(self) -> ScoreRequest:
-        if self.gather_ids is not None:
+        rows = self.gather_ids
+        if rows is not None:
             response = len(self.token_ids) - self.prompt_len
-            if len(self.gather_ids) != response:
-                raise ValueError(
-                    f"gather_ids: {len(self.gather_ids)} rows, expected one per response token ({response})"
-                )
-            if any(not 1 <= len(row) <= 256 for row in self.gather_ids):
+            if rows.dtype != "int32":
+                raise ValueError(f"gather_ids: token ids are int32, got {rows.dtype}")
+            if rows.shape[0] != response:
+                raise ValueError(f"gather_ids: {rows.shape[0]} rows, expected one per response token ({response})")
+            lengths = rows.lengths or [rows.shape[1]] * rows.shape[0]
+            if any(not 1 <= n <= 256 for n in lengths):
                 raise ValueError("gather_ids: every row holds 1 to 256 ids")
+            if rows.array().size and int(rows.array().min()) < 0:
+                raise ValueError("gather_ids: token ids are >= 0")
         return self
 
 

@@ -11,14 +11,24 @@ says how many entries each row holds.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 RowsDtype = Literal["int32", "float32"]
 _NUMPY: dict[str, np.dtype[Any]] = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+_URL_SAFE = str.maketrans("-_", "+/")
+
+
+def _from_base64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text.translate(_URL_SAFE), validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"not base64: {e}") from None
 
 
 class Rows(BaseModel):
@@ -28,8 +38,11 @@ class Rows(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, ser_json_bytes="base64", val_json_bytes="base64")
 
     dtype: RowsDtype
-    shape: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]
-    data: bytes
+    shape: Annotated[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]], Field(strict=False)]
+    """[rows, width]; not strict, so that a JSON list validates as the tuple in either mode."""
+    data: Annotated[bytes | Annotated[str, AfterValidator(_from_base64)], Field(union_mode="left_to_right")]
+    """JSON text is decoded by pydantic (val_json_bytes, in Rust); a body already parsed into Python
+    objects (FastAPI validates request bodies that way) holds the base64 text, decoded here."""
     lengths: list[Annotated[int, Field(ge=0)]] | None = None
     """Entries per row when some rows are shorter than shape[1] (the rest is padding); None: all full."""
 
@@ -64,14 +77,17 @@ class Rows(BaseModel):
         return [row[:n] for row, n in zip(rows, self.lengths)]
 
     @classmethod
-    def of(cls, rows: np.ndarray | Sequence[Sequence[float]], dtype: RowsDtype) -> Rows:
+    def of(
+        cls, rows: np.ndarray | Sequence[Sequence[float]], dtype: RowsDtype, lengths: list[int] | None = None
+    ) -> Rows:
         """Rows of an array (anything numpy takes: a tensor moved to the CPU, a list of equal
-        rows) or of ragged lists, whose short rows are padded and their lengths kept."""
+        rows; `lengths` when its rows are padded) or of ragged lists, whose short rows are padded
+        and their lengths kept."""
         if isinstance(rows, np.ndarray) or _equal_rows(rows):
             a = np.ascontiguousarray(rows, dtype=_NUMPY[dtype])
             if a.ndim != 2:  # no rows at all
                 a = a.reshape(len(a), 0)
-            return cls(dtype=dtype, shape=(a.shape[0], a.shape[1]), data=a.tobytes())
+            return cls(dtype=dtype, shape=(a.shape[0], a.shape[1]), data=a.tobytes(), lengths=lengths)
         lengths = [len(row) for row in rows]
         padded = np.zeros((len(rows), max(lengths, default=0)), dtype=_NUMPY[dtype])
         for i, row in enumerate(rows):
