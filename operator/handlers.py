@@ -2,9 +2,10 @@
 
 One kopf daemon per DistillationJob runs the reconcile loop: read the job (a live view) and its
 children (kopf indices fed by label-selected watches), compute a plan (kubedistill.operator.policy),
-apply it, sleep until a watch event about the job or one of its children pokes it, or the resync
-interval passes. Daemons start for every job kopf sees, so an operator restart resumes every
-existing job; deletion stops the daemon and the children go with the job's owner references.
+apply it, sleep until a watch event shows something the last pass did not plan from (a spec
+change, a child changed or deleted; not the echo of the loop's own writes), or the resync interval
+passes. Daemons start for every job kopf sees, so an operator restart resumes every existing job;
+deletion stops the daemon and the children go with the job's owner references.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import kopf
 
-from kubedistill.api.job import GROUP, PLURAL, VERSION
+from kubedistill.api.job import GROUP, KIND, PLURAL, VERSION
 from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import GangScheduler
 from kubedistill.operator.kube import (
@@ -101,6 +102,10 @@ class JobState:
     written: dict[str, Any] | None = None
     """The status this loop last wrote: the job's live body shows it only once the watch event
     arrives, and deciding from an older status would repeat transitions and events."""
+    decided: dict[str, Any] | None = None
+    """The status a pass that created children decided and left to the next pass, which comes
+    at once and counts them as made: that one writes it (the next pass plans from this). Writing
+    both cost a status patch per job, ~9 ms of the API server's CPU each (the CRD's rules)."""
     recent: dict[tuple[str, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
     """Children this loop created or patched, by (kind, name), until a watch event about them
     arrives (then the indices are authoritative): counted as present so a pass woken by an early
@@ -118,6 +123,13 @@ class JobState:
     disrupted: dict[str, PodView] = field(default_factory=dict)
     """The last view of each pod the cluster took away (DisruptionTarget...), by pod name: the
     condition is visible only while the pod terminates, the decision may come after."""
+    seen: Observed = field(default_factory=Observed)
+    """The children as the last pass planned from them, plus those it created or patched: a watch
+    event that shows a child as it is here wakes nothing. Each child created comes back as an
+    ADDED event; re-planning on each cost more CPU than creating it (bench/operator_scale.py)."""
+    generation: int | None = None
+    """The job's generation the last pass planned from: the job's own events (its status patches,
+    the finalizer) wake the loop only when the spec changed."""
 
     def close(self) -> None:
         if self.polling is not None:
@@ -156,28 +168,43 @@ class Reconciler:
         if self._http is not None:
             await self._http.close()
 
-    def poke(self, namespace: str | None, job: str | None) -> None:
-        state = self._jobs.get((namespace, job)) if namespace and job else None
-        if state is not None:
+    def _state(self, namespace: str | None, job: str | None) -> JobState | None:
+        return self._jobs.get((namespace, job)) if namespace and job else None
+
+    def job_event(self, namespace: str | None, name: str, generation: int) -> None:
+        """A watch event about a job: its loop plans again if the spec changed since its last pass."""
+        state = self._state(namespace, name)
+        if state is not None and state.generation != generation:
             state.wakeup.set()
 
-    def pod_event(self, namespace: str | None, job: str | None, body: Mapping[str, Any]) -> None:
-        """A watch event about a pod: remember it if the cluster is taking it away, then as any child."""
-        view = PodView.of(body)
-        # Of a job whose daemon is not running (yet), nothing is kept: once it starts, the pods
-        # index shows the disruption while the pod terminates.
-        state = self._jobs.get((namespace, job)) if namespace and job else None
-        if state is not None and view.disruption:
-            state.disrupted[view.name] = view
-        self.child_event(namespace, job, "Pod", view.name)
-
-    def child_event(self, namespace: str | None, job: str | None, kind: str, name: str) -> None:
-        """A watch event about a child: the indices now know it (kopf indexes before it calls
-        event handlers), so it stops counting as recently created; and its job re-plans."""
-        state = self._jobs.get((namespace, job)) if namespace and job else None
-        if state is not None:
-            state.recent.pop((kind, name), None)
+    def child_seen(self, namespace: str | None, job: str | None, kind: str, view: PodView | ChildView) -> None:
+        """A child as a watch event shows it, while kopf indexes it (the loop cannot run before the
+        index holds it): from now on the index is authoritative, so it stops counting as recently
+        made; its job re-plans unless its last pass saw it just so."""
+        state = self._state(namespace, job)
+        if state is None:
+            # Of a job whose daemon is not running (yet), nothing is kept: once it starts, the
+            # pods index shows a disruption while the pod terminates.
+            return
+        name = view.name if isinstance(view, PodView) else view.ref.name
+        if isinstance(view, PodView) and view.disruption:
+            state.disrupted[name] = view
+        state.recent.pop((kind, name), None)
+        if not state.seen.shows(view):
             state.wakeup.set()
+
+    def child_gone(self, namespace: str | None, job: str | None, kind: str, body: Mapping[str, Any]) -> None:
+        """A child deleted: its job re-plans (a pod's last view may say the cluster took it away)."""
+        state = self._state(namespace, job)
+        if state is None:
+            return
+        name = (body.get("metadata") or {}).get("name", "")
+        if kind == "Pod":
+            view = PodView.of(body)
+            if view.disruption:
+                state.disrupted[name] = view
+        state.recent.pop((kind, name), None)
+        state.wakeup.set()
 
     # -- the trainer's report -----------------------------------------------------------------
     def _poll_report(self, state: JobState, pod: PodView | None) -> None:
@@ -244,26 +271,25 @@ class Reconciler:
         for (kind, child), (when, obj) in list(recent.items()):
             if now_mono - when > RECENT_SECONDS:
                 del recent[(kind, child)]
-            elif kind == "Pod":
-                observed.pods.setdefault(child, PodView.of(obj))
-            else:
+            elif kind != "Pod" or child not in observed.pods:
                 # Created or updated by this loop, not yet seen by the watch: as written.
-                observed.others.add(ChildRef(kind, child))
-                if kind in KEPT_CURRENT:
-                    observed.digests[ChildRef(kind, child)] = content_digest(kind, obj)
+                observed.add(kind, obj)
         job = JobView(
             name=name,
             namespace=namespace,
             generation=int(body.meta.get("generation") or 0),
             spec=dict(body.spec),
-            status=state.written or dict(body.status),
+            status=state.decided or state.written or dict(body.status),
         )
+        # A copy: what this pass writes is added to it, not to what it plans from.
+        state.seen = Observed(dict(observed.pods), set(observed.others), dict(observed.digests))
+        state.generation = job.generation
         started = time.perf_counter()
         try:
             now = datetime.now(UTC)
             missing = await self._missing_apis(job.spec)
             p = plan(job, observed, now, state.report, state.refused, missing)
-            newly_refused, made_unwatched = await self._apply(body, state, job, p, now)
+            newly_refused = await self._apply(body, state, job, p, now)
             state.last_error = None
         except (TimeoutError, KubeError) as exc:
             self._error(body, state, str(exc), logger)
@@ -292,8 +318,10 @@ class Reconciler:
             delay = min(delay, max(p.wake_after, 0.05))
         if newly_refused:
             delay = 0.05  # plan again at once: the status must say Blocked, and why
-        if made_unwatched:
-            delay = 0.05  # no watch event will say it exists: the pods waiting for it go now
+        if p.create or p.update:
+            # Plan again at once from what this pass wrote (their watch events wake nothing): the
+            # status says Created, and the pods waiting for an unwatched child (PodGroup) go now.
+            delay = 0.05
         return delay
 
     def _error(self, body: kopf.Body, state: JobState, message: str, logger: kopf.Logger) -> None:
@@ -303,55 +331,13 @@ class Reconciler:
             state.last_error = message
             kopf.event(body, type="Warning", reason="ReconcileError", message=message[:1000])
 
-    async def _apply(self, body: kopf.Body, state: JobState, job: JobView, p: Plan, now: datetime) -> tuple[bool, bool]:
-        """Carry out the plan; (the API server refused a child it had not refused before, a child
-        of an unwatched kind was created or found)."""
+    async def _apply(self, body: kopf.Body, state: JobState, job: JobView, p: Plan, now: datetime) -> bool:
+        """Carry out the plan; whether the API server refused a child it had not refused before."""
         kube = self.kube()
-        newly_refused = made_unwatched = False
         if p.update:
             # Before the creates: a new rollout pod reads the updated config when it starts.
-            recent = state.recent
-            owned = [{KEPT_CURRENT[o["kind"]]: o[KEPT_CURRENT[o["kind"]]]} for o in p.update]
-            patched = await asyncio.gather(*(kube.patch(o, change) for o, change in zip(p.update, owned)))
-            for obj, found in zip(p.update, patched):
-                ref = ChildRef(obj["kind"], obj["metadata"]["name"])
-                if not found:  # deleted meanwhile: the next pass creates it
-                    state.made.pop(ref, None)
-                    continue
-                if ref.kind in UNWATCHED:
-                    state.made[ref] = content_digest(ref.kind, obj)
-                else:
-                    recent[(ref.kind, ref.name)] = (time.monotonic(), obj)
-        if p.create:
-            # A retained checkpoint claim gets no owner reference: it outlives the job.
-            kopf.adopt([o for o in p.create if owned_by_job(o)], owner=body)
-            for obj in p.create:
-                # kopf.adopt copies the job's labels; ours must win on the children.
-                obj["metadata"]["labels"].update(_own_labels(obj))
-            created = await asyncio.gather(*(kube.create(o) for o in p.create), return_exceptions=True)
-            recent, refused = state.recent, state.refused
-            failure: BaseException | None = None
-            for obj, made in zip(p.create, created):
-                child = (obj["kind"], obj["metadata"]["name"])
-                if isinstance(made, KubeError) and is_refusal(made.status):
-                    newly_refused |= child not in refused
-                    refused[child] = self._refusal(refused.get(child), made, now)
-                    self.metrics.children_refused.labels(kind=obj["kind"]).inc()
-                    continue
-                if isinstance(made, BaseException):
-                    failure = failure or made
-                    continue
-                refused.pop(child, None)
-                if obj["kind"] in UNWATCHED:
-                    digest = content_digest(obj["kind"], obj) if made and obj["kind"] in KEPT_CURRENT else ""
-                    state.made[ChildRef(*child)] = digest
-                    made_unwatched = True
-                else:
-                    recent[child] = (time.monotonic(), obj)
-                if made:
-                    self.metrics.children_created.labels(kind=obj["kind"]).inc()
-            if failure is not None:
-                raise failure
+            await self._update(state, p.update)
+        newly_refused = await self._create(body, state, p.create, now) if p.create else False
         if p.delete:
             for c in p.delete:
                 state.recent.pop((c.kind, c.name), None)
@@ -360,15 +346,70 @@ class Reconciler:
                 if deleted:
                     self.metrics.children_deleted.labels(kind=ref.kind).inc()
         new = status_patch(p.status)
-        if new != status_patch(current_status(job.status)):
-            await kube.patch_status(job.namespace, job.name, new)
-            state.written = new
+        if p.create or p.update:
+            state.decided = new  # the follow-up pass writes it (Reconciler.reconcile)
+        else:
+            if new != (state.written or status_patch(current_status(body.status))):
+                await kube.patch_status(job.namespace, job.name, new)
+                state.written = new
+            state.decided = None
         for ev in p.events:
             kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
         if p.delete_job:
             await kube.delete("DistillationJob", job.namespace, job.name)
         _forget_old_disruptions(state, gang_attempt(p.status))
-        return newly_refused, made_unwatched
+        return newly_refused
+
+    async def _update(self, state: JobState, objs: Sequence[dict[str, Any]]) -> None:
+        """Patch the owned field of children that differ from the spec."""
+        watched = [o for o in objs if o["kind"] not in UNWATCHED]
+        _writing(state, watched)
+        owned = [{KEPT_CURRENT[o["kind"]]: o[KEPT_CURRENT[o["kind"]]]} for o in objs]
+        try:
+            patched = await asyncio.gather(*(self.kube().patch(o, change) for o, change in zip(objs, owned)))
+        except BaseException:
+            _not_written(state, watched)
+            raise
+        for obj, found in zip(objs, patched):
+            ref = ChildRef(obj["kind"], obj["metadata"]["name"])
+            if not found:  # deleted meanwhile: the next pass creates it
+                state.made.pop(ref, None)
+                _not_written(state, [obj])
+            elif ref.kind in UNWATCHED:
+                state.made[ref] = content_digest(ref.kind, obj)
+
+    async def _create(self, body: kopf.Body, state: JobState, objs: Sequence[dict[str, Any]], now: datetime) -> bool:
+        """Create the children, all at once; whether the API server refused one it had not before."""
+        # A retained checkpoint claim gets no owner reference: it outlives the job.
+        kopf.adopt([o for o in objs if owned_by_job(o)], owner=body)
+        for obj in objs:
+            # kopf.adopt copies the job's labels; ours must win on the children.
+            obj["metadata"]["labels"].update(_own_labels(obj))
+        _writing(state, [o for o in objs if o["kind"] not in UNWATCHED])
+        created = await asyncio.gather(*(self.kube().create(o) for o in objs), return_exceptions=True)
+        refused = state.refused
+        newly_refused = False
+        failure: BaseException | None = None
+        for obj, made in zip(objs, created):
+            child = (obj["kind"], obj["metadata"]["name"])
+            if isinstance(made, BaseException):
+                _not_written(state, [obj])
+                if isinstance(made, KubeError) and is_refusal(made.status):
+                    newly_refused |= child not in refused
+                    refused[child] = self._refusal(refused.get(child), made, now)
+                    self.metrics.children_refused.labels(kind=obj["kind"]).inc()
+                else:
+                    failure = failure or made
+                continue
+            refused.pop(child, None)
+            if obj["kind"] in UNWATCHED:
+                digest = content_digest(obj["kind"], obj) if made and obj["kind"] in KEPT_CURRENT else ""
+                state.made[ChildRef(*child)] = digest
+            if made:
+                self.metrics.children_created.labels(kind=obj["kind"]).inc()
+        if failure is not None:
+            raise failure
+        return newly_refused
 
     def _refusal(self, last: Refusal | None, exc: KubeError, now: datetime) -> Refusal:
         attempts = (last.attempts if last else 0) + 1
@@ -415,6 +456,19 @@ class Reconciler:
                 self.metrics.job_phase(key[0], key[1], None)
 
 
+def _writing(state: JobState, objs: Iterable[dict[str, Any]]) -> None:
+    """Count children of watched kinds as written before the requests go: their watch events may
+    come before the answers, and show what this loop already knows (JobState.seen)."""
+    for obj in objs:
+        state.recent[(obj["kind"], obj["metadata"]["name"])] = (time.monotonic(), obj)
+        state.seen.add(obj["kind"], obj)
+
+
+def _not_written(state: JobState, objs: Iterable[Mapping[str, Any]]) -> None:
+    for obj in objs:
+        state.recent.pop((obj["kind"], obj["metadata"]["name"]), None)
+
+
 def _forget_old_disruptions(state: JobState, attempt: int) -> None:
     """Disruptions of earlier gang attempts were decided on already."""
     for name in [n for n, v in state.disrupted.items() if v.attempt is not None and v.attempt < attempt]:
@@ -425,15 +479,31 @@ def _own_labels(obj: Mapping[str, Any]) -> dict[str, str]:
     return {k: v for k, v in obj["metadata"]["labels"].items() if k.startswith("kubedistill.io/")}
 
 
+class JobsDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base (an object's last handled state, for on.create/update handlers) of the
+    jobs alone. kopf builds one of every body it processes, a deep copy of each pod, though the
+    children have no such handlers: that was a fifth of the operator's CPU while it created
+    children (bench/operator_scale.py)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
+        if body.get("kind") != KIND:
+            return kopf.BodyEssence()
+        return super().build(body=body, extra_fields=extra_fields)
+
+
 def configure(settings: kopf.OperatorSettings) -> None:
     """kopf settings the operator needs (also used by tests that run it in-process)."""
     # The CRD's status is structural: kopf's own state goes into annotations, not status.kopf.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = JobsDiffBase(prefix=ANNOTATION_PREFIX)
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+
+
+def _deleted(*, type: str | None, **_: Any) -> bool:  # noqa: A002 (kopf's name for the event type)
+    return type == "DELETED"
 
 
 def connection_info(cfg: Any) -> kopf.ConnectionInfo:
@@ -472,14 +542,17 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
             return kopf.ConnectionInfo(server=reconciler.options.server)
         return connection_info(client_configuration())
 
-    # Indices: the children of each job, kept current by label-selected watches. The per-event
-    # handlers are `async def`: kopf runs plain functions in a thread pool, a thread hop per
-    # watch event for what is a dict lookup.
+    # Indices: the children of each job, kept current by label-selected watches. Their handlers
+    # also wake the job's loop (Reconciler.child_seen): kopf stores what they return before the
+    # loop can run, and an event handler beside each would double kopf's work per event. They
+    # are `async def`: kopf runs plain functions in a thread pool, a thread hop per watch event.
     @kopf.index(POD.group_version, POD.plural, labels=selector, registry=registry, id="job_pods")
     async def job_pods(*, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[Key, PodView]:
         if namespace is None:  # pods are namespaced: kopf always passes one
             return {}
-        return {(namespace, labels[LABEL_JOB]): PodView.of(body)}
+        view = PodView.of(body)
+        reconciler.child_seen(namespace, labels[LABEL_JOB], POD.kind, view)
+        return {(namespace, labels[LABEL_JOB]): view}
 
     def _child_index(kind: str) -> IndexingFn:
         async def index(
@@ -487,7 +560,9 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         ) -> dict[Key, ChildView]:
             if namespace is None:  # every child kind is namespaced
                 return {}
-            return {(namespace, labels[LABEL_JOB]): ChildView.of(kind, body)}
+            view = ChildView.of(kind, body)
+            reconciler.child_seen(namespace, labels[LABEL_JOB], kind, view)
+            return {(namespace, labels[LABEL_JOB]): view}
 
         return index
 
@@ -496,25 +571,21 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
             _child_index(r.kind)
         )
 
-    # Any change to a child or the job wakes the job's loop.
-    def _child_event(kind: str) -> WatchingFn:
-        async def poke(*, namespace: str | None, name: str, labels: kopf.Labels, **_: Any) -> None:
-            reconciler.child_event(namespace, labels.get(LABEL_JOB), kind, name)
+    # kopf drops a deleted child from the indices without calling their handlers: this one wakes its job.
+    def _child_gone(kind: str) -> WatchingFn:
+        async def gone(*, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
+            reconciler.child_gone(namespace, labels.get(LABEL_JOB), kind, body)
 
-        return poke
+        return gone
 
-    @kopf.on.event(POD.group_version, POD.plural, labels=selector, registry=registry, id="poke_pods")
-    async def _pod_event(*, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
-        reconciler.pod_event(namespace, labels.get(LABEL_JOB), body)
-
-    for r in OTHER_CHILDREN:
-        kopf.on.event(r.group_version, r.plural, labels=selector, registry=registry, id=f"poke_{r.plural}")(
-            _child_event(r.kind)
-        )
+    for r in CHILDREN:
+        kopf.on.event(
+            r.group_version, r.plural, labels=selector, when=_deleted, registry=registry, id=f"gone_{r.plural}"
+        )(_child_gone(r.kind))
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def _job_changed(*, namespace: str | None, name: str, **_: Any) -> None:
-        reconciler.poke(namespace, name)
+    async def _job_changed(*, namespace: str | None, name: str, meta: kopf.Meta, **_: Any) -> None:
+        reconciler.job_event(namespace, name, int(meta.get("generation") or 0))
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
     async def job(*, body: kopf.Body, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:

@@ -164,34 +164,38 @@ class Kube:
         if self._session is not None:
             await self._session.close()
 
-    async def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    async def _call(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json", answer: bool = True
+    ) -> Any:
+        """The answer's JSON (None without `answer`: the caller needs only the status)."""
         try:
-            return await self._request(method, path, body, content_type)
+            return await self._request(method, path, body, content_type, answer)
         except KubeError as exc:
             if exc.status != 401 or self.config.reload is None:
                 raise
         # Unauthorized: the token was rotated or revoked. Load the credentials again, once.
         self.config = self.config.reload()
         await self.close()
-        return await self._request(method, path, body, content_type)
+        return await self._request(method, path, body, content_type, answer)
 
-    async def _request(self, method: str, path: str, body: Any, content_type: str) -> Any:
+    async def _request(self, method: str, path: str, body: Any, content_type: str, answer: bool) -> Any:
         http = await self._http()
         headers = {"Accept": "application/json", **self.config.headers()}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
-            data = json.dumps(body)
+            data = json.dumps(body).encode()
         try:
             async with http.request(method, self.config.server + path, data=data, headers=headers) as resp:
-                text = await resp.text()
+                raw = await resp.read()
                 if resp.status >= 400:
+                    text = raw.decode(errors="replace")
                     try:
                         message = str(json.loads(text).get("message", text))
                     except (ValueError, AttributeError):
                         message = text
                     raise KubeError(resp.status, f"{method} {path}: {message[:300]}", message[:1000])
-                return json.loads(text) if text else None
+                return json.loads(raw) if raw and answer else None
         except aiohttp.ClientError as exc:
             raise KubeError(0, f"{method} {path}: {exc}") from exc
 
@@ -199,7 +203,8 @@ class Kube:
         """Create; False when it already exists (409 is success: reconciling twice is harmless)."""
         path = object_collection_path(obj)
         try:
-            await self._call("POST", path, obj)
+            # The created object comes back whole (a pod's is several kB): parsing it was wasted.
+            await self._call("POST", path, obj, answer=False)
         except KubeError as exc:
             if exc.status == 409:
                 return False
@@ -225,7 +230,7 @@ class Kube:
         path = f"{collection_path(kind, namespace)}/{name}"
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         try:
-            await self._call("DELETE", path, body)
+            await self._call("DELETE", path, body, answer=False)
         except KubeError as exc:
             if exc.status == 404:
                 return False
@@ -237,7 +242,7 @@ class Kube:
         is gone (the next pass creates it again)."""
         path = f"{object_collection_path(obj)}/{obj['metadata']['name']}"
         try:
-            await self._call("PATCH", path, patch, "application/merge-patch+json")
+            await self._call("PATCH", path, patch, "application/merge-patch+json", answer=False)
         except KubeError as exc:
             if exc.status == 404:
                 return False
@@ -246,7 +251,7 @@ class Kube:
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         path = f"{collection_path('DistillationJob', namespace)}/{name}/status"
-        await self._call("PATCH", path, {"status": status}, "application/merge-patch+json")
+        await self._call("PATCH", path, {"status": status}, "application/merge-patch+json", answer=False)
 
 
 async def fetch_json(session: aiohttp.ClientSession, url: str, timeout: float) -> dict[str, Any] | None:

@@ -255,6 +255,24 @@ class Observed:
     """The last view of each pod the cluster took away, by name, kept after the pod is gone: a
     deleted pod's DisruptionTarget condition is seen only while it terminates."""
 
+    def shows(self, view: PodView | ChildView) -> bool:
+        """Whether a child's view is already here as it is: a plan from these observations has
+        decided on it, so a watch event showing just that (the echo of the operator's own create
+        or patch, a change to fields no view holds) needs no new plan."""
+        if isinstance(view, PodView):
+            return self.pods.get(view.name) == view
+        return view.ref in self.others and self.digests.get(view.ref) == view.digest
+
+    def add(self, kind: str, obj: Mapping[str, Any]) -> None:
+        """Count a child the operator is creating or patching as present, as it is written."""
+        if kind == "Pod":
+            self.pods[obj["metadata"]["name"]] = PodView.of(obj)
+            return
+        ref = ChildRef(kind, obj["metadata"]["name"])
+        self.others.add(ref)
+        if kind in KEPT_CURRENT:
+            self.digests[ref] = content_digest(kind, obj)
+
 
 def job_of(obj: Mapping[str, Any]) -> str | None:
     return ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_JOB)

@@ -6,6 +6,7 @@ into the emulator the way a kubelet would report them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -23,6 +24,7 @@ from operator_fixtures import (
     job_manifest,
     more_passes,
     prepare_emulator,
+    reconcile_passes,
     running_operator,
     trainer_status,
 )
@@ -399,6 +401,29 @@ async def test_reconciling_twice_creates_nothing_twice(kmock: Any, cluster: Clus
         assert made("kubedistill_operator_children_created_total", {"kind": "ConfigMap"}) is None
 
 
+async def test_the_loops_own_writes_wake_it_no_more(kmock: Any, cluster: Cluster) -> None:
+    # Every child created comes back as a watch event, and so do the job's finalizer and status
+    # patches; none shows the loop anything it did not plan from. One pass creates the children,
+    # the next (at once) writes the status; nothing else runs until the resync, far beyond.
+    metrics = OperatorMetrics()
+    async with running_operator(str(kmock.url), resync_seconds=60.0, metrics=metrics):
+        await cluster.create_job(job_manifest("omicron"))
+        await all_children(cluster, "omicron")
+
+        async def created() -> Any:
+            st = await job_status(cluster, "omicron")
+            return st.get("conditions") and cond(st, "Created")["status"] == "True"
+
+        await eventually(created, what="omicron Created")
+        await asyncio.sleep(1.0)  # every echo has arrived
+        assert reconcile_passes(metrics) == 2
+        patched = [r for r in list(kmock) if r.method is method.PATCH and r.url.path.endswith("/omicron/status")]
+        assert len(patched) == 1
+        # A change the loop has not seen still wakes it.
+        await cluster.run_all("omicron")
+        await phase_is(cluster, "omicron", "Running")
+
+
 async def test_a_child_deleted_by_hand_is_recreated(kmock: Any, cluster: Cluster) -> None:
     # A resync far beyond the wait below: only the deletions' watch events can wake the loop.
     async with running_operator(str(kmock.url), resync_seconds=60.0):
@@ -429,8 +454,14 @@ async def test_operator_restart_picks_up_existing_jobs(kmock: Any, cluster: Clus
             )
 
         await eventually(healed, what="the restarted operator healing the job")
-        st = await job_status(cluster, "lam")
-        assert st["restarts"] == 0 and st["phase"] in ("Pending", "Initializing")
+
+        async def restarting() -> Any:
+            # The status follows the recreated pods by one pass (it counts them as made).
+            st = await job_status(cluster, "lam")
+            return st if st["phase"] in ("Pending", "Initializing") else None
+
+        st = await eventually(restarting, what="lam's status after the healing")
+        assert st["restarts"] == 0
 
 
 async def test_spec_that_slipped_past_the_crd_fails_without_crash_loop(kmock: Any, cluster: Cluster) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from kubedistill.api.roleconfig import Role
 from kubedistill.api.spec import DistillationJobSpec
 from kubedistill.api.status import ConditionStatus, ConditionType, Phase
-from kubedistill.operator.observed import ChildRef, Observed, PodPhase, PodView, condition
+from kubedistill.operator.observed import ChildRef, ChildView, Observed, PodPhase, PodView, condition
 from kubedistill.operator.policy import (
     JobView,
     Plan,
@@ -96,6 +96,31 @@ def test_first_pass_creates_every_child_and_stays_pending() -> None:
     assert p.status.observed_generation == 3
     assert p.status.roles["trainer"].desired == 2 and p.status.roles["teacher/math"].desired == 1
     assert condition(p.status, ConditionType.created).status is ConditionStatus.false
+
+
+def test_the_children_a_pass_writes_are_observed_as_written_and_their_echoes_show_nothing_new() -> None:
+    job = _job()
+    p = plan(job, Observed(), T0)
+    written = Observed()
+    for obj in p.create:
+        written.add(obj["kind"], obj)
+    # The next pass plans from them: nothing left to create, every child counted as created.
+    again = plan(_next(job, p), written, T0)
+    assert again.create == []
+    assert condition(again.status, ConditionType.created).status is ConditionStatus.true
+    # The API server's answer and watch event add a uid, a phase Pending and the like: no news.
+    for obj in p.create:
+        echo = {**copy.deepcopy(obj), "status": {"phase": "Pending", "qosClass": "Burstable"}}
+        echo["metadata"]["uid"] = "u-" + obj["metadata"]["name"]
+        kind = obj["kind"]
+        assert written.shows(PodView.of(echo) if kind == "Pod" else ChildView.of(kind, echo)), obj["metadata"]["name"]
+    # A pod that changed, a config whose content changed, a child never written: news.
+    pod = next(o for o in p.create if o["kind"] == "Pod")
+    assert not written.shows(PodView.of({**pod, "status": {"phase": "Running"}}))
+    config = next(o for o in p.create if o["kind"] == "ConfigMap")
+    assert not written.shows(ChildView.of("ConfigMap", {**config, "data": {"config.json": "{}"}}))
+    assert not written.shows(ChildView(ChildRef("Service", "someone-else")))
+    assert not written.shows(replace(PodView.of(pod), name="j-rollout-9"))
 
 
 def test_phases_pending_initializing_running_with_events() -> None:

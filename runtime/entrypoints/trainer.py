@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import sys
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kubedistill import gc_settings
 from kubedistill.api.progress import TERMINATION_LOG, termination_message
 
 if TYPE_CHECKING:
@@ -167,9 +167,7 @@ def settle_gc() -> None:
     permanent generation, so a full collection walks only what the run makes; and collections
     run less often, since every /score answer brings thousands of new top-k row lists. In the
     fleet simulator this halved the driver's CPU per token at top-0 and top-64."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
+    gc_settings.settle_gc(GC_THRESHOLDS)
 
 
 TERM_DRAIN_SECONDS = 20.0
