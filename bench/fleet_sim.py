@@ -658,8 +658,10 @@ def simulated_broadcast(fleet: FleetShape) -> Iterator[None]:
 
 @contextlib.contextmanager
 def rows_copied(on: bool) -> Iterator[None]:
-    """With `on`, the driver as it was before it kept a /score answer's top-k rows: each row
-    copied element by element (Sample.set_scores), for a before/after in one run."""
+    """With `on`, the driver as it held a /score answer's top-k rows before they came as arrays
+    (runtime/wire/rows.py): each row a list of Python numbers, copied element by element as
+    Sample.set_scores once did. The JSON parse of the lists is not replayed (the protocol has
+    one form), so this before understates the old cost by that parse (~10 ms a top-64 answer)."""
     from kubedistill.api.losses import Signal
     from kubedistill.runtime.driver.samples import Sample
 
@@ -920,7 +922,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help="print the buffer's state every second (stderr)")
-    ap.add_argument("--copy-rows", action="store_true", help="the driver before: top-k rows copied per element")
+    ap.add_argument("--copy-rows", action="store_true", help="the driver before: top-k rows as per-number lists")
     ap.add_argument("--profile", help="write the event loop's cProfile over the window to this file")
     ap.add_argument("--python-gc", action="store_true", help="the driver before: Python's own collector settings")
     for f in FleetShape.__dataclass_fields__.values():

@@ -269,7 +269,7 @@ def main() -> int:
     if "top_k" in sweeps:
         results["top_k"] = [point(args, rollouts=args.fixed_servers, top_k=k) for k in ints(args.top_ks)]
         show(f"top-k ({args.fixed_servers} rollout servers)", results["top_k"])
-        # The driver before this page's two changes (top-k rows copied per element, Python's own
+        # The driver before this page's changes (top-k rows held as per-number lists, Python's own
         # collector settings), at top-0 and top-64, in the same run as the points above.
         after = {p["fleet"]["top_k"]: p for p in results["top_k"] if not p.get("failed")}
         results["before"] = [
@@ -277,7 +277,7 @@ def main() -> int:
             for k in (0, 64)
             if k in after
         ]
-        show("the driver before (rows copied per element, Python's collector settings)", results["before"])
+        show("the driver before (rows as per-number lists, Python's collector settings)", results["before"])
         for b in results["before"]:
             a = after[b["fleet"]["top_k"]] if not b.get("failed") else None
             if a is not None:
