@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from batch_lists import to_lists
@@ -226,11 +227,14 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
             topk_ids=Rows.of([[7, 5], [3, 4]], "int32"),
         )
     )
-    assert s.signals["rollout_topk_ids"] == [[5, 6], [7, 5], [3, 4]]
+    # One array across the resume (views of the answers' bytes, joined), not a Python int per id.
+    held = s.signals["rollout_topk_ids"]
+    assert isinstance(held, np.ndarray) and held.dtype == np.int32 and held.tolist() == [[5, 6], [7, 5], [3, 4]]
     top = ([-1.0] * 3, [[5]] * 3, [[-0.5]] * 3)
     with pytest.raises(ValueError, match="gathered log-prob rows do not match"):
         s.set_scores("t", scores(*top, gathered=[[-1.0, -2.0]] * 2))
     s.set_scores("t", scores(*top, gathered=[[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]))
+    assert isinstance(s.signals["teacher_logprobs_at_rollout_topk"], np.ndarray)
     req = BatchRequirements(group_size=1, mini_batch_size=1, contract=CONTRACTS[LossMode.reverse_kl_top_k], top_k=2)
     gather = req.gather_ids(s)
     assert req.rollout_top_k == 2 and gather is not None and gather.tolist() == [[5, 6], [7, 5], [3, 4]]
@@ -250,3 +254,27 @@ def test_rollout_top_k_rows_follow_the_tokens_across_a_resume() -> None:
     c = s.continuation()
     with pytest.raises(ValueError, match="without the top-k ids"):
         s.extend(response(c.request_id, [7], [-0.2], 0, "stop"))
+
+
+def test_a_traces_observations_add_one_id_rows_and_its_rows_become_lists() -> None:
+    from kubedistill.runtime.driver.batcher import BatchRequirements, sample_arrays
+
+    def turn(c_id: str, ids: list[int], rows: list[list[int]], reason: str) -> GenerateResponse:
+        return response(c_id, ids, [-0.5] * len(ids), 0, reason).model_copy(update={"topk_ids": Rows.of(rows, "int32")})
+
+    s = Sample(group_id=3, index=0, prompt_ids=[1, 2], max_tokens=8)
+    s.extend(turn(s.continuation().request_id, [5, 6], [[5, 7], [6, 8]], "stop"))
+    assert isinstance(s.signals["rollout_topk_ids"], np.ndarray)
+    s.add_observation([9])  # the environment's token: a one-id row, not the student's top-k
+    s.extend(turn(s.continuation().request_id, [4], [[4, 3]], "stop"))
+    assert s.signals["rollout_topk_ids"] == [[5, 7], [6, 8], [9], [4, 3]]
+    req = BatchRequirements(group_size=1, mini_batch_size=1, contract=CONTRACTS[LossMode.reverse_kl_top_k], top_k=2)
+    gather = req.gather_ids(s)
+    assert gather is not None and gather.lengths == [2, 2, 1, 2] and gather.tolist() == [[5, 7], [6, 8], [9], [4, 3]]
+    s.set_scores(
+        "t", scores([-1.0] * 4, [[]] * 4, [[]] * 4, gathered=[[-1.0, -2.0], [-1.5, -2.5], [-0.5], [-3.0, -4.0]])
+    )
+    a = sample_arrays(s, req)
+    assert a.widths["rollout_topk_ids"].tolist() == [2, 2, 1, 2]
+    assert a.signals["teacher_logprobs_at_rollout_topk"][2].tolist() == [-0.5, 0.0]
+    assert a.loss_mask is not None and a.loss_mask.tolist() == [True, True, False, True]

@@ -182,8 +182,8 @@ class Sample:
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([version] * len(ids))
         rows = self.signal(Signal.rollout_topk_ids)
-        if isinstance(rows, list):  # the rollout's rows are lists (extend); a teacher's may be arrays
-            rows.extend([int(t)] for t in ids)
+        if rows is not None:  # one-id rows: the trace's rows become lists of their entries
+            self.signals[Signal.rollout_topk_ids.value] = _as_lists(rows) + [[int(t)] for t in ids]
         self.observation_spans.append([start, len(self.response_ids)])
         self.finish_reason = None
 
@@ -237,11 +237,10 @@ class Sample:
             raise ValueError(
                 f"sample {self.sample_id}: {len(self.response_ids)} + {len(ids)} tokens exceed maxTokens {self.limit}"
             )
-        # The rollout's rows as lists: a trace's observations add one-id rows to them.
-        topk = None if out.topk_ids is None else out.topk_ids.tolist()
-        if topk is not None and len(topk) != len(ids):
+        topk = out.topk_ids
+        if topk is not None and topk.shape[0] != len(ids):
             raise ValueError(
-                f"sample {self.sample_id}: generate output has {len(topk)} top-k rows for {len(ids)} tokens"
+                f"sample {self.sample_id}: generate output has {topk.shape[0]} top-k rows for {len(ids)} tokens"
             )
         rollout_topk = self.signal(Signal.rollout_topk_ids)
         if topk is None and rollout_topk is not None and ids:
@@ -252,7 +251,7 @@ class Sample:
         self.logprobs.extend(lps)
         self.versions.extend(vers)
         if topk is not None:
-            self.signals[Signal.rollout_topk_ids.value] = (rollout_topk or []) + topk
+            self.signals[Signal.rollout_topk_ids.value] = _joined(rollout_topk, topk)
         reason = out.finish_reason
         # An abort that lands exactly on the budget is a finished sample: nothing is left to resume.
         if reason == "abort" and len(self.response_ids) >= self.limit:
@@ -274,13 +273,14 @@ class Sample:
                 f"sample {self.sample_id}: teacher {teacher} scored {len(lps)} log-probs, {ids.shape[0]} top-k id "
                 f"rows and {tlps.shape[0]} top-k log-prob rows for {t} response tokens"
             )
-        gathered = None if out.gather_logprobs is None else out.gather_logprobs.tolist()
+        gathered = out.gather_logprobs
         if gathered is not None:
-            widths = [len(row) for row in self.signal(Signal.rollout_topk_ids) or []]
-            if [len(row) for row in gathered] != widths:
+            held = self.signal(Signal.rollout_topk_ids)
+            widths = _lengths(held) if held is not None else []
+            if _lengths(gathered) != widths:
                 raise ValueError(
                     f"sample {self.sample_id}: teacher {teacher} gathered log-prob rows do not match the "
-                    f"rollout's top-k rows ({len(gathered)} rows for {len(widths)})"
+                    f"rollout's top-k rows ({gathered.shape[0]} rows for {len(widths)})"
                 )
         self.teacher = teacher
         self.arrays = None
@@ -293,7 +293,7 @@ class Sample:
             self.signals[Signal.teacher_topk_logprobs.value] = _rows(tlps)
         self.signals.pop(Signal.teacher_logprobs_at_rollout_topk.value, None)
         if gathered is not None:
-            self.signals[Signal.teacher_logprobs_at_rollout_topk.value] = gathered
+            self.signals[Signal.teacher_logprobs_at_rollout_topk.value] = _rows(gathered)
 
     def restart(self) -> None:
         """Forget the tokens generated so far (resume without partial rollouts: start over; a
@@ -330,10 +330,38 @@ class Sample:
 
 
 def _rows(rows: Rows) -> SignalValues:
-    """A wire answer's top-k rows as the sample keeps them: the array itself when every row is
-    full (what a teacher sends unless its vocabulary is smaller than top-k), else the lists of
-    each row's entries."""
+    """A wire answer's rows as the sample keeps them: the array itself when every row is full
+    (what a server sends unless its vocabulary is smaller than top-k), else the lists of each
+    row's entries."""
     return rows.array() if rows.full else rows.tolist()
+
+
+def _joined(held: SignalValues | None, rows: Rows) -> SignalValues:
+    """A sample's rollout rows with a continuation's appended: one array while every row is full
+    and as wide (sampling.top_k_ids is the job's), lists once a row is not (a trace's
+    observations)."""
+    new = _rows(rows)
+    if held is None or len(held) == 0:
+        return new
+    if len(new) == 0:
+        return held
+    if isinstance(held, np.ndarray) and isinstance(new, np.ndarray) and held.shape[1] == new.shape[1]:
+        both: np.ndarray = np.concatenate([held, new])
+        return both
+    return _as_lists(held) + _as_lists(new)
+
+
+def _as_lists(rows: SignalValues) -> list[Any]:
+    return rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
+
+
+def _lengths(rows: SignalValues | Rows) -> list[int]:
+    """Entries in each row."""
+    if isinstance(rows, Rows):
+        return rows.lengths if rows.lengths is not None else [rows.shape[1]] * rows.shape[0]
+    if isinstance(rows, np.ndarray):
+        return [rows.shape[1]] * len(rows)
+    return [len(row) for row in rows]
 
 
 def _migrate_signals(d: dict[str, Any]) -> dict[str, Any]:
