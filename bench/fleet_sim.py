@@ -410,23 +410,22 @@ def app_for(server: FakeServer) -> Any:
         batch = GenerateBatch.model_validate_json(await request.read())
         return await stream(request, batch.requests, server.submit_generate)
 
-    async def generate(request: web.Request) -> web.StreamResponse:
-        req = GenerateRequest.model_validate_json(await request.read())
+    async def single(request: web.Request, model: Any, submit: Any) -> web.Response:
+        """One request of its own endpoint: a batch of one, answered as a plain body."""
         s = _Stream(1)
-        server.submit_generate(s, 0, req)
+        submit(s, 0, model.model_validate_json(await request.read()))
         await s.wake.wait()
         return web.Response(body=s.ready[0][2], content_type="application/json")
+
+    async def generate(request: web.Request) -> web.Response:
+        return await single(request, GenerateRequest, server.submit_generate)
 
     async def score_batch(request: web.Request) -> web.StreamResponse:
         batch = ScoreBatch.model_validate_json(await request.read())
         return await stream(request, batch.requests, server.submit_score)
 
     async def score(request: web.Request) -> web.Response:
-        req = ScoreRequest.model_validate_json(await request.read())
-        s = _Stream(1)
-        server.submit_score(s, 0, req)
-        await s.wake.wait()
-        return web.Response(body=s.ready[0][2], content_type="application/json")
+        return await single(request, ScoreRequest, server.submit_score)
 
     def group_doc() -> Any:
         return WeightsGroupResponse(epoch=server.epoch, state="ready" if server.epoch else "none", dtype="bfloat16")

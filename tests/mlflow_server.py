@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from ports import free_port
+from served_process import ServedProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 MLFLOW_SERVER = ROOT / ".venv" / "mlflow-server" / "bin" / "mlflow"
 
 
-class MlflowServer:
+class MlflowServer(ServedProcess):
     """Started at construction (its imports take 40-100 s on 2 busy cores: start it early);
     `uri()` waits until it answers."""
 
@@ -27,31 +25,20 @@ class MlflowServer:
             raise RuntimeError(f"{MLFLOW_SERVER} is missing: run scripts/install.sh (it installs it there)")
         self.home = home
         self.port = free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        self.proc = subprocess.Popen(
+        super().__init__(
+            "MLflow",
             [str(MLFLOW_SERVER), "server", "--host", host, "--port", str(self.port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--default-artifact-root", str(home / "artifacts"),
              # Pods reach it by the node's address: MLflow's host-header check allows loopback only.
              "--allowed-hosts", "*"],
-            cwd=home, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "MLFLOW_TRACKING_URI": ""}, start_new_session=True,
+            f"http://{host}:{self.port}",
+            home,
+            home / "server.log",
+            {**os.environ, "MLFLOW_TRACKING_URI": ""},
         )  # fmt: skip
 
     def uri(self, timeout: float = 300) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self.url
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the MLflow server did not start: {(self.home / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, 15)
-        self.proc.wait(timeout=30)
+        return self.wait(timeout)
 
 
 @contextlib.contextmanager

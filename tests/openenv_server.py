@@ -3,14 +3,12 @@ examples/environments/install-openenv.sh), a real process as an environment's im
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 from ports import free_port
+from served_process import ServedProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL_OPENENV = ROOT / "examples" / "environments" / "install-openenv.sh"
@@ -30,7 +28,7 @@ def openenv_python(spec: str) -> Path:
     return venv / "bin" / "python"
 
 
-class OpenEnvServer:
+class OpenEnvServer(ServedProcess):
     """`uvicorn APP` (module:attribute, imported from `cwd`) in an OpenEnv venv, on loopback: a
     real process, as an environment's image runs it. Started at construction (openenv imports
     gradio: 6 s of CPU, 30-40 s on 2 busy cores: start servers early and together); `url()` waits
@@ -38,28 +36,16 @@ class OpenEnvServer:
 
     def __init__(self, spec: str, cwd: Path, app: str, log: Path, env: dict[str, str] | None = None):
         self.spec = spec
-        self.log = log
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
         python = openenv_python(spec)
-        self.proc = subprocess.Popen(
+        super().__init__(
+            spec,
             [str(python), "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(cwd), **(env or {})},
-        )  # fmt: skip
+            f"http://127.0.0.1:{self.port}",
+            cwd,
+            log,
+            {**os.environ, "PYTHONPATH": str(cwd), **(env or {})},
+        )
 
     def url(self, timeout: float = 300) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self.base
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the {self.spec} server did not start: {self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, 15)
-        self.proc.wait(timeout=30)
+        return self.wait(timeout)

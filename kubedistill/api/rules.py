@@ -9,7 +9,7 @@ manifests as the Python checks and requires both to report the same violations.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ from kubedistill.api.enums import (
 from kubedistill.api.losses import CONTRACTS, PolicyGradient
 
 if TYPE_CHECKING:
-    from kubedistill.api.spec import DistillationJobSpec, InferenceSpec
+    from kubedistill.api.spec import DistillationJobSpec, EnvironmentSpec, InferenceSpec, TeacherSpec
 
 
 @dataclass(frozen=True)
@@ -64,24 +64,13 @@ def _tp_ok(device: Device, tp: int, gpus: int | None) -> bool:
     return device is Device.cpu or tp <= (1 if gpus is None else gpus)
 
 
-def _disjoint(spec: DistillationJobSpec) -> bool:
+def _disjoint(routes: Sequence[TeacherSpec] | Sequence[EnvironmentSpec]) -> bool:
+    """No match.dataSource value is matched by two of `routes` (each value routes to one)."""
     seen: set[str] = set()
-    for t in spec.teachers:
-        if t.match is None:
+    for r in routes:
+        if r.match is None:
             continue
-        values = set(t.match.data_source)
-        if values & seen:
-            return False
-        seen |= values
-    return True
-
-
-def _environments_disjoint(spec: DistillationJobSpec) -> bool:
-    seen: set[str] = set()
-    for e in spec.environments:
-        if e.match is None:
-            continue
-        values = set(e.match.data_source)
+        values = set(r.match.data_source)
         if values & seen:
             return False
         seen |= values
@@ -295,7 +284,7 @@ SPEC_RULES: list[Rule] = [
         " || !a.match.dataSource.exists(v, v in b.match.dataSource)))",
         "teachers' match.dataSource values must be disjoint (each value routes to one teacher)",
         ".teachers",
-        _disjoint,
+        lambda spec: _disjoint(spec.teachers),
     ),
     Rule(
         "spec",
@@ -611,7 +600,7 @@ SPEC_RULES: list[Rule] = [
         ),
         "environments' match.dataSource values must be disjoint (each value routes to one environment)",
         ".environments",
-        _environments_disjoint,
+        lambda spec: _disjoint(spec.environments),
     ),
     Rule(
         "spec",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from kubedistill.api.spec import DistillationJobSpec, LossMode
 from kubedistill.runtime.driver.pixels import StudentImages
 from kubedistill.runtime.driver.samples import Sample, SampleGroup, SignalValues
 from kubedistill.runtime.wire.batch import BatchParts, SampleArrays, SampleImages, pack_sample
-from kubedistill.runtime.wire.rows import Rows
+from kubedistill.runtime.wire.rows import Rows, row_lengths
 
 T = TypeVar("T")
 
@@ -148,20 +148,11 @@ def _check_top_k_rows(
     """Every top-k row has 1..k ids and as many log-probs: a check per row, so it runs once per
     sample, as its arrays are made (sample_arrays), not at every step."""
     # A vocabulary smaller than topK gives shorter rows; the trainer masks the rest.
-    a, b = _row_lengths(ids), _row_lengths(logprobs)
+    a, b = row_lengths(ids), row_lengths(logprobs)
     bad = np.flatnonzero((a < 1) | (a > k) | (a != b))
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"{where}: {what} row {i} has {a[i]} ids and {b[i]} log-probs (need 1..topK={k}, equal)")
-
-
-def _row_lengths(rows: Sequence[Sequence[Any]] | np.ndarray) -> np.ndarray:
-    """Entries per row: an array of rows (a teacher's, as it came) has its width in every row."""
-    if isinstance(rows, np.ndarray) and rows.ndim == 2:
-        full: np.ndarray = np.full(len(rows), rows.shape[1], np.int64)
-        return full
-    lengths: np.ndarray = np.fromiter(map(len, rows), np.int64, len(rows))
-    return lengths
 
 
 def assemble(groups: Sequence[SampleGroup], req: BatchRequirements, trainer_version: int) -> StepSamples:

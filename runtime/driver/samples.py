@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from kubedistill.api.losses import Signal
-from kubedistill.runtime.wire.rows import Rows
+from kubedistill.runtime.wire.rows import Rows, row_lengths
 
 if TYPE_CHECKING:
     from kubedistill.runtime.driver.data import PromptItem
@@ -276,8 +276,8 @@ class Sample:
         gathered = out.gather_logprobs
         if gathered is not None:
             held = self.signal(Signal.rollout_topk_ids)
-            widths = _lengths(held) if held is not None else []
-            if _lengths(gathered) != widths:
+            widths = row_lengths(held if held is not None else [])
+            if not np.array_equal(row_lengths(gathered), widths):
                 raise ValueError(
                     f"sample {self.sample_id}: teacher {teacher} gathered log-prob rows do not match the "
                     f"rollout's top-k rows ({gathered.shape[0]} rows for {len(widths)})"
@@ -353,15 +353,6 @@ def _joined(held: SignalValues | None, rows: Rows) -> SignalValues:
 
 def _as_lists(rows: SignalValues) -> list[Any]:
     return rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
-
-
-def _lengths(rows: SignalValues | Rows) -> list[int]:
-    """Entries in each row."""
-    if isinstance(rows, Rows):
-        return rows.lengths if rows.lengths is not None else [rows.shape[1]] * rows.shape[0]
-    if isinstance(rows, np.ndarray):
-        return [rows.shape[1]] * len(rows)
-    return [len(row) for row in rows]
 
 
 def _migrate_signals(d: dict[str, Any]) -> dict[str, Any]:

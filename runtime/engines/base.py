@@ -106,8 +106,9 @@ def check_score(req: ScoreRequest, max_model_len: int, vocab_size: int) -> None:
     if req.top_k > vocab_size:
         raise BadRequest(f"top_k ({req.top_k}) exceeds the vocabulary size ({vocab_size})")
     _check_vocab(req.token_ids, vocab_size, "token_ids")
-    if req.gather_ids is not None and req.gather_ids.array().size:  # padding is 0, a valid id
-        _check_vocab([int(req.gather_ids.array().max())], vocab_size, "gather_ids")
+    gathered = req.gather_ids.array() if req.gather_ids is not None else None
+    if gathered is not None and gathered.size:  # padding is 0, a valid id
+        _check_vocab([int(gathered.max())], vocab_size, "gather_ids")
 
 
 def _check_vocab(ids: Sequence[int], vocab_size: int, field_name: str) -> None:

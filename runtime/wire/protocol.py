@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kubedistill.runtime.wire.dtypes import dtype_size
-from kubedistill.runtime.wire.rows import Rows
+from kubedistill.runtime.wire.rows import Rows, row_lengths
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -250,10 +250,11 @@ class ScoreRequest(WireRequest):
                 raise ValueError(f"gather_ids: token ids are int32, got {rows.dtype}")
             if rows.shape[0] != response:
                 raise ValueError(f"gather_ids: {rows.shape[0]} rows, expected one per response token ({response})")
-            lengths = rows.lengths or [rows.shape[1]] * rows.shape[0]
-            if any(not 1 <= n <= 256 for n in lengths):
+            lengths = row_lengths(rows)
+            if lengths.size and not (1 <= int(lengths.min()) and int(lengths.max()) <= 256):
                 raise ValueError("gather_ids: every row holds 1 to 256 ids")
-            if rows.array().size and int(rows.array().min()) < 0:
+            ids = rows.array()
+            if ids.size and int(ids.min()) < 0:
                 raise ValueError("gather_ids: token ids are >= 0")
         return self
 

@@ -97,3 +97,17 @@ class Rows(BaseModel):
 
 def _equal_rows(rows: Sequence[Sequence[float]]) -> bool:
     return len({len(row) for row in rows}) <= 1
+
+
+def row_lengths(rows: Rows | np.ndarray | Sequence[Sequence[Any]]) -> np.ndarray:
+    """Entries in each row (int64): every row of a 2-D array is full; a Rows' `lengths` say."""
+    if isinstance(rows, Rows):
+        if rows.lengths is not None:
+            given: np.ndarray = np.asarray(rows.lengths, np.int64)
+            return given
+        rows = rows.array()
+    if isinstance(rows, np.ndarray) and rows.ndim == 2:
+        full: np.ndarray = np.full(len(rows), rows.shape[1], np.int64)
+        return full
+    lengths: np.ndarray = np.fromiter(map(len, rows), np.int64, len(rows))
+    return lengths
